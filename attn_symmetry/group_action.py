@@ -1,0 +1,497 @@
+"""Pure, jittable group actions on attention layers and whole models.
+
+Attention (DESIGN.md sections 2-4). An element g = (tau, (A_k, B_k)_k) of
+G = S_N x| (GL(H) x GL(H))^K (QK part in the RoPE commutant H(H) when the layer
+uses RoPE) acts on a canonical attention layer (``attention.py``) by
+
+    W^Q_n <- W^Q_{tau(n)} A_{k(n)}          b^Q likewise
+    W^K_k <- W^K_{sigma(k)} A_k^{-T}        b^K likewise
+    W^V_k <- W^V_{sigma(k)} B_k             b^V likewise
+    W^O_n <- B_{k(n)}^{-1} W^O_{tau(n)}     b^O unchanged
+
+where k(n) = n // G is the kv head of query head n and sigma(k) = tau(k G) // G
+the kv permutation that tau induces (tau must map kv groups onto kv groups).
+For plain multi-head attention K = N and G = 1. Every output of the layer is
+unchanged.
+
+Elements are ``AttentionElement(perm [..., N], qk [..., K, H, H], vo [..., K,
+H, H])``; leading axes [...] act on layer-stacked leaves [..., D, N, H], so one
+element of shape [L, ...] acts on an [L, ...] stack, layer by layer.
+
+Composition follows function application:
+``apply(apply(p, b), a) == apply(p, compose(a, b))``.
+
+Whole models (DESIGN.md section 5) act through a ``spec.SymmetrySpec``: a
+``ModelElement`` is a dict from factor name to a permutation [size] or an
+orthogonal matrix [size, size], and from attention-site path to an
+``AttentionElement``. A permutation factor acts on an axis by ``take``; an
+orthogonal factor O maps the axis by x -> x O, which is right for weights that
+write the stream (columns) and, as O^{-1} = O^T, for weights that read it
+(rows).
+
+This module imports jax and numpy only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_symmetry import attention
+from attn_symmetry import spec as spec_lib
+
+Params = dict[str, Any]
+ModelElement = dict[str, Any]
+
+GROUPS = ("permutation", "orthogonal", "gl", "rope")
+_LAYER_KEYS = ("query", "key", "value", "out")
+# Largest condition number accepted in a concrete element (float64 inverse stays accurate).
+MAX_CONDITION = 1e8
+
+
+class AttentionElement(NamedTuple):
+  """An element of the attention group of one layer (or a stack of layers).
+
+  Attributes:
+    perm: int [..., N]; new head n is old head perm[n].
+    qk: [..., K, H, H]; A_k, acting on the QK circuit of kv group k.
+    vo: [..., K, H, H]; B_k, acting on the VO circuit of kv group k.
+  """
+  perm: jax.Array
+  qk: jax.Array
+  vo: jax.Array
+
+  @property
+  def num_heads(self) -> int:
+    return self.perm.shape[-1]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.qk.shape[-3]
+
+  @property
+  def head_dim(self) -> int:
+    return self.qk.shape[-1]
+
+  @property
+  def batch_shape(self) -> tuple[int, ...]:
+    return self.perm.shape[:-1]
+
+
+def _batched(fn, num_batch_dims: int):
+  for _ in range(num_batch_dims):
+    fn = jax.vmap(fn)
+  return fn
+
+
+def kv_permutation(perm: jax.Array, num_kv_heads: int) -> jax.Array:
+  """sigma(k) = perm[k G] // G, the kv-head permutation induced by ``perm``; [..., K]."""
+  g = perm.shape[-1] // num_kv_heads
+  return perm[..., ::g] // g
+
+
+# ----------------------------------------------------------------------------- construction
+
+
+def identity(num_heads: int, head_dim: int, num_kv_heads: int | None = None, *,
+             batch_shape: tuple[int, ...] = (), dtype: Any = None) -> AttentionElement:
+  """The identity element, optionally stacked to ``batch_shape``."""
+  k = num_heads if num_kv_heads is None else num_kv_heads
+  dtype = dtype or jnp.asarray(0.0).dtype
+  eye = jnp.broadcast_to(jnp.eye(head_dim, dtype=dtype), (*batch_shape, k, head_dim, head_dim))
+  perm = jnp.broadcast_to(jnp.arange(num_heads), (*batch_shape, num_heads))
+  return AttentionElement(perm, eye, eye)
+
+
+def rope_commutant(ab: jax.Array, rest: jax.Array | None, *, head_dim: int,
+                   rope_pairing: str = "half", rotary_fraction: float = 1.0,
+                   rope_axes: int = 1) -> jax.Array:
+  """An element of H(H), the matrices that commute with every RoPE rotation R_k.
+
+  On pair p = (i, j) of ``attention.rope_pairs`` the matrix is the 2x2 block
+  [[a_p, -b_p], [b_p, a_p]] (rows i, j; columns i, j), i.e. multiplication by
+  the complex number a_p + i b_p; on the unrotated dims (partial rotary) it is
+  the free block ``rest``.
+
+  Args:
+    ab: [..., P, 2] the (a_p, b_p) of every pair.
+    rest: [..., H - r, H - r] block on the unrotated dims, or None when r = H.
+    head_dim, rope_pairing, rotary_fraction, rope_axes: the RoPE layout.
+
+  Returns:
+    [..., H, H] matrix C with R_k C = C R_k for every k.
+  """
+  pairs = attention.rope_pairs(head_dim, pairing=rope_pairing, rotary_fraction=rotary_fraction,
+                               rope_axes=rope_axes)
+  a, b = ab[..., 0], ab[..., 1]
+  c = jnp.zeros((*ab.shape[:-2], head_dim, head_dim), ab.dtype)
+  i, j = pairs[:, 0], pairs[:, 1]
+  c = c.at[..., i, i].set(a).at[..., j, j].set(a).at[..., i, j].set(b).at[..., j, i].set(-b)
+  unrotated = np.setdiff1d(np.arange(head_dim), pairs.reshape(-1))
+  if len(unrotated):
+    if rest is None:
+      raise ValueError(f"partial rotary leaves {len(unrotated)} dims unrotated; pass `rest`")
+    c = c.at[..., unrotated[:, None], unrotated[None, :]].set(rest)
+  return c
+
+
+def _random_orthogonal(key, shape, n, dtype):
+  q, r = jnp.linalg.qr(jax.random.normal(key, (*shape, n, n), dtype))
+  return q * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
+
+
+def _random_gl(key, shape, n, dtype):
+  """U diag(s) V^T with s in [e^-0.5, e^0.5]: random and condition number <= e."""
+  ku, kv, ks = jax.random.split(key, 3)
+  s = jnp.exp(jax.random.uniform(ks, (*shape, n), dtype, -0.5, 0.5))
+  return (_random_orthogonal(ku, shape, n, dtype) * s[..., None, :]) @ jnp.swapaxes(
+      _random_orthogonal(kv, shape, n, dtype), -1, -2)
+
+
+def _random_rope(key, shape, head_dim, dtype, *, rope_pairing, rotary_fraction, rope_axes):
+  r = attention.rotary_dims(head_dim, rotary_fraction, rope_axes)
+  k_mod, k_ang, k_rest = jax.random.split(key, 3)
+  modulus = jnp.exp(jax.random.uniform(k_mod, (*shape, r // 2), dtype, -0.5, 0.5))
+  angle = jax.random.uniform(k_ang, (*shape, r // 2), dtype, -np.pi, np.pi)
+  ab = jnp.stack([modulus * jnp.cos(angle), modulus * jnp.sin(angle)], axis=-1)
+  rest = _random_gl(k_rest, shape, head_dim - r, dtype) if r < head_dim else None
+  return rope_commutant(ab, rest, head_dim=head_dim, rope_pairing=rope_pairing,
+                        rotary_fraction=rotary_fraction, rope_axes=rope_axes)
+
+
+def random_element(key: jax.Array, *, num_heads: int, head_dim: int, group: str,
+                   num_kv_heads: int | None = None, rope_pairing: str = "half",
+                   rotary_fraction: float = 1.0, rope_axes: int = 1,
+                   batch_shape: tuple[int, ...] = (), dtype: Any = None) -> AttentionElement:
+  """A random group element.
+
+  Args:
+    key: PRNG key.
+    num_heads, head_dim, num_kv_heads: layer shape (K defaults to N).
+    group: "permutation" (A = B = I), "orthogonal" (A, B orthogonal), "gl"
+      (A, B in GL(H), condition number <= e) or "rope" (A in H(H) for the given
+      RoPE layout, moduli in [e^-0.5, e^0.5]; B in GL(H)).
+    rope_pairing, rotary_fraction, rope_axes: RoPE layout for group "rope".
+    batch_shape: leading shape, e.g. (L,) for a layer stack.
+    dtype: float dtype of the matrices (default: JAX's default float).
+
+  Returns:
+    An ``AttentionElement``; the head permutation is uniform over those that
+    map kv groups onto kv groups.
+  """
+  if group not in GROUPS:
+    raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
+  k = num_heads if num_kv_heads is None else num_kv_heads
+  if num_heads % k:
+    raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {k}")
+  if group == "rope":  # validate the layout before drawing anything
+    attention.rotary_dims(head_dim, rotary_fraction, rope_axes)
+  dtype = dtype or jnp.asarray(0.0).dtype
+  g = num_heads // k
+  k_kv, k_in, k_qk, k_vo = jax.random.split(key, 4)
+  kv = jnp.argsort(jax.random.uniform(k_kv, (*batch_shape, k)), axis=-1)
+  inner = jnp.argsort(jax.random.uniform(k_in, (*batch_shape, k, g)), axis=-1)
+  perm = (kv[..., :, None] * g + inner).reshape(*batch_shape, num_heads)
+  shape = (*batch_shape, k)
+  if group == "permutation":
+    eye = jnp.broadcast_to(jnp.eye(head_dim, dtype=dtype), (*shape, head_dim, head_dim))
+    return AttentionElement(perm, eye, eye)
+  if group == "orthogonal":
+    return AttentionElement(perm, _random_orthogonal(k_qk, shape, head_dim, dtype),
+                            _random_orthogonal(k_vo, shape, head_dim, dtype))
+  vo = _random_gl(k_vo, shape, head_dim, dtype)
+  if group == "gl":
+    return AttentionElement(perm, _random_gl(k_qk, shape, head_dim, dtype), vo)
+  return AttentionElement(perm, _random_rope(k_qk, shape, head_dim, dtype, rope_pairing=rope_pairing,
+                                             rotary_fraction=rotary_fraction, rope_axes=rope_axes), vo)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_element(element: AttentionElement, *, name: str = "element") -> None:
+  """Raises ValueError naming the field if ``element`` is malformed.
+
+  Shapes are always checked. Values (``perm`` a permutation that maps kv
+  groups onto kv groups; ``qk`` and ``vo`` finite and invertible, condition
+  number <= MAX_CONDITION) are checked when they are concrete, i.e. outside jit.
+  """
+  perm, qk, vo = element
+  if perm.ndim < 1 or qk.ndim != perm.ndim + 2 or vo.shape != qk.shape:
+    raise ValueError(f"{name}: inconsistent shapes perm {perm.shape}, qk {qk.shape}, vo {vo.shape}; "
+                     "expected perm [..., N], qk and vo [..., K, H, H]")
+  if qk.shape[:-3] != perm.shape[:-1] or qk.shape[-1] != qk.shape[-2]:
+    raise ValueError(f"{name}: qk {qk.shape} does not match perm {perm.shape}")
+  n, k = perm.shape[-1], qk.shape[-3]
+  if n % k:
+    raise ValueError(f"{name}.perm: {n} heads cannot be split into {k} kv groups")
+  if _is_concrete(perm):
+    p = np.asarray(perm).reshape(-1, n)
+    if not np.issubdtype(p.dtype, np.integer):
+      raise ValueError(f"{name}.perm must be an integer array, got dtype {p.dtype}")
+    if not (np.sort(p, axis=-1) == np.arange(n)).all():
+      raise ValueError(f"{name}.perm is not a permutation of 0..{n - 1}: {p.tolist()}")
+    g = n // k
+    groups = (p // g).reshape(-1, k, g)
+    if not (groups == groups[..., :1]).all():
+      raise ValueError(f"{name}.perm breaks kv groups (query heads sharing a kv head, "
+                       f"G = {g}, must move together): {p.tolist()}")
+  for field, m in (("qk", qk), ("vo", vo)):
+    if _is_concrete(m):
+      m = np.asarray(m, np.float64)
+      if not np.isfinite(m).all():
+        raise ValueError(f"{name}.{field} has non-finite entries")
+      cond = np.linalg.cond(m.reshape(-1, *m.shape[-2:]))
+      if not (cond <= MAX_CONDITION).all():
+        raise ValueError(f"{name}.{field} is singular or near-singular (largest condition number "
+                         f"{np.max(cond):.3g} > {MAX_CONDITION:.0e})")
+
+
+def _check_layer(params: Params, element: AttentionElement) -> None:
+  unknown = set(params) - set(_LAYER_KEYS)
+  if unknown or not set(_LAYER_KEYS) <= set(params):
+    raise ValueError(f"attention params must have exactly the keys {_LAYER_KEYS}, got {sorted(params)}")
+  lead = element.batch_shape
+  n, k, h = element.num_heads, element.num_kv_heads, element.head_dim
+  d = params["out"]["kernel"].shape[-1]
+  expected = {"query/kernel": (*lead, d, n, h), "key/kernel": (*lead, d, k, h),
+              "value/kernel": (*lead, d, k, h), "out/kernel": (*lead, n, h, d),
+              "query/bias": (*lead, n, h), "key/bias": (*lead, k, h),
+              "value/bias": (*lead, k, h), "out/bias": (*lead, d)}
+  for path, leaf in spec_lib.flatten(params).items():
+    if path not in expected:
+      raise ValueError(f"attention params: unexpected leaf {path!r}")
+    if tuple(leaf.shape) != expected[path]:
+      raise ValueError(f"attention params: {path} has shape {tuple(leaf.shape)}, expected "
+                       f"{expected[path]} for element with batch {lead}, N={n}, K={k}, H={h}")
+
+
+# ----------------------------------------------------------------------------- attention action
+
+
+def _apply_one(params: Params, e: AttentionElement) -> Params:
+  k = e.qk.shape[0]
+  g = e.perm.shape[0] // k
+  sigma = kv_permutation(e.perm, k)
+  a, b = e.qk, e.vo
+  a_inv, b_inv = jnp.linalg.inv(a), jnp.linalg.inv(b)
+  a_q, b_inv_q = jnp.repeat(a, g, axis=0), jnp.repeat(b_inv, g, axis=0)  # per query head
+  maps = {  # leaf -> (head permutation, head axis, einsum applying the matrix)
+      "query/kernel": (e.perm, 1, "dnh,nhi->dni", a_q),
+      "query/bias": (e.perm, 0, "nh,nhi->ni", a_q),
+      "key/kernel": (sigma, 1, "dkh,kih->dki", a_inv),  # W A^{-T}
+      "key/bias": (sigma, 0, "kh,kih->ki", a_inv),
+      "value/kernel": (sigma, 1, "dkh,khi->dki", b),
+      "value/bias": (sigma, 0, "kh,khi->ki", b),
+      "out/kernel": (e.perm, 0, "nhd,nih->nid", b_inv_q),  # B^{-1} W^O
+  }
+  out = {}
+  for path, leaf in spec_lib.flatten(params).items():
+    if path in maps:
+      perm, axis, eq, mat = maps[path]
+      leaf = jnp.einsum(eq, jnp.take(leaf, perm, axis=axis), mat.astype(leaf.dtype))
+    out[path] = leaf
+  return spec_lib.unflatten(out)
+
+
+def apply(params: Params, element: AttentionElement) -> Params:
+  """g . params for one canonical attention layer or a stack of them.
+
+  Args:
+    params: canonical attention parameters (biases optional); leaves carry the
+      element's batch shape in front, e.g. query/kernel [L, D, N, H].
+    element: an ``AttentionElement`` with perm [..., N].
+
+  Returns:
+    Transformed parameters, same structure, shapes and dtypes.
+
+  Raises:
+    ValueError: naming the leaf or field, on mismatched shapes, a ``perm``
+      that is not a permutation or breaks kv groups, or a singular matrix.
+  """
+  check_element(element)
+  _check_layer(params, element)
+  return _batched(_apply_one, len(element.batch_shape))(params, element)
+
+
+def _compose_one(a: AttentionElement, b: AttentionElement) -> AttentionElement:
+  sigma_a = kv_permutation(a.perm, a.qk.shape[0])
+  return AttentionElement(b.perm[a.perm], b.qk[sigma_a] @ a.qk, b.vo[sigma_a] @ a.vo)
+
+
+def compose(a: AttentionElement, b: AttentionElement) -> AttentionElement:
+  """a o b: ``apply(apply(p, b), a) == apply(p, compose(a, b))``."""
+  check_element(a, name="a")
+  check_element(b, name="b")
+  if a.qk.shape != b.qk.shape or a.perm.shape != b.perm.shape:
+    raise ValueError(f"cannot compose elements of shapes {a.qk.shape} and {b.qk.shape}")
+  return _batched(_compose_one, len(a.batch_shape))(a, b)
+
+
+def _inverse_one(e: AttentionElement) -> AttentionElement:
+  sigma_inv = jnp.argsort(kv_permutation(e.perm, e.qk.shape[0]))
+  return AttentionElement(jnp.argsort(e.perm), jnp.linalg.inv(e.qk[sigma_inv]),
+                          jnp.linalg.inv(e.vo[sigma_inv]))
+
+
+def inverse(element: AttentionElement) -> AttentionElement:
+  """g^{-1}, with ``apply(apply(p, g), inverse(g)) == p``."""
+  check_element(element)
+  return _batched(_inverse_one, len(element.batch_shape))(element)
+
+
+# ----------------------------------------------------------------------------- whole models
+
+
+def _act_on_axis(leaf: jax.Array, axis: int, value: jax.Array, kind: str) -> jax.Array:
+  if kind == "permutation":
+    return jnp.take(leaf, value, axis=axis)
+  return jnp.moveaxis(jnp.tensordot(leaf, value.astype(leaf.dtype), axes=(axis, 0)), -1, axis)
+
+
+def _check_model_element(spec: spec_lib.SymmetrySpec, element: Mapping[str, Any]) -> None:
+  expected = set(spec.factors) | set(spec.attention)
+  if set(element) != expected:
+    raise ValueError(f"model element keys {sorted(element)} differ from the spec's factors and "
+                     f"attention sites {sorted(expected)}")
+  for name, factor in spec.factors.items():
+    v = element[name]
+    want = (factor.size,) if factor.kind == "permutation" else (factor.size, factor.size)
+    if tuple(v.shape) != want:
+      raise ValueError(f"element[{name!r}] has shape {tuple(v.shape)}, expected {want} "
+                       f"for a {factor.kind} factor")
+    if _is_concrete(v):
+      v = np.asarray(v)
+      if factor.kind == "permutation" and not (np.sort(v) == np.arange(factor.size)).all():
+        raise ValueError(f"element[{name!r}] is not a permutation of 0..{factor.size - 1}")
+      if factor.kind == "orthogonal" and not np.allclose(v.T @ v, np.eye(factor.size), atol=1e-5):
+        raise ValueError(f"element[{name!r}] is not orthogonal")
+  for name, site in spec.attention.items():
+    e = element[name]
+    check_element(e, name=f"element[{name!r}]")
+    if (e.num_heads, e.num_kv_heads, e.head_dim) != (site.num_heads, site.kv_heads, site.head_dim):
+      raise ValueError(f"element[{name!r}] has N={e.num_heads}, K={e.num_kv_heads}, H={e.head_dim}; "
+                       f"the spec's site has N={site.num_heads}, K={site.kv_heads}, H={site.head_dim}")
+
+
+def apply_model(spec: spec_lib.SymmetrySpec, params: Params, element: ModelElement) -> Params:
+  """g . params for a whole model described by ``spec``.
+
+  Raises:
+    ValueError: if params or element do not fit the spec (naming the leaf or
+      factor), or if an orthogonal factor would act on a norm scale (fold the
+      scales first with ``fold_norm_scales``).
+  """
+  spec.check(params)
+  _check_model_element(spec, element)
+  for path in spec.norm_scales:
+    if any(f is not None and spec.factors[f].kind == "orthogonal" for f in spec.axes[path]):
+      raise ValueError(f"{path} is a norm scale on an orthogonally mapped axis; an elementwise "
+                       "scale does not commute with an orthogonal map: call fold_norm_scales first")
+  flat = spec_lib.flatten(params)
+  for path, axes in spec.axes.items():
+    for axis, f in enumerate(axes):
+      if f is not None:
+        flat[path] = _act_on_axis(flat[path], axis, element[f], spec.factors[f].kind)
+  out = spec_lib.unflatten(flat)
+  for site in spec.attention:
+    node = out
+    *parents, last = site.split("/")
+    for p in parents:
+      node = node[p]
+    node[last] = apply(node[last], element[site])
+  return out
+
+
+def identity_model(spec: spec_lib.SymmetrySpec, dtype: Any = None) -> ModelElement:
+  """The identity element of a model's group."""
+  dtype = dtype or jnp.asarray(0.0).dtype
+  out: ModelElement = {}
+  for name, f in spec.factors.items():
+    out[name] = jnp.arange(f.size) if f.kind == "permutation" else jnp.eye(f.size, dtype=dtype)
+  for name, site in spec.attention.items():
+    out[name] = identity(site.num_heads, site.head_dim, site.num_kv_heads, dtype=dtype)
+  return out
+
+
+def random_model_element(key: jax.Array, spec: spec_lib.SymmetrySpec, *,
+                         attention_group: str | None = None, dtype: Any = None) -> ModelElement:
+  """A random element of a model's group.
+
+  Permutation factors get a uniform permutation, orthogonal factors a Haar
+  orthogonal matrix, each attention site an element of its own group
+  (``site.group``), or of ``attention_group`` when given (e.g. "gl" on a RoPE
+  model, to see that it is not a symmetry).
+  """
+  dtype = dtype or jnp.asarray(0.0).dtype
+  out: ModelElement = {}
+  for i, (name, f) in enumerate(sorted(spec.factors.items())):
+    k = jax.random.fold_in(key, i)
+    out[name] = (jax.random.permutation(k, f.size) if f.kind == "permutation"
+                 else _random_orthogonal(k, (), f.size, dtype))
+  for i, (name, site) in enumerate(sorted(spec.attention.items())):
+    k = jax.random.fold_in(key, len(spec.factors) + i)
+    out[name] = random_element(k, num_heads=site.num_heads, head_dim=site.head_dim,
+                               num_kv_heads=site.num_kv_heads, group=attention_group or site.group,
+                               dtype=dtype, **site.rope_kwargs)
+  return out
+
+
+def compose_model(spec: spec_lib.SymmetrySpec, a: ModelElement, b: ModelElement) -> ModelElement:
+  """a o b for whole-model elements: ``apply_model(s, apply_model(s, p, b), a)`` equals
+  ``apply_model(s, p, compose_model(s, a, b))``."""
+  _check_model_element(spec, a)
+  _check_model_element(spec, b)
+  out: ModelElement = {}
+  for name, f in spec.factors.items():
+    out[name] = b[name][a[name]] if f.kind == "permutation" else b[name] @ a[name]
+  for name in spec.attention:
+    out[name] = compose(a[name], b[name])
+  return out
+
+
+def inverse_model(spec: spec_lib.SymmetrySpec, element: ModelElement) -> ModelElement:
+  """g^{-1} for a whole-model element."""
+  _check_model_element(spec, element)
+  out: ModelElement = {}
+  for name, f in spec.factors.items():
+    v = element[name]
+    out[name] = jnp.argsort(v) if f.kind == "permutation" else v.T
+  for name in spec.attention:
+    out[name] = inverse(element[name])
+  return out
+
+
+def fold_norm_scales(spec: spec_lib.SymmetrySpec, params: Params) -> Params:
+  """Moves every norm scale of ``spec.norm_scales`` into the leaves that read it.
+
+  A norm y = n(x) * s followed by a reader W (acting on y's axis) equals
+  n(x) (diag(s) W): the reader's residual axis is multiplied by s and s is set
+  to ones. The function is unchanged, and afterwards an orthogonal residual
+  map is a symmetry of an RMSNorm model (Theus et al. 2025). Each reader's
+  scaled axis is the one the spec maps with the scale's factor.
+  """
+  spec.check(params)
+  flat = spec_lib.flatten(params)
+  for scale_path, readers in spec.norm_scales.items():
+    (factor,) = spec.axes[scale_path]
+    s = flat[scale_path]
+    for reader in readers:
+      axes = spec.axes[reader]
+      if axes.count(factor) != 1:
+        raise ValueError(f"norm reader {reader} must have exactly one axis mapped by {factor!r}, "
+                         f"has axes {axes}")
+      axis = axes.index(factor)
+      shape = [1] * len(axes)
+      shape[axis] = s.shape[0]
+      flat[reader] = flat[reader] * s.reshape(shape)
+    flat[scale_path] = jnp.ones_like(s)
+  return spec_lib.unflatten(flat)

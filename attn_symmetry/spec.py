@@ -1,0 +1,164 @@
+"""Symmetry specs: which group factor acts on which axis of which parameter.
+
+A spec is plain data, separate from the code that applies or solves for a
+group element (git-re-basin's ``PermutationSpec``, generalised):
+
+* ``factors``: named factors that act on one axis of some leaves, each either a
+  permutation of ``size`` coordinates (FFN hidden units, the residual stream of
+  a LayerNorm model) or an orthogonal map (the residual stream of an RMSNorm
+  model, DESIGN.md section 5).
+* ``axes``: for every leaf path ("layers_0/mlp/wi/kernel"), a tuple with one
+  entry per array axis, the factor acting on that axis or None. Every leaf of
+  the parameter tree is listed, so that a forgotten leaf is an error rather
+  than a silent break of the symmetry.
+* ``attention``: subtree paths ("layers_0/attention") of canonical attention
+  layers (``attention.py``), each with the per-head group of DESIGN.md
+  sections 2-4 (head permutation, QK matrix in GL(H) or the RoPE commutant
+  H(H), VO matrix in GL(H)). The head and head-dim axes of those leaves are
+  tied together, which one-axis factors cannot express.
+* ``norm_scales``: norm scale leaves and the leaves that read the normalised
+  stream, so that ``fold_norm_scales`` can move the scales into the readers
+  (needed before an orthogonal residual map, which does not commute with an
+  elementwise scale).
+
+Paths are "/"-joined keys of the nested parameter dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+FACTOR_KINDS = ("permutation", "orthogonal")
+ATTENTION_GROUPS = ("gl", "rope")
+
+
+@dataclasses.dataclass(frozen=True)
+class Factor:
+  """A group factor acting on one axis of length ``size``."""
+  size: int
+  kind: str = "permutation"
+
+  def __post_init__(self):
+    if self.kind not in FACTOR_KINDS:
+      raise ValueError(f"Factor kind must be one of {FACTOR_KINDS}, got {self.kind!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSite:
+  """The per-head symmetry of one canonical attention layer.
+
+  ``group`` is "gl" (no or absolute position encoding: QK and VO in GL(H)) or
+  "rope" (QK in the commutant H(H) of the rotations for this pairing, VO in
+  GL(H)).
+  """
+  num_heads: int
+  head_dim: int
+  num_kv_heads: int | None = None
+  group: str = "gl"
+  rope_pairing: str = "half"
+  rotary_fraction: float = 1.0
+  rope_axes: int = 1
+
+  def __post_init__(self):
+    if self.group not in ATTENTION_GROUPS:
+      raise ValueError(f"AttentionSite group must be one of {ATTENTION_GROUPS}, got {self.group!r}")
+    if self.num_heads % self.kv_heads:
+      raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}")
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+  @property
+  def rope_kwargs(self) -> dict[str, Any]:
+    return dict(rope_pairing=self.rope_pairing, rotary_fraction=self.rotary_fraction,
+                rope_axes=self.rope_axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class SymmetrySpec:
+  """Where every group factor of a model acts (module docstring)."""
+  factors: Mapping[str, Factor]
+  axes: Mapping[str, tuple[str | None, ...]]
+  attention: Mapping[str, AttentionSite] = dataclasses.field(default_factory=dict)
+  norm_scales: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    for path, axes in self.axes.items():
+      for f in axes:
+        if f is not None and f not in self.factors:
+          raise ValueError(f"spec axes of {path!r} name unknown factor {f!r}")
+    for name in self.attention:
+      if name in self.factors:
+        raise ValueError(f"{name!r} is both a factor and an attention site")
+    for scale, readers in self.norm_scales.items():
+      for p in (scale, *readers):
+        if p not in self.axes:
+          raise ValueError(f"norm_scales entry {scale!r} names {p!r}, which is not in the spec's axes")
+
+  def restrict(self, names) -> "SymmetrySpec":
+    """The same spec with only the named factors and attention sites acting."""
+    names = set(names)
+    unknown = names - set(self.factors) - set(self.attention)
+    if unknown:
+      raise ValueError(f"unknown factors or attention sites: {sorted(unknown)}")
+    factors = {k: v for k, v in self.factors.items() if k in names}
+    axes = {p: tuple(f if f in factors else None for f in a) for p, a in self.axes.items()}
+    attention = {k: v for k, v in self.attention.items() if k in names}
+    return SymmetrySpec(factors, axes, attention, dict(self.norm_scales))
+
+  def check(self, params: Mapping[str, Any]) -> None:
+    """Raises ValueError, naming the leaf, if ``params`` does not fit this spec."""
+    leaves = flatten(params)
+    missing = sorted(set(leaves) - set(self.axes))
+    extra = sorted(set(self.axes) - set(leaves))
+    if missing or extra:
+      raise ValueError(f"parameters do not match the symmetry spec: leaves not in the spec "
+                       f"{missing}; spec paths not in the parameters {extra}")
+    for path, axes in self.axes.items():
+      shape = leaves[path].shape
+      if len(shape) != len(axes):
+        raise ValueError(f"{path}: leaf has shape {shape} but the spec lists {len(axes)} axes {axes}")
+      for i, f in enumerate(axes):
+        if f is not None and shape[i] != self.factors[f].size:
+          raise ValueError(f"{path}: axis {i} has size {shape[i]} but factor {f!r} has size "
+                           f"{self.factors[f].size}")
+    for site_path in self.attention:
+      if not any(p.startswith(site_path + "/") for p in leaves):
+        raise ValueError(f"attention site {site_path!r} has no parameters")
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """{"a": {"b": x}} -> {"a/b": x}."""
+  out = {}
+  for k, v in tree.items():
+    path = f"{prefix}{k}"
+    if isinstance(v, Mapping):
+      out.update(flatten(v, path + "/"))
+    else:
+      out[path] = v
+  return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+  """{"a/b": x} -> {"a": {"b": x}}."""
+  out: dict[str, Any] = {}
+  for path, v in flat.items():
+    node = out
+    *parents, last = path.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[last] = v
+  return out
+
+
+def subtree(tree: Mapping[str, Any], path: str) -> Any:
+  """The node at a "/"-joined path; KeyError naming the path if absent."""
+  node = tree
+  for p in path.split("/"):
+    if not isinstance(node, Mapping) or p not in node:
+      raise KeyError(f"no parameter subtree at {path!r}")
+    node = node[p]
+  return node
