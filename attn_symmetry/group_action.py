@@ -382,25 +382,33 @@ def _check_model_element(spec: spec_lib.SymmetrySpec, element: Mapping[str, Any]
                        f"the spec's site has N={site.num_heads}, K={site.kv_heads}, H={site.head_dim}")
 
 
+def _check_folded(path: str, scale: jax.Array) -> None:
+  if _is_concrete(scale) and not np.all(np.asarray(scale) == 1):
+    raise ValueError(f"{path} is a norm scale on an orthogonally mapped axis; an elementwise "
+                     "scale does not commute with an orthogonal map: call fold_norm_scales first")
+
+
 def apply_model(spec: spec_lib.SymmetrySpec, params: Params, element: ModelElement) -> Params:
   """g . params for a whole model described by ``spec``.
 
   Raises:
     ValueError: if params or element do not fit the spec (naming the leaf or
-      factor), or if an orthogonal factor would act on a norm scale (fold the
-      scales first with ``fold_norm_scales``).
+      factor), or if an orthogonal factor meets a norm scale that is not all
+      ones (fold the scales first with ``fold_norm_scales``; folded scales are
+      left as they are, which is only checked outside jit).
   """
   spec.check(params)
   _check_model_element(spec, element)
-  for path in spec.norm_scales:
-    if any(f is not None and spec.factors[f].kind == "orthogonal" for f in spec.axes[path]):
-      raise ValueError(f"{path} is a norm scale on an orthogonally mapped axis; an elementwise "
-                       "scale does not commute with an orthogonal map: call fold_norm_scales first")
   flat = spec_lib.flatten(params)
   for path, axes in spec.axes.items():
     for axis, f in enumerate(axes):
-      if f is not None:
-        flat[path] = _act_on_axis(flat[path], axis, element[f], spec.factors[f].kind)
+      if f is None:
+        continue
+      kind = spec.factors[f].kind
+      if kind == "orthogonal" and path in spec.norm_scales:
+        _check_folded(path, flat[path])  # ones commute with O: left as they are
+        continue
+      flat[path] = _act_on_axis(flat[path], axis, element[f], kind)
   out = spec_lib.unflatten(flat)
   for site in spec.attention:
     node = out
