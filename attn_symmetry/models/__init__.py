@@ -1,0 +1,17 @@
+"""Flax NNX model zoo: ViT, BERT, GPT-2 and Llama on one Transformer core.
+
+    model = models.build("vit", "tiny", pos_encoding="rope2d")
+    params = model.init(jax.random.key(0))         # plain nested dict
+    logits, intermediates = model.apply(params, images)
+    model.spec                                      # SymmetrySpec of params
+    model.scope_paths("first_layer")                # ["layers_0"]
+
+The modules are NNX modules; ``Model`` exposes them as pure functions over a
+plain parameter dict (see ``model.py``). Attention parameters sit at
+``layers_i/attention`` in the canonical layout of ``attn_symmetry.attention``.
+"""
+
+from attn_symmetry.models.config import FAMILIES, PRESETS, Config, make_config
+from attn_symmetry.models.model import SCOPES, Model, build
+
+__all__ = ["FAMILIES", "PRESETS", "SCOPES", "Config", "Model", "build", "make_config"]

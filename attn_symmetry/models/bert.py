@@ -1,0 +1,89 @@
+"""BERT: token, segment and position embeddings, a post-LN encoder, and a head.
+
+Parameters besides the core and embeddings (``core.py``):
+
+    head "classifier" (the pooled CLS token):
+      pooler/{kernel [D, D], bias [D]}           p = tanh(x_0 W_p + b_p)
+      head/{kernel [D, classes], bias [classes]} logits = p W + b
+    head "mlm" (per-token masked-LM logits):
+      mlm/transform/{kernel [D, D], bias [D]}    y = norm(act(x W_t + b_t))
+      mlm/norm/{scale, bias} [D]
+      mlm/bias [V]                               tied: logits = y E^T + b
+      mlm/decoder/{kernel [D, V], bias [V]}      untied: logits = y W + b
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.models import core
+from attn_symmetry.models.config import Config
+
+
+class MlmHead(nnx.Module):
+  """BERT's masked-LM head (module docstring)."""
+
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, v, std = cfg.width, cfg.vocab_size, cfg.init_std
+    self.transform = core.Dense((d,), (d,), use_bias=True, init_std=std, rngs=rngs)
+    self.norm = core.make_norm(cfg)
+    if cfg.tied_embeddings:
+      self.bias, self.decoder = nnx.Param(jnp.zeros((v,))), None
+    else:
+      self.bias, self.decoder = None, core.Dense((d,), (v,), use_bias=True, init_std=std, rngs=rngs)
+
+  def __call__(self, x, embed: core.Embedding):
+    y = self.norm(core.ACTIVATIONS[self.cfg.activation](self.transform(x)))
+    return embed.attend(y) + self.bias[...] if self.decoder is None else self.decoder(y)
+
+
+class Bert(core.TextCore):
+  """int tokens [B, T] (+ mask, segments) -> class logits [B, classes] or MLM logits [B, T, V]."""
+
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    super().__init__(cfg, rngs=rngs)
+    d, std = cfg.width, cfg.init_std
+    if cfg.head == "mlm":
+      self.mlm = MlmHead(cfg, rngs=rngs)
+    else:
+      self.pooler = core.Dense((d,), (d,), use_bias=True, init_std=std, rngs=rngs)
+      self.head = core.Dense((d,), (cfg.num_classes,), use_bias=True, init_std=std, rngs=rngs)
+
+  def __call__(self, tokens, *, mask=None, segments=None):
+    x, inter = self.encode_tokens(tokens, mask=mask, segments=segments)
+    if self.cfg.head == "mlm":
+      inter["features"] = x
+      return self.mlm(x, self.embed), inter
+    pooled = jnp.tanh(self.pooler(x[:, 0]))
+    inter["features"] = pooled
+    return self.head(pooled), inter
+
+
+def symmetry_spec(cfg: Config) -> spec_lib.SymmetrySpec:
+  """Core and embedding spec plus the head.
+
+  The pooler's D tanh units get their own permutation factor "pooler". The
+  MLM transform writes into the space that the decoder reads: with a tied
+  decoder that is the residual stream (the embedding), untied it is a space of
+  its own with a permutation factor "mlm".
+  """
+  r = "residual" if core.residual_factor(cfg) is not None else None
+  factors, axes, sites, readers = core.core_spec(cfg, r)
+  axes |= core.text_embedding_axes(cfg, r)
+  if cfg.head == "mlm":
+    m = r if cfg.tied_embeddings else "mlm"
+    if not cfg.tied_embeddings:
+      factors["mlm"] = spec_lib.Factor(cfg.width)
+    axes |= core.dense_axes("mlm/transform", (r, m), (m,), True) | core.norm_axes("mlm/norm", cfg, m)
+    if cfg.tied_embeddings:
+      axes["mlm/bias"] = (None,)
+    else:
+      axes |= core.dense_axes("mlm/decoder", (m, None), (None,), True)
+  else:
+    factors["pooler"] = spec_lib.Factor(cfg.width)
+    axes |= core.dense_axes("pooler", (r, "pooler"), ("pooler",), True)
+    axes |= core.dense_axes("head", ("pooler", None), (None,), True)
+  return core.assemble_spec(cfg, r, factors, axes, sites, readers)

@@ -1,0 +1,45 @@
+"""Decoder-only language models: GPT-2 and Llama are configs of one module.
+
+GPT-2: learned positions, pre-LayerNorm, GELU (tanh), biases, causal, head tied
+to the token embedding. Llama: RoPE (half-split pairing), RMSNorm, SwiGLU,
+grouped-query attention, no biases, untied head.
+
+Parameters besides the core and embeddings (``core.py``):
+
+    head/kernel [D, V]   untied head only (no bias); tied: logits = x E^T
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.models import core
+from attn_symmetry.models.config import Config
+
+
+class Decoder(core.TextCore):
+  """int tokens [B, T] -> next-token logits [B, T, V]."""
+
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    super().__init__(cfg, rngs=rngs)
+    self.head = (None if cfg.tied_embeddings else
+                 core.Dense((cfg.width,), (cfg.vocab_size,), use_bias=False,
+                            init_std=cfg.init_std, rngs=rngs))
+
+  def __call__(self, tokens, *, mask=None, segments=None):
+    x, inter = self.encode_tokens(tokens, mask=mask, segments=segments)
+    inter["features"] = x
+    logits = self.embed.attend(x) if self.head is None else self.head(x)
+    return logits, inter
+
+
+def symmetry_spec(cfg: Config) -> spec_lib.SymmetrySpec:
+  """Core and embedding spec plus the untied head, which reads the stream."""
+  r = "residual" if core.residual_factor(cfg) is not None else None
+  factors, axes, sites, readers = core.core_spec(cfg, r)
+  axes |= core.text_embedding_axes(cfg, r)
+  if not cfg.tied_embeddings:
+    axes["head/kernel"] = (r, None)
+    readers["final_norm/scale"] = ("head/kernel",)
+  return core.assemble_spec(cfg, r, factors, axes, sites, readers)

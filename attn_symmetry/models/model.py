@@ -1,0 +1,136 @@
+"""``build`` and ``Model``: the pure view of a family's NNX module.
+
+The modules are Flax NNX modules (``vit.py``, ``bert.py``, ``decoder.py``).
+Everything outside this package sees them through ``Model``:
+
+* ``init(key)`` builds the module and returns its state as a
+  plain nested dict (``nnx.to_pure_dict``);
+* ``apply(params, inputs)`` rebuilds the module from that dict with
+  ``nnx.merge`` and calls it. This is a pure function of (params, inputs), so
+  it can be jitted, differentiated, vmapped, and fed parameters that symmetry
+  code has transformed, with no NNX objects leaking out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.models import bert
+from attn_symmetry.models import decoder
+from attn_symmetry.models import vit
+from attn_symmetry.models.config import Config, make_config
+
+Params = dict[str, Any]
+SCOPES = ("first_attention", "all_attention", "first_layer", "full")
+
+_FAMILIES = {
+    "vit": (vit.VisionTransformer, vit.symmetry_spec),
+    "bert": (bert.Bert, bert.symmetry_spec),
+    "gpt2": (decoder.Decoder, decoder.symmetry_spec),
+    "llama": (decoder.Decoder, decoder.symmetry_spec),
+}
+
+
+class Model:
+  """A model family at one config, in the pure view.
+
+  Attributes:
+    config: the frozen ``Config``.
+    spec: the ``SymmetrySpec`` of the parameters (every leaf listed).
+    task: "classification" (ViT, BERT), "lm" (GPT-2, Llama) or "mlm" (BERT
+      with ``head="mlm"``).
+  """
+
+  def __init__(self, config: Config):
+    self.config = config
+    self._module_class, spec_fn = _FAMILIES[config.family]
+    abstract = nnx.eval_shape(lambda: self._module_class(config, rngs=nnx.Rngs(0)))
+    self._graphdef, state = nnx.split(abstract)
+    self.param_shapes: dict[str, tuple[int, ...]] = {
+        path: tuple(leaf.shape) for path, leaf in spec_lib.flatten(nnx.to_pure_dict(state)).items()}
+    self.spec = spec_fn(config)
+
+  def __repr__(self) -> str:
+    return f"Model({self.config})"
+
+  @property
+  def task(self) -> str:
+    return self.config.task
+
+  def init(self, key: jax.Array) -> Params:
+    """Random parameters, a plain nested dict of float32 arrays.
+
+    Runs eagerly rather than under one ``jax.jit``: each random draw is then a
+    small computation that JAX compiles once per shape and reuses across
+    models, where a jitted init would compile the whole model's threefry
+    graph again for every config (tens of seconds on a CPU).
+    """
+    return nnx.to_pure_dict(nnx.state(self._module_class(self.config, rngs=nnx.Rngs(params=key))))
+
+  def check_params(self, params: Params) -> None:
+    """Raises ValueError naming every missing, extra or misshapen parameter path."""
+    flat = spec_lib.flatten(params)
+    missing = sorted(set(self.param_shapes) - set(flat))
+    extra = sorted(set(flat) - set(self.param_shapes))
+    misshapen = [f"{p}: {tuple(np.shape(flat[p]))} instead of {s}"
+                 for p, s in sorted(self.param_shapes.items())
+                 if p in flat and tuple(np.shape(flat[p])) != s]
+    if missing or extra or misshapen:
+      raise ValueError(f"parameters do not fit {self.config.family} model: missing {missing}; "
+                       f"extra {extra}; misshapen {misshapen}")
+
+  def apply(self, params: Params, inputs: jax.Array, *, mask: jax.Array | None = None,
+            segments: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The forward pass, pure and jittable.
+
+    Args:
+      params: parameters as returned by ``init`` (any float dtype; the
+        computation runs in the parameters' dtype).
+      inputs: images float [B, S, S, C] (ViT) or int tokens [B, T] (text).
+      mask: optional bool [B, T] key mask, True = attend (text models).
+      segments: optional int [B, T] segment ids (BERT with num_segments > 0).
+
+    Returns:
+      (logits, intermediates): logits [B, classes] for classification,
+      [B, T, V] for "lm" and "mlm"; intermediates maps names to activations
+      ("embed", "layers_i/attention", "layers_i/mlp", "layers_i", "features").
+    """
+    self.check_params(params)
+    module = nnx.merge(self._graphdef, params)
+    return module(inputs, mask=mask, segments=segments)
+
+  def scope_paths(self, scope: str) -> list[str]:
+    """Parameter path prefixes that re-initialisation ``scope`` covers.
+
+    "first_attention": ["layers_0/attention"]; "all_attention": every
+    "layers_i/attention"; "first_layer": ["layers_0"]; "full": [""] (all).
+    """
+    if scope == "first_attention":
+      return ["layers_0/attention"]
+    if scope == "all_attention":
+      return [f"layers_{i}/attention" for i in range(self.config.depth)]
+    if scope == "first_layer":
+      return ["layers_0"]
+    if scope == "full":
+      return [""]
+    raise ValueError(f"unknown scope {scope!r}; choose from {SCOPES}")
+
+
+def build(family: str, preset: str = "tiny", **overrides: Any) -> Model:
+  """The ``family`` model ("vit", "bert", "gpt2", "llama") at size ``preset``.
+
+  Args:
+    family: model family.
+    preset: "tiny" (tests), "small" or "paper" (6 layers, 4 heads, D = 256),
+      "base" (the 12-layer originals).
+    **overrides: any ``Config`` field, e.g. ``pos_encoding="rope"``.
+
+  Raises:
+    ValueError: unknown family, preset or field, or an invalid config.
+  """
+  return Model(make_config(family, preset, **overrides))

@@ -1,0 +1,297 @@
+"""Model zoo: invariance under each model's full symmetry group, training, scopes, bad input."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from attn_symmetry import group_action as ga
+from attn_symmetry import models
+from attn_symmetry import spec as spec_lib
+
+B, T = 2, 7
+
+# family -> config overrides: every position encoding, norm and head the zoo offers.
+CASES = {
+    "vit-learned": ("vit", {}),
+    "vit-sinusoidal": ("vit", dict(pos_encoding="sinusoidal")),
+    "vit-none-mean": ("vit", dict(pos_encoding="none", pooling="mean")),
+    "vit-rope": ("vit", dict(pos_encoding="rope", rope_pairing="interleaved")),
+    "vit-rope2d": ("vit", dict(pos_encoding="rope2d")),
+    "vit-rope2d-mean-rms": ("vit", dict(pos_encoding="rope2d", pooling="mean", norm="rms",
+                                        gated_mlp=True, activation="silu", num_kv_heads=2)),
+    "bert-learned": ("bert", {}),
+    "bert-sinusoidal": ("bert", dict(pos_encoding="sinusoidal")),
+    "bert-rope": ("bert", dict(pos_encoding="rope")),
+    "bert-mlm": ("bert", dict(head="mlm")),
+    "bert-mlm-untied-rope": ("bert", dict(head="mlm", tied_embeddings=False, pos_encoding="rope",
+                                          rope_pairing="interleaved")),
+    "gpt2-learned": ("gpt2", {}),
+    "gpt2-sinusoidal": ("gpt2", dict(pos_encoding="sinusoidal")),
+    "gpt2-none": ("gpt2", dict(pos_encoding="none")),
+    "gpt2-rope-partial": ("gpt2", dict(pos_encoding="rope", rotary_fraction=0.5)),
+    "llama-rope": ("llama", {}),
+    "llama-rope-interleaved": ("llama", dict(rope_pairing="interleaved", num_kv_heads=None)),
+    "llama-learned": ("llama", dict(pos_encoding="learned")),
+    "llama-tied": ("llama", dict(tied_embeddings=True)),
+}
+
+
+def _build(case):
+  family, overrides = CASES[case]
+  return models.build(family, "tiny", **overrides)
+
+
+def _params64(model, key):
+  """Float64 params with every leaf perturbed (non-zero biases, non-unit norm scales)."""
+  params = model.init(key)
+  flat = spec_lib.flatten(params)
+  out = {}
+  for i, (path, leaf) in enumerate(sorted(flat.items())):
+    noise = jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float64)
+    out[path] = leaf.astype(jnp.float64) + 0.3 * noise
+  return spec_lib.unflatten(out)
+
+
+def _batch(model, key):
+  """(inputs, kwargs) for one float64 forward pass, with padding and segments where they exist."""
+  cfg = model.config
+  if cfg.family == "vit":
+    shape = (B, cfg.image_size, cfg.image_size, cfg.num_channels)
+    return jax.random.normal(key, shape, jnp.float64), {}
+  tokens = jax.random.randint(key, (B, T), 0, cfg.vocab_size)
+  kwargs = {}
+  if cfg.family == "bert":
+    kwargs["mask"] = jnp.arange(T)[None, :] < jnp.array([[T], [T - 2]])
+    kwargs["segments"] = (jnp.arange(T)[None, :] >= 3).astype(jnp.int32).repeat(B, 0)
+  return tokens, kwargs
+
+
+def _transform(model, params, element):
+  """g . params, folding RMSNorm scales first when the residual factor is orthogonal."""
+  if model.spec.norm_scales:
+    params = ga.fold_norm_scales(model.spec, params)
+  return ga.apply_model(model.spec, params, element)
+
+
+def _max_diff(a, b):
+  return float(jnp.max(jnp.abs(a - b)))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_invariant_under_full_group(x64, case):
+  model = _build(case)
+  params = _params64(model, jax.random.key(0))
+  inputs, kwargs = _batch(model, jax.random.key(1))
+  element = ga.random_model_element(jax.random.key(2), model.spec)
+  moved = _transform(model, params, element)
+  apply = jax.jit(model.apply)
+  logits, inter = apply(params, inputs, **kwargs)
+  moved_logits, moved_inter = apply(moved, inputs, **kwargs)
+  assert logits.dtype == jnp.float64
+  # The element really moves the parameters, and the function stays the same.
+  assert _max_diff(spec_lib.flatten(params)["layers_0/attention/query/kernel"],
+                   spec_lib.flatten(moved)["layers_0/attention/query/kernel"]) > 0.1
+  assert _max_diff(logits, moved_logits) <= 1e-8
+  # Intermediates are named after the factors that act on their last axis.
+  perm = element["layers_1/mlp"]
+  np.testing.assert_allclose(moved_inter["layers_1/mlp"], inter["layers_1/mlp"][..., perm],
+                             atol=1e-8)
+
+
+def test_spec_factors_per_family():
+  expect = {"vit": "permutation", "bert": "permutation", "gpt2": "permutation",
+            "llama": "orthogonal"}
+  for family, kind in expect.items():
+    spec = models.build(family).spec
+    assert spec.factors["residual"].kind == kind
+    assert set(spec.attention) == {"layers_0/attention", "layers_1/attention"}
+    assert spec.factors["layers_1/mlp"] == spec_lib.Factor(64)
+  llama = models.build("llama").spec
+  assert llama.attention["layers_0/attention"].group == "rope"
+  assert llama.attention["layers_0/attention"].kv_heads == 2
+  assert llama.axes["layers_0/mlp/gate/kernel"] == llama.axes["layers_0/mlp/up/kernel"]
+  assert llama.norm_scales["layers_0/mlp_norm/scale"] == ("layers_0/mlp/gate/kernel",
+                                                           "layers_0/mlp/up/kernel")
+  assert models.build("vit", pos_encoding="rope2d").spec.attention["layers_0/attention"].rope_axes == 2
+  # A fixed sinusoidal encoding cannot be permuted along with the stream.
+  assert "residual" not in models.build("gpt2", pos_encoding="sinusoidal").spec.factors
+
+
+@pytest.mark.parametrize("case", ["vit-rope2d", "bert-rope", "gpt2-rope-partial", "llama-rope"])
+def test_gl_on_rope_qk_changes_logits(x64, case):
+  model = _build(case)
+  params = _params64(model, jax.random.key(0))
+  inputs, kwargs = _batch(model, jax.random.key(1))
+  element = ga.random_model_element(jax.random.key(2), model.spec, attention_group="gl")
+  moved = _transform(model, params, element)
+  logits, _ = model.apply(params, inputs, **kwargs)
+  moved_logits, _ = model.apply(moved, inputs, **kwargs)
+  assert _max_diff(logits, moved_logits) > 1e-3
+
+
+def _loss(model, params, batch):
+  if model.task == "lm":
+    logits, _ = model.apply(params, batch["tokens"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+  inputs = batch["image"] if model.config.family == "vit" else batch["tokens"]
+  kwargs = {"mask": batch["mask"]} if "mask" in batch else {}
+  logits, _ = model.apply(params, inputs, **kwargs)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+
+def _train_batch(model, key):
+  cfg = model.config
+  if cfg.family == "vit":
+    return {"image": jax.random.normal(key, (4, cfg.image_size, cfg.image_size, cfg.num_channels)),
+            "label": jnp.arange(4) % cfg.num_classes}
+  tokens = jax.random.randint(key, (4, T + 1), 0, cfg.vocab_size)
+  if model.task == "lm":
+    return {"tokens": tokens}
+  return {"tokens": tokens[:, :T], "mask": jnp.ones((4, T), bool), "label": jnp.arange(4) % 2}
+
+
+@pytest.mark.parametrize("family", models.FAMILIES)
+def test_adamw_steps_reduce_loss(family):
+  model = models.build(family)
+  params = model.init(jax.random.key(0))
+  batch = _train_batch(model, jax.random.key(1))
+  opt = optax.adamw(3e-3)
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(lambda p: _loss(model, p, batch))(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  state = opt.init(params)
+  losses = []
+  for _ in range(5):
+    params, state, loss = step(params, state)
+    losses.append(float(loss))
+  assert np.isfinite(losses).all()
+  assert losses[-1] < losses[0]
+  assert jax.tree.structure(params) == jax.tree.structure(model.init(jax.random.key(0)))
+
+
+@pytest.mark.parametrize("family", models.FAMILIES)
+def test_scope_paths_cover_existing_params(family):
+  model = models.build(family)
+  paths = list(model.param_shapes)
+  covered = lambda scope: [p for p in paths if any(
+      prefix == "" or p.startswith(prefix + "/") for prefix in model.scope_paths(scope))]
+  assert covered("first_attention") == [p for p in paths if p.startswith("layers_0/attention/")]
+  assert set(covered("all_attention")) == {p for p in paths if "/attention/" in p}
+  assert set(covered("first_layer")) == {p for p in paths if p.startswith("layers_0/")}
+  assert covered("full") == paths
+  assert model.scope_paths("all_attention") == ["layers_0/attention", "layers_1/attention"]
+  with pytest.raises(ValueError, match="unknown scope"):
+    model.scope_paths("second_layer")
+
+
+def test_canonical_attention_layout_and_names():
+  model = models.build("llama")
+  shapes = model.param_shapes
+  d, n, k, h = 32, 4, 2, 8
+  assert shapes["layers_0/attention/query/kernel"] == (d, n, h)
+  assert shapes["layers_0/attention/key/kernel"] == (d, k, h)
+  assert shapes["layers_0/attention/out/kernel"] == (n, h, d)
+  assert "layers_0/attention/query/bias" not in shapes
+  assert {p.split("/")[0] for p in shapes} == {"embed", "layers_0", "layers_1", "final_norm", "head"}
+  vit = models.build("vit").param_shapes
+  assert vit["patch_embed/kernel"] == (4, 4, 3, 32) and vit["cls_token"] == (32,)
+
+
+def test_presets():
+  for family in models.FAMILIES:
+    small = models.make_config(family, "small")
+    assert (small.depth, small.num_heads, small.width) == (6, 4, 256)
+    assert models.make_config(family, "paper") == small
+    base = models.build(family, "base")  # abstract shapes only, nothing allocated
+    assert base.config.depth == 12
+  assert models.make_config("vit", "small").num_patches == 64
+  assert models.build("gpt2", "base").param_shapes["embed/embedding"] == (50257, 768)
+
+
+def test_init_is_reproducible_and_key_dependent():
+  model = models.build("gpt2")
+  a, b, c = (model.init(jax.random.key(s)) for s in (0, 0, 1))
+  leaf = lambda p: p["layers_0"]["mlp"]["wi"]["kernel"]
+  np.testing.assert_array_equal(leaf(a), leaf(b))
+  assert not np.allclose(leaf(a), leaf(c))
+
+
+def test_causal_models_ignore_the_future():
+  model = models.build("gpt2")
+  params = model.init(jax.random.key(0))
+  tokens = jnp.arange(T)[None] % model.config.vocab_size
+  changed = tokens.at[0, -1].set(5)
+  a, _ = model.apply(params, tokens)
+  b, _ = model.apply(params, changed)
+  np.testing.assert_allclose(a[:, :-1], b[:, :-1], atol=1e-6)
+  assert _max_diff(a[:, -1], b[:, -1]) > 1e-6
+
+
+def test_bert_mask_hides_padding():
+  model = models.build("bert")
+  params = model.init(jax.random.key(0))
+  tokens = jnp.array([[1, 2, 3, 4, 0, 0, 0]])
+  mask = tokens > 0
+  a, _ = model.apply(params, tokens, mask=mask)
+  b, _ = model.apply(params, tokens.at[0, 5].set(9), mask=mask)
+  c, _ = model.apply(params, tokens.at[0, 5].set(9))
+  np.testing.assert_allclose(a, b, atol=1e-6)
+  assert _max_diff(a, c) > 1e-6
+
+
+@pytest.mark.parametrize("family, overrides, match", [
+    ("resnet", {}, "unknown model family"),
+    ("vit", dict(preset="huge"), "unknown preset"),
+    ("gpt2", dict(num_layers=3), "unknown config fields \\['num_layers'\\]"),
+    ("bert", dict(width=30, num_heads=4), "num_heads 4 does not divide config.width 30"),
+    ("llama", dict(width=12, num_heads=4, num_kv_heads=None), "odd head dim"),
+    ("vit", dict(pos_encoding="rope2d", width=24, num_heads=4), "2 \\* rope_axes = 4"),
+    ("gpt2", dict(pos_encoding="rope2d"), "ViT only"),
+    ("llama", dict(num_kv_heads=3), "num_kv_heads 3 does not divide"),
+    ("vit", dict(image_size=10), "patch_size 4 does not divide config.image_size 10"),
+    ("gpt2", dict(head="classifier"), "not available for family 'gpt2'"),
+    ("gpt2", dict(pos_encoding="alibi"), "config.pos_encoding must be one of"),
+])
+def test_bad_config_raises(family, overrides, match):
+  overrides = dict(overrides)
+  preset = overrides.pop("preset", "tiny")
+  with pytest.raises(ValueError, match=match):
+    models.build(family, preset, **overrides)
+
+
+def test_bad_params_and_inputs_raise():
+  model = models.build("vit")
+  params = model.init(jax.random.key(0))
+  images = jnp.zeros((B, 8, 8, 3))
+  flat = spec_lib.flatten(params)
+  bad = dict(flat)
+  del bad["head/bias"]
+  bad["head/extra"] = jnp.zeros(3)
+  bad["layers_1/mlp/wi/kernel"] = jnp.zeros((32, 65))
+  with pytest.raises(ValueError, match=r"missing \['head/bias'\].*extra \['head/extra'\].*"
+                     r"layers_1/mlp/wi/kernel: \(32, 65\) instead of \(32, 64\)"):
+    model.apply(spec_lib.unflatten(bad), images)
+  with pytest.raises(ValueError, match="images"):
+    model.apply(params, jnp.zeros((B, 9, 9, 3)))
+  gpt2 = models.build("gpt2")
+  gpt2_params = gpt2.init(jax.random.key(0))
+  with pytest.raises(ValueError, match="more than config.max_len 16"):
+    gpt2.apply(gpt2_params, jnp.zeros((1, 17), jnp.int32))
+  with pytest.raises(ValueError, match="int tokens"):
+    gpt2.apply(gpt2_params, jnp.zeros((1, 4)))
+  with pytest.raises(ValueError, match="num_segments is 0"):
+    gpt2.apply(gpt2_params, jnp.zeros((1, 4), jnp.int32), segments=jnp.zeros((1, 4), jnp.int32))
+
+
+def test_config_is_frozen():
+  cfg = models.make_config("vit")
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.width = 3
