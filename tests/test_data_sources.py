@@ -1,0 +1,276 @@
+"""The paper's data sets (TFDS layout), our download builders, bad input, image preprocessing.
+
+The paper's data sets cannot be downloaded here. Their reading path is tested
+on data sets written by TFDS's own builder classes (same features, versions and
+folders as the real ones), filled with a few examples instead of the download.
+Our download builders are tested on local archives of real text.
+"""
+
+import csv
+import io
+import tarfile
+import zipfile
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from PIL import Image
+
+from attn_symmetry import data
+from attn_symmetry.data import _builders
+from attn_symmetry.data import _catalog
+from attn_symmetry.data import _images
+
+KW = dict(process_index=0, process_count=1)
+
+
+def _fake_tfds(name, data_dir, splits):
+  """Prepares TFDS data set ``name`` (its real builder class) from the given examples."""
+  real = tfds.builder_cls(name)  # Outside skip_registration, which would hide it too.
+  with tfds.core.registered.skip_registration():
+    class Fake(real):  # pylint: disable=missing-class-docstring
+      def _split_generators(self, dl_manager):
+        return {split: self._generate_examples(examples) for split, examples in splits.items()}
+
+      def _generate_examples(self, examples):  # pylint: disable=arguments-differ
+        yield from enumerate(examples)
+  Fake.name = name
+  Fake(data_dir=data_dir, file_format="array_record").download_and_prepare()
+
+
+def _encode(image, fmt):
+  out = io.BytesIO()
+  Image.fromarray(image).save(out, format=fmt)
+  return out.getvalue()
+
+
+def _text_lines(limit):
+  """Real English sentences: the Lee news corpus in gensim's test data."""
+  with open(_builders._gensim_test_file("lee_background.cor"), "rb") as f:
+    return [line.strip() for line in f if line.strip()][:limit]
+
+
+def _window_bytes(name, data_dir, split, seq_len):
+  windows = [w for b in data.eval_iterator(name, batch_size=50, split=split, seq_len=seq_len,
+                                           data_dir=data_dir, **KW)
+             for w, v in zip(b["tokens"], b["valid"]) if v]
+  return windows, bytes(np.concatenate([w[:-1] for w in windows]).astype(np.uint8))
+
+
+def test_cifar10_layout_decodes_images_and_augments(tmp_path):
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, size=(40, 32, 32, 3), dtype=np.uint8)
+  labels = rng.integers(0, 10, size=40)
+  examples = [{"id": f"train_{i}", "image": _encode(im, "PNG"), "label": int(lab)}
+              for i, (im, lab) in enumerate(zip(images, labels))]
+  _fake_tfds("cifar10", str(tmp_path), {"train": examples[:30], "test": examples[30:]})
+  info = data.dataset_info("cifar10", data_dir=str(tmp_path))
+  assert (info.task, info.num_classes, info.image_shape, info.flip) == \
+      ("classification", 10, (32, 32, 3), True)
+  assert info.splits == {"train": 30, "test": 10}
+  batch = next(data.train_iterator("cifar10", batch_size=8, seed=0, augment=True,
+                                   data_dir=str(tmp_path), **KW))
+  assert batch["image"].shape == (8, 32, 32, 3) and batch["image"].dtype == np.float32
+  (test,) = data.eval_iterator("cifar10", batch_size=10, data_dir=str(tmp_path), **KW)
+  decoded = np.round((test["image"] + 1) * 127.5).astype(np.uint8)
+  expected = {(im.tobytes(), int(lab)) for im, lab in zip(images[30:], labels[30:])}
+  assert {(im.tobytes(), int(lab)) for im, lab in zip(decoded, test["label"])} == expected
+
+
+def test_imagenet_layout_crops_variable_sizes(tmp_path):
+  rng = np.random.default_rng(1)
+  shapes = [(40, 60), (75, 50), (33, 33), (90, 41)]
+  examples = [{"image": _encode(rng.integers(0, 256, size=(*s, 3), dtype=np.uint8), "JPEG"),
+               "label": i, "file_name": f"n{i:08d}.JPEG"} for i, s in enumerate(shapes)]
+  _fake_tfds("imagenet2012", str(tmp_path), {"train": examples, "validation": examples})
+  info = data.dataset_info("imagenet2012", data_dir=str(tmp_path), image_size=24)
+  assert info.image_shape == (24, 24, 3) and info.num_classes == 1000
+  for augment in (False, True):
+    batch = next(data.train_iterator("imagenet2012", batch_size=4, seed=0, augment=augment,
+                                     image_size=24, data_dir=str(tmp_path), **KW))
+    assert batch["image"].shape == (4, 24, 24, 3)
+  (val,) = data.eval_iterator("imagenet2012", batch_size=4, split="validation", image_size=24,
+                              data_dir=str(tmp_path), **KW)
+  assert sorted(val["label"].tolist()) == [0, 1, 2, 3]
+
+
+def test_ag_news_layout_joins_title_and_description(tmp_path):
+  lines = _text_lines(20)
+  examples = [{"title": lines[2 * i], "description": lines[2 * i + 1], "label": i % 4}
+              for i in range(10)]
+  _fake_tfds("ag_news_subset", str(tmp_path), {"train": examples[:6], "test": examples[6:]})
+  info = data.dataset_info("ag_news_subset", data_dir=str(tmp_path), seq_len=512)
+  assert (info.num_classes, info.vocab_size, info.splits) == (4, 256, {"train": 6, "test": 4})
+  (batch,) = data.eval_iterator("ag_news_subset", batch_size=4, seq_len=512,
+                                data_dir=str(tmp_path), **KW)
+  texts = {bytes(t[m].astype(np.uint8)) for t, m in zip(batch["tokens"], batch["mask"])}
+  assert texts == {(e["title"] + b"\n" + e["description"])[:512] for e in examples[6:]}
+
+
+def test_lm1b_layout_reads_sentences_as_one_stream(tmp_path):
+  sentences = [{"text": line} for line in _text_lines(120)]
+  _fake_tfds("lm1b", str(tmp_path), {"train": sentences[:100], "test": sentences[100:]})
+  builder = tfds.builder("lm1b", data_dir=str(tmp_path))
+  records = builder.as_data_source(split="test")
+  stream = b"".join(records[i]["text"] + b"\n" for i in range(len(records)))
+  windows, joined = _window_bytes("lm1b", str(tmp_path), "test", 16)
+  assert len(windows) == (len(stream) - 1) // 16
+  assert joined == stream[:len(joined)]
+  assert data.dataset_info("lm1b", data_dir=str(tmp_path), seq_len=16).splits["test"] == \
+      len(windows)
+
+
+@pytest.fixture(scope="module")
+def wiki_stream():
+  import bz2
+  with bz2.open(_builders._gensim_test_file(_builders.WikiBytes.SOURCE), "rb") as f:
+    return f.read(200_000)
+
+
+def test_enwik8_builder_splits_the_archive_90_5_5(tmp_path, wiki_stream):
+  archive = tmp_path / "enwik8.zip"
+  with zipfile.ZipFile(archive, "w") as z:
+    z.writestr("enwik8", wiki_stream)
+  (tmp_path / "dd").mkdir()
+  data.prepare_dataset("enwik8", str(tmp_path / "dd"), archive=str(archive))
+  info = data.dataset_info("enwik8", data_dir=str(tmp_path / "dd"), seq_len=64)
+  assert info.task == "lm" and set(info.splits) == {"train", "validation", "test"}
+  _, joined = _window_bytes("enwik8", str(tmp_path / "dd"), "validation", 64)
+  n = len(wiki_stream)
+  assert joined == wiki_stream[round(0.9 * n):round(0.95 * n)][:len(joined)]
+  assert len(joined) > round(0.05 * n) - 2 * 64  # Only the last partial window is dropped.
+
+
+def test_wikitext103_builder_reads_the_three_files(tmp_path, wiki_stream):
+  parts = {"train": wiki_stream[:100_000], "valid": wiki_stream[100_000:150_000],
+           "test": wiki_stream[150_000:]}
+  archive = tmp_path / "wikitext-103-raw-v1.zip"
+  with zipfile.ZipFile(archive, "w") as z:
+    for split, text in parts.items():
+      z.writestr(f"wikitext-103-raw/wiki.{split}.raw", text)
+  (tmp_path / "dd").mkdir()
+  data.prepare_dataset("wikitext103", str(tmp_path / "dd"), archive=str(archive))
+  for split, part in (("validation", "valid"), ("test", "test")):
+    _, joined = _window_bytes("wikitext103", str(tmp_path / "dd"), split, 128)
+    assert joined == parts[part][:len(joined)] and len(joined) > len(parts[part]) - 2 * 128
+
+
+def test_dbpedia_builder_parses_the_csv(tmp_path):
+  lines = [line.decode() for line in _text_lines(24)]
+  rows = {split: [(str(1 + i % 14), f"Title, {i} \"quoted\"", lines[i]) for i in range(12)]
+          for split in ("train", "test")}
+  archive = tmp_path / "dbpedia_csv.tgz"
+  with tarfile.open(archive, "w:gz") as tar:
+    for split, table in rows.items():
+      out = io.StringIO()
+      csv.writer(out).writerows(table)
+      raw = out.getvalue().encode()
+      member = tarfile.TarInfo(f"dbpedia_csv/{split}.csv")
+      member.size = len(raw)
+      tar.addfile(member, io.BytesIO(raw))
+  (tmp_path / "dd").mkdir()
+  data.prepare_dataset("dbpedia", str(tmp_path / "dd"), archive=str(archive))
+  info = data.dataset_info("dbpedia", data_dir=str(tmp_path / "dd"))
+  assert info.num_classes == 14 and info.splits == {"train": 12, "test": 12}
+  (batch,) = data.eval_iterator("dbpedia", batch_size=12, seq_len=1024,
+                                data_dir=str(tmp_path / "dd"), **KW)
+  got = {(bytes(t[m].astype(np.uint8)), int(lab))
+         for t, m, lab in zip(batch["tokens"], batch["mask"], batch["label"])}
+  assert got == {(f"{title}\n{text}".encode()[:1024], int(label) - 1)
+                 for label, title, text in rows["test"]}
+
+
+@pytest.fixture(scope="module")
+def digits_dir(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("digits"))
+  data.dataset_info("digits", data_dir=path)
+  return path
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda d: data.dataset_info("cifar11", data_dir=d), ValueError, "Unknown dataset 'cifar11'"),
+    (lambda d: data.dataset_info("digits", data_dir=d + "/nope"), ValueError, "does not exist"),
+    (lambda d: data.train_iterator("digits", batch_size=8, seed=0, split="validation",
+                                   data_dir=d, **KW), ValueError, "no split 'validation'"),
+    (lambda d: data.eval_iterator("digits", batch_size=8, split="dev", data_dir=d, **KW),
+     ValueError, "splits: train, test"),
+    (lambda d: data.train_iterator("digits", batch_size=2000, seed=0, data_dir=d, **KW),
+     ValueError, "larger than split 'train'"),
+    (lambda d: data.train_iterator("digits", batch_size=9, seed=0, data_dir=d, process_index=0,
+                                   process_count=2), ValueError, "not divisible"),
+    (lambda d: data.train_iterator("digits", batch_size=8, seed=0, data_dir=d, process_index=2,
+                                   process_count=2), ValueError, "process_index 2"),
+    (lambda d: data.train_iterator("digits", batch_size=0, seed=0, data_dir=d, **KW),
+     ValueError, "batch_size must be positive"),
+    (lambda d: data.train_iterator("digits", batch_size=8, seed=0, seq_len=16, data_dir=d, **KW),
+     ValueError, "seq_len applies to text"),
+    (lambda d: data.dataset_info("digits", image_size=32, data_dir=d), ValueError,
+     "variable image shape"),
+])
+def test_bad_input_is_a_clear_error(call, error, match, digits_dir):
+  with pytest.raises(error, match=match):
+    call(digits_dir)
+
+
+def test_augment_on_text_is_an_error(tmp_path):
+  with pytest.raises(ValueError, match="augment apply to image"):
+    data.train_iterator("newsgroups_mini", batch_size=8, seed=0, augment=True,
+                        data_dir=str(tmp_path), **KW)
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("cifar10", "pip install -e '.[prepare]' && "),
+    ("lm1b", "pip install -e '.[prepare]' && "),
+    ("imagenet2012", "pip install -e '.[prepare]' && "),
+    ("enwik8", ""),
+    ("dbpedia", ""),
+])
+def test_unprepared_paper_dataset_fails_with_the_command(name, extra, tmp_path):
+  with pytest.raises(FileNotFoundError) as info:
+    data.train_iterator(name, batch_size=8, seed=0, data_dir=str(tmp_path), **KW)
+  command = f"{extra}python -m attn_symmetry.data.prepare {name} --data_dir {tmp_path}"
+  assert command in str(info.value)
+  assert ("--manual_dir" in str(info.value)) == (name == "imagenet2012")
+  assert list(tmp_path.iterdir()) == []  # Nothing was started.
+
+
+def test_preparing_a_tfds_dataset_without_tensorflow_names_the_extra(tmp_path, monkeypatch):
+  monkeypatch.setattr(_catalog, "tensorflow_available", lambda: False)
+  with pytest.raises(RuntimeError, match=r"needs TensorFlow: pip install -e '\.\[prepare\]'"):
+    data.train_iterator("cifar10", batch_size=8, seed=0, data_dir=str(tmp_path), download=True,
+                        **KW)
+
+
+def test_fashion_mnist_without_the_debian_files_names_the_apt_command(tmp_path, monkeypatch):
+  monkeypatch.setattr(_builders.FashionMnistDeb, "SOURCE_DIR", str(tmp_path / "absent"))
+  with pytest.raises(FileNotFoundError) as info:
+    data.dataset_info("fashion_mnist_deb", data_dir=str(tmp_path))
+  assert "apt-get install -y dataset-fashion-mnist" in str(info.value)
+  assert not (tmp_path / "fashion_mnist_deb" / "1.0.0").exists()
+
+
+def test_normalise_maps_the_uint8_range_to_minus_one_one():
+  x = np.array([0, 127, 128, 255], np.uint8).reshape(1, 2, 2, 1)
+  y = _images.normalise(x)
+  assert y.dtype == np.float32 and y.min() == -1 and y.max() == 1
+  np.testing.assert_allclose((y + 1) * 127.5, x, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(40, 60, 3), (75, 50, 1), (24, 24, 3)])
+def test_crops_have_the_asked_size_and_are_seeded(shape):
+  image = np.random.default_rng(0).integers(0, 256, size=shape, dtype=np.uint8)
+  assert _images.center_crop(image, 24).shape == (24, 24, shape[2])
+  a = _images.random_resized_crop(image, 24, np.random.default_rng(7))
+  b = _images.random_resized_crop(image, 24, np.random.default_rng(7))
+  assert a.shape == (24, 24, shape[2]) and a.dtype == np.uint8
+  np.testing.assert_array_equal(a, b)
+
+
+def test_center_crop_keeps_the_centre():
+  # Resized to 32 x 48 (side 28 / 0.875), then cut [2:30, 10:38]: source columns 20-76.
+  image = np.zeros((64, 96, 3), np.uint8)
+  image[:, 16:80] = 255
+  np.testing.assert_array_equal(_images.center_crop(image, 28), 255)
+  image[:, 16:80] = 0
+  image[:, :16] = image[:, 80:] = 255  # Outside the crop: it must not be seen.
+  np.testing.assert_array_equal(_images.center_crop(image, 28), 0)
