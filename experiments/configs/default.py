@@ -1,0 +1,208 @@
+"""Shared defaults that every setting in this folder overrides.
+
+    python experiments/main.py --config=experiments/configs/default.py --workdir=/tmp/attn_symmetry/default
+
+A setting file imports this module, takes ``get_config()``, changes the fields
+that differ, and reads its variant argument with ``parse_arg``: a
+comma-separated list such as "rope,runlocal" (``--config=FILE:rope,runlocal``).
+
+Fields:
+  seed: seed of the base model (initialisation and data order).
+  model: ``family`` and ``preset`` for ``attn_symmetry.models.build``, and
+    ``overrides``, keyword arguments passed on to it (e.g. ``pos_encoding``).
+  dataset: ``name`` (one of ``attn_symmetry.data.DATASETS``) and the reader
+    options: ``data_dir`` ("" for the default), ``seq_len`` (tokens per text
+    example), ``image_size`` (crop side of variable-size images; 0 takes the
+    reader's default for both), ``augment`` (random crop and flip of images).
+    The data set fixes the model's input and output sizes.
+  train: optimisation of the base model (AdamW with linear warmup and cosine
+    decay), evaluation, logging and checkpointing intervals.
+  reinit: the re-initialisation protocol of DESIGN.md section 7. ``scopes``
+    are re-initialised in turn, each once per seed in ``seeds``; only the
+    scope is trained, for ``num_steps`` steps at ``learning_rate`` (the
+    "full" scope trains the whole model from scratch with the base schedule
+    ``train.*``). ``dataset`` names the data set B of an A->B transfer ("" is
+    the base data set).
+  study: options of the LMC study stages (filled by the study).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+SCOPES = ("first_attention", "all_attention", "first_layer", "full")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The default setting: the quickstart's ViT on digits, without re-initialisation."""
+  parse_arg(arg, allowed=())
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+
+  config.model = ml_collections.ConfigDict()
+  config.model.family = "vit"
+  config.model.preset = "tiny"
+  config.model.overrides = ml_collections.ConfigDict()
+
+  config.dataset = ml_collections.ConfigDict()
+  config.dataset.name = "digits"
+  config.dataset.data_dir = ""
+  config.dataset.seq_len = 0
+  config.dataset.image_size = 0
+  config.dataset.augment = False
+
+  config.train = ml_collections.ConfigDict()
+  config.train.num_steps = 1000
+  config.train.batch_size = 128
+  config.train.eval_batch_size = 256
+  config.train.learning_rate = 1e-3
+  config.train.warmup_steps = 100
+  config.train.final_lr_fraction = 0.01
+  config.train.weight_decay = 0.05
+  config.train.b1 = 0.9
+  config.train.b2 = 0.999
+  config.train.grad_clip_norm = 1.0
+  config.train.log_every = 50
+  config.train.eval_every = 500
+  config.train.checkpoint_every = 500
+  config.train.keep_checkpoints = 2
+
+  config.reinit = ml_collections.ConfigDict()
+  config.reinit.scopes = ()
+  config.reinit.seeds = (1, 2, 3)
+  config.reinit.num_steps = 500
+  config.reinit.learning_rate = 1e-3
+  config.reinit.warmup_steps = 50
+  config.reinit.dataset = ""
+
+  config.study = ml_collections.ConfigDict()
+  return config
+
+
+def parse_arg(arg: str | None, allowed) -> set[str]:
+  """The set of variant names in ``arg`` ("rope,runlocal").
+
+  Raises:
+    ValueError: naming any variant that is not in ``allowed`` (plus "runlocal").
+  """
+  names = {a.strip() for a in (arg or "").split(",") if a.strip()}
+  unknown = names - set(allowed) - {"runlocal"}
+  if unknown:
+    raise ValueError(f"unknown config variant(s) {sorted(unknown)}; this setting accepts "
+                     f"{sorted(set(allowed) | {'runlocal'})}")
+  return names
+
+
+def set_position_encoding(config: ml_collections.ConfigDict, variants: set[str], *,
+                          ape: str, rope: str, default: str = "ape") -> None:
+  """Sets ``model.overrides.pos_encoding`` from an "ape" or "rope" variant.
+
+  Args:
+    config: the setting's config, changed in place.
+    variants: the parsed variant names.
+    ape: the model's ``pos_encoding`` value for absolute encodings.
+    rope: its value for rotary encodings.
+    default: "ape" or "rope", used when neither variant is given.
+  """
+  if {"ape", "rope"} <= variants:
+    raise ValueError("config variants 'ape' and 'rope' exclude each other")
+  kind = "rope" if "rope" in variants else "ape" if "ape" in variants else default
+  config.model.overrides.pos_encoding = rope if kind == "rope" else ape
+
+
+def runlocal(config: ml_collections.ConfigDict) -> None:
+  """Shrinks a setting in place so that its whole run takes seconds on a CPU."""
+  config.model.preset = "tiny"
+  for size in ("width", "depth", "mlp_dim"):
+    if size in config.model.overrides:
+      del config.model.overrides[size]
+  if config.dataset.seq_len:
+    config.dataset.seq_len = min(config.dataset.seq_len, 32)
+  train = config.train
+  train.num_steps = 8
+  train.batch_size = 8
+  train.eval_batch_size = 64
+  train.warmup_steps = 2
+  train.log_every = 4
+  train.eval_every = 8
+  train.checkpoint_every = 4
+  config.reinit.num_steps = 4
+  config.reinit.warmup_steps = 1
+  config.reinit.seeds = (1, 2)
+
+
+def language_model(variants: set[str], *, family: str, dataset: str, seq_len: int = 256,
+                   transfers: dict[str, str] | None = None, default_pe: str = "ape",
+                   **model_overrides) -> ml_collections.ConfigDict:
+  """A byte-level language-modelling setting (GPT-2 or Llama, 6 layers, 4 heads).
+
+  Args:
+    variants: parsed variants: "ape"/"rope", or a key of ``transfers``
+      ("runlocal" is left to the caller, after its own changes).
+    family: "gpt2" or "llama".
+    dataset: the LM data set (A).
+    seq_len: tokens per training window.
+    transfers: variant name -> data set B of an A->B transfer.
+    default_pe: "ape" or "rope" when the variants name neither.
+    **model_overrides: further ``model.overrides``.
+  """
+  transfers = transfers or {}
+  chosen = sorted(variants & set(transfers))
+  if len(chosen) > 1:
+    raise ValueError(f"config variants {chosen} exclude each other")
+  config = get_config()
+  config.model.family = family
+  config.model.preset = "paper"
+  config.model.overrides.update(model_overrides)
+  set_position_encoding(config, variants, ape="learned", rope="rope", default=default_pe)
+  config.dataset.name = dataset
+  config.dataset.seq_len = seq_len
+  _long_schedule(config, learning_rate=6e-4)
+  if chosen:
+    config.reinit.dataset = transfers[chosen[0]]
+  return config
+
+
+def text_classifier(variants: set[str], *, dataset: str, seq_len: int
+                    ) -> ml_collections.ConfigDict:
+  """A BERT text-classification setting on bytes (6 layers, 4 heads).
+
+  Args:
+    variants: parsed variants: "ape"/"rope" ("runlocal" is left to the caller).
+    dataset: the classification data set.
+    seq_len: bytes per example (longer texts are cut).
+  """
+  config = get_config()
+  config.model.family = "bert"
+  config.model.preset = "paper"
+  set_position_encoding(config, variants, ape="learned", rope="rope")
+  config.dataset.name = dataset
+  config.dataset.seq_len = seq_len
+  _long_schedule(config, learning_rate=3e-4)
+  return config
+
+
+def cpu_schedule(config: ml_collections.ConfigDict) -> None:
+  """Sizes an offline text setting for 2 CPU cores: a tiny model, minutes of training."""
+  config.model.preset = "tiny"
+  config.model.overrides.update(width=64, mlp_dim=256)
+  t = config.train
+  t.num_steps, t.batch_size, t.learning_rate, t.warmup_steps = 1000, 32, 2e-3, 100
+  t.log_every, t.eval_every, t.checkpoint_every = 100, 500, 500
+  r = config.reinit
+  r.num_steps, r.learning_rate, r.warmup_steps = 500, 2e-3, 50
+
+
+def _long_schedule(config: ml_collections.ConfigDict, *, learning_rate: float) -> None:
+  """The schedule of the paper-scale text settings, every scope re-initialised."""
+  config.train.num_steps = 20000
+  config.train.batch_size = 64
+  config.train.learning_rate = learning_rate
+  config.train.warmup_steps = 1000
+  config.train.log_every = 100
+  config.train.eval_every = 2000
+  config.train.checkpoint_every = 2000
+  config.reinit.scopes = SCOPES
+  config.reinit.num_steps = 5000
+  config.reinit.learning_rate = learning_rate
+  config.reinit.warmup_steps = 500

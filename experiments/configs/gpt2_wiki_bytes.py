@@ -1,0 +1,20 @@
+"""Offline byte-level language modelling: GPT-2 on gensim's shortened Wikipedia dump.
+
+    python experiments/main.py --config=experiments/configs/gpt2_wiki_bytes.py --workdir=/tmp/attn_symmetry/gpt2_wiki_bytes
+
+Variants (``--config=experiments/configs/gpt2_wiki_bytes.py:runlocal``):
+"ape" (learned absolute positions, the default) or "rope"; "runlocal". The enwik8 analogue that runs offline: the text is
+English Wikipedia XML from the ``gensim`` wheel's test data. Sized for a
+CPU (2 layers, 4 heads, D = 64, windows of 128 bytes).
+"""
+
+from experiments.configs import default
+
+
+def get_config(arg=None):
+  variants = default.parse_arg(arg, allowed=("ape", "rope"))
+  config = default.language_model(variants, family="gpt2", dataset="wiki_bytes", seq_len=128)
+  default.cpu_schedule(config)
+  if "runlocal" in variants:
+    default.runlocal(config)
+  return config

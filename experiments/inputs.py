@@ -1,0 +1,101 @@
+"""The model, the batches and the device mesh of a config.
+
+The data set (``attn_symmetry.data``) fixes the model's input and output
+sizes; ``create_model`` builds the model of ``config.model`` to fit it.
+Batches are placed on a 1-D mesh with axis "data": split along it, with
+parameters replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from attn_symmetry import data
+from attn_symmetry import models
+
+Batch = Mapping[str, np.ndarray]
+
+
+def data_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Keyword arguments of the ``attn_symmetry.data`` readers; unset options left out."""
+  d = config.dataset
+  options = dict(data_dir=d.data_dir or None, seq_len=d.seq_len or None,
+                 image_size=d.image_size or None)
+  return {k: v for k, v in options.items() if v is not None}
+
+
+def dataset_info(config: ml_collections.ConfigDict, dataset: str) -> data.DatasetInfo:
+  """``attn_symmetry.data.dataset_info`` with the config's reader options."""
+  return data.dataset_info(dataset, **data_options(config))
+
+
+def model_overrides(info: data.DatasetInfo) -> dict[str, Any]:
+  """The model config fields that a data set fixes: input and output sizes."""
+  out = {}
+  if info.task == "classification":
+    out["num_classes"] = info.num_classes
+  if info.image_shape is not None:
+    height, width, channels = info.image_shape
+    if height != width:
+      raise ValueError(f"data set {info.name!r} has non-square images {info.image_shape}")
+    out.update(image_size=height, num_channels=channels)
+  else:
+    out.update(vocab_size=info.vocab_size, max_len=info.seq_len)
+  return out
+
+
+def create_model(config: ml_collections.ConfigDict) -> models.Model:
+  """The model of ``config.model``, sized for the base data set.
+
+  The data set fixes the input and output sizes (``model_overrides``);
+  ``config.model.overrides`` is applied on top.
+  """
+  overrides = model_overrides(dataset_info(config, config.dataset.name))
+  return models.build(config.model.family, config.model.preset,
+                      **{**overrides, **config.model.overrides.to_dict()})
+
+
+def train_batches(config: ml_collections.ConfigDict, dataset: str, *, seed: int):
+  """This process's share of the training batches, endless.
+
+  The iterator has grain's ``get_state`` and ``set_state``: the data position
+  that checkpoints save, so that a resumed run reads the batches it would have.
+  """
+  options = data_options(config)
+  if config.dataset.augment:
+    options["augment"] = True
+  return data.train_iterator(dataset, batch_size=config.train.batch_size, seed=seed, **options)
+
+
+def eval_batches(config: ml_collections.ConfigDict, dataset: str) -> Iterable[Batch]:
+  """This process's share of one pass over the test split, batches with "valid"."""
+  return data.eval_iterator(dataset, batch_size=config.train.eval_batch_size,
+                            **data_options(config))
+
+
+def create_mesh(devices=None) -> jax.sharding.Mesh:
+  """A 1-D mesh with axis "data" over ``devices`` (default: all devices)."""
+  devices = jax.devices() if devices is None else devices
+  return jax.sharding.Mesh(np.asarray(devices), ("data",))
+
+
+def shard_batch(batch: Batch, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+  """Global arrays from this process's batch, split along the mesh's data axis."""
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in batch.items()}
+
+
+def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+  """The sharding of parameters and optimiser state: a full copy on every device."""
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def to_host(tree: Any) -> Any:
+  """Numpy copies of replicated arrays (this process's copy; works multi-host)."""
+  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)

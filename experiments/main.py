@@ -1,0 +1,69 @@
+r"""Runs one setting: training, then the study stages.
+
+    python experiments/main.py --config=experiments/configs/quickstart.py --workdir=/tmp/quickstart
+
+A setting file takes a variant argument after a colon and fields are
+overridden with flags, e.g.
+``--config=experiments/configs/vit_cifar.py:rope --config.train.num_steps=100``.
+Without ``--workdir`` the run goes to ``$TMPDIR/attn_symmetry/<setting>``.
+Multi-host: start this command once per host with ``--multihost`` (see
+``train.py``).
+"""
+
+import os
+import sys
+import tempfile
+
+import jax
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from experiments import train
+
+config_flags.DEFINE_config_file("config", None, "A setting in experiments/configs/.",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory of checkpoints, metrics and reports.")
+flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() first.")
+flags.mark_flag_as_required("config")
+FLAGS = flags.FLAGS
+
+
+def default_workdir(config_path: str) -> str:
+  """$TMPDIR/attn_symmetry/<setting>[_<variant>] for "path/<setting>.py[:<variant>]"."""
+  path, _, variant = config_path.partition(":")
+  name = os.path.splitext(os.path.basename(path))[0]
+  if variant:
+    name += "_" + variant.replace(",", "_")
+  return os.path.join(tempfile.gettempdir(), "attn_symmetry", name)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with every bad flag reported in one line and exit status 1."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(f"FATAL Flags parsing error: {e}")
+  except (AttributeError, KeyError) as e:  # ml_collections: an override of a missing field.
+    while e.args and isinstance(e.args[0], BaseException):
+      e = e.args[0]
+    overrides = [a for a in argv[1:] if a.startswith("--config.")]
+    sys.exit(f"FATAL Flags parsing error: one of {overrides} names a field that the config "
+             f"does not have: {e.args[0] if e.args else e}")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if not FLAGS["verbosity"].present:  # Keep orbax's INFO lines out of the progress output.
+    logging.set_verbosity(logging.WARNING)
+  if FLAGS.multihost:
+    jax.distributed.initialize()
+  workdir = FLAGS.workdir or default_workdir(config_flags.get_config_filename(FLAGS["config"]))
+  train.log.info("workdir: %s", workdir)
+  train.train_and_evaluate(FLAGS.config, workdir)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,61 @@
+"""Re-initialisation protocols (DESIGN.md section 7).
+
+From a trained model, the parameters of a scope (the first attention layer,
+all attention layers, the first Transformer layer, or the full model) are
+replaced by a fresh initialisation with another seed, and only they are
+fine-tuned. A scope is given by the path prefixes that ``model.scope_paths``
+returns ("layers_0/attention"; "" for everything); the trainable set is a tree
+of Python bools over the parameters, which the optimiser turns into an optax
+mask and which the training step uses to pass frozen leaves through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from attn_symmetry import spec as spec_lib
+
+Params = dict[str, Any]
+
+
+def _in_scope(path: str, prefix: str) -> bool:
+  return prefix == "" or path == prefix or path.startswith(prefix + "/")
+
+
+def trainable_mask(params: Params, prefixes: Sequence[str]) -> Params:
+  """Tree of bools, True for the leaves under any of ``prefixes``.
+
+  Raises:
+    ValueError: if a prefix names no parameter, or no prefix is given.
+  """
+  if not prefixes:
+    raise ValueError("a re-initialisation scope needs at least one parameter path prefix")
+  paths = spec_lib.flatten(params)
+  for prefix in prefixes:
+    if not any(_in_scope(p, prefix) for p in paths):
+      raise ValueError(f"scope path {prefix!r} names no parameter; parameters are "
+                       f"{sorted(paths)[:8]}...")
+  return spec_lib.unflatten({p: any(_in_scope(p, q) for q in prefixes) for p in paths})
+
+
+def reinitialise(trained: Params, fresh: Params, mask: Params) -> Params:
+  """``fresh`` where ``mask`` is True, ``trained`` elsewhere (same tree structure)."""
+  return jax.tree.map(lambda t, f, m: f if m else t, trained, fresh, mask)
+
+
+def _bits(x) -> np.ndarray:
+  """The raw bits of a (replicated) array, as unsigned integers."""
+  x = np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+  return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def changed_frozen(before: Params, after: Params, mask: Params) -> list[str]:
+  """Paths of the frozen leaves (mask False) that are not bit-identical."""
+  a, b, m = spec_lib.flatten(before), spec_lib.flatten(after), spec_lib.flatten(mask)
+  return sorted(p for p, trainable in m.items()
+                if not trainable and (a[p].shape != b[p].shape
+                                      or not np.array_equal(_bits(a[p]), _bits(b[p]))))

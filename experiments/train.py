@@ -1,0 +1,424 @@
+"""Training: the base model, then every re-initialised seed (DESIGN.md section 7).
+
+``train_and_evaluate(config, workdir)`` checks the config and the workdir,
+then trains, in order, the runs that ``runs(config)`` lists; each run resumes
+from its latest checkpoint and is skipped when already complete. Layout:
+
+    workdir/base/                       the base model: seed ``config.seed``,
+                                        data set ``config.dataset.name``
+    workdir/reinit/<scope>/seed_<s>/    the base model with ``scope``
+                                        re-initialised from seed s and
+                                        fine-tuned (trained from scratch for
+                                        the "full" scope), on
+                                        ``config.reinit.dataset`` if set
+
+and in every run directory ``checkpoints/<step>/`` (``checkpoints.py``),
+``metrics.jsonl`` and TensorBoard event files (``metric_writers.py``), and
+``final_metrics.json`` (the evaluation of the last step). ``load_checkpoints``
+gives the study every run's final parameters; ``create_model``,
+``eval_batches``, ``create_mesh``, ``shard_batch`` (``inputs.py``),
+``batch_metrics`` and ``evaluate`` (``evaluation.py``), re-exported here, are
+the pieces it needs to evaluate them.
+
+Data parallelism: a ``jax.sharding.Mesh`` over all devices with one axis
+"data"; every batch is split along it and the parameters and optimiser state
+are replicated, so XLA inserts the gradient all-reduce. Multi-host: start one
+process per host, call ``jax.distributed.initialize()`` before anything else
+(``main.py --multihost``); each process reads its own shard of every batch
+(``config.train.batch_size`` is global) and only process 0 writes metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+
+from attn_symmetry import data
+from attn_symmetry import models
+from attn_symmetry import spec as spec_lib
+from experiments import checkpoints
+from experiments import inputs
+from experiments import metric_writers
+from experiments import reinit
+from experiments.configs import default as default_config
+# What the study needs next to ``load_checkpoints``, re-exported.
+from experiments.evaluation import batch_metrics, evaluate  # pylint: disable=g-importing-member
+from experiments.inputs import create_mesh, create_model, eval_batches, shard_batch  # pylint: disable=g-importing-member
+
+Params = dict[str, Any]
+
+# Progress and results; main.py quiets the INFO chatter of other libraries (orbax) but not this.
+log = logging.getLogger(__name__)
+log.setLevel(logging.INFO)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One training run of a setting.
+
+  Attributes:
+    name: "base" or "reinit/<scope>/seed_<seed>", also its directory under
+      the workdir.
+    scope: None for the base model, else the re-initialised scope.
+    seed: initialisation and data-order seed.
+    dataset: the data set it trains and is evaluated on.
+  """
+  name: str
+  scope: str | None
+  seed: int
+  dataset: str
+
+  @property
+  def fine_tunes(self) -> bool:
+    """Whether the run starts from the base model (every scope but "full")."""
+    return self.scope not in (None, "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Length and learning rate of a run (the rest comes from ``config.train``)."""
+  num_steps: int
+  learning_rate: float
+  warmup_steps: int
+
+
+def runs(config: ml_collections.ConfigDict) -> list[Run]:
+  """The base run, then every (scope, seed) of ``config.reinit``, in training order."""
+  transfer = config.reinit.dataset or config.dataset.name
+  out = [Run("base", None, config.seed, config.dataset.name)]
+  for scope in config.reinit.scopes:
+    out += [Run(f"reinit/{scope}/seed_{s}", scope, s, transfer) for s in config.reinit.seeds]
+  return out
+
+
+def run_dir(workdir: str, run: Run) -> str:
+  """The directory of ``run``: workdir/base or workdir/reinit/<scope>/seed_<s>."""
+  return os.path.join(workdir, *run.name.split("/"))
+
+
+def schedule(config: ml_collections.ConfigDict, run: Run) -> Schedule:
+  """``config.reinit``'s schedule when fine-tuning a scope, else ``config.train``'s."""
+  if run.fine_tunes:
+    r = config.reinit
+    return Schedule(r.num_steps, r.learning_rate, r.warmup_steps)
+  t = config.train
+  return Schedule(t.num_steps, t.learning_rate, t.warmup_steps)
+
+
+def create_optimizer(config: ml_collections.ConfigDict, sched: Schedule, trainable: Params
+                     ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with warmup and cosine decay on the trainable leaves; zero updates elsewhere.
+
+  Weight decay applies to matrices (kernels, embeddings), not to biases and
+  norm scales. Frozen leaves (``trainable`` False) get ``optax.set_to_zero``
+  through ``optax.multi_transform`` and keep no optimiser state.
+
+  Returns:
+    (optimizer, learning-rate schedule).
+  """
+  t = config.train
+  lr = optax.warmup_cosine_decay_schedule(
+      0.0, sched.learning_rate, sched.warmup_steps, sched.num_steps,
+      end_value=sched.learning_rate * t.final_lr_fraction)
+  decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+  adamw = optax.chain(optax.clip_by_global_norm(t.grad_clip_norm),
+                      optax.adamw(lr, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                                  mask=decay_mask))
+  labels = jax.tree.map(lambda m: "train" if m else "freeze", trainable)
+  return optax.multi_transform({"train": adamw, "freeze": optax.set_to_zero()}, labels), lr
+
+
+def make_train_step(model: models.Model, optimizer: optax.GradientTransformation,
+                    trainable: Params, mesh: jax.sharding.Mesh):
+  """Jitted ``step(state, batch) -> (state, {"loss", "accuracy"})``.
+
+  ``state`` is {"params", "opt_state"}, replicated and donated. Frozen leaves
+  are passed through as they are (not even ``p + 0``), so they stay
+  bit-identical.
+  """
+
+  def loss_fn(params, batch):
+    sums = batch_metrics(model, params, batch)
+    return sums["loss"] / sums["count"], sums
+
+  def step(state, batch):
+    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = jax.tree.map(lambda p, u, m: optax.apply_updates(p, u) if m else p,
+                          state["params"], updates, trainable)
+    return ({"params": params, "opt_state": opt_state},
+            {"loss": loss, "accuracy": sums["correct"] / sums["count"]})
+
+  replicated = inputs.replicated(mesh)
+  return jax.jit(step, donate_argnums=0, out_shardings=(replicated, replicated))
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the config field that cannot work; runs nothing."""
+  known = data.DATASETS
+  for field, name in (("dataset.name", config.dataset.name),
+                      ("reinit.dataset", config.reinit.dataset)):
+    if name and name not in known:
+      raise ValueError(f"config.{field}: unknown data set {name!r}; known: {sorted(known)}")
+  unknown = sorted(set(config.reinit.scopes) - set(default_config.SCOPES))
+  if unknown:
+    raise ValueError(f"config.reinit.scopes: unknown scope(s) {unknown}; choose from "
+                     f"{default_config.SCOPES}")
+  if len(set(config.reinit.scopes)) != len(config.reinit.scopes):
+    raise ValueError(f"config.reinit.scopes lists a scope twice: {list(config.reinit.scopes)}")
+  seeds = list(config.reinit.seeds)
+  if not all(isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
+    raise ValueError(f"config.reinit.seeds must be distinct non-negative ints, got {seeds}")
+  if config.reinit.scopes and not seeds:
+    raise ValueError("config.reinit.seeds is empty but config.reinit.scopes is not")
+  for field in ("train", "reinit"):
+    c = config[field]
+    if c.num_steps < 1 or not 0 <= c.warmup_steps < c.num_steps:
+      raise ValueError(f"config.{field}: need num_steps >= 1 and 0 <= warmup_steps < num_steps, "
+                       f"got {c.num_steps} and {c.warmup_steps}")
+  t = config.train
+  for field in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+    if t[field] < 1:
+      raise ValueError(f"config.train.{field} must be >= 1, got {t[field]}")
+  devices = jax.device_count()
+  for field in ("batch_size", "eval_batch_size"):
+    if t[field] < 1 or t[field] % devices:
+      raise ValueError(f"config.train.{field} = {t[field]} must be a positive multiple of the "
+                       f"{devices} devices")
+
+
+def _check_data(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError if a data set is too small for the batch or does not fit the model.
+
+  The data set B of an A->B transfer must give the model the same input and
+  output sizes as A.
+  """
+  datasets = {config.dataset.name}
+  if config.reinit.scopes:
+    datasets.add(config.reinit.dataset or config.dataset.name)
+  infos = {name: inputs.dataset_info(config, name) for name in datasets}
+  for name, info in infos.items():
+    if info.splits["train"] < config.train.batch_size:
+      raise ValueError(f"config.train.batch_size {config.train.batch_size} is larger than the "
+                       f"train split of {name!r} ({info.splits['train']} examples)")
+  a = inputs.model_overrides(infos[config.dataset.name])
+  for name, info in infos.items():
+    b = inputs.model_overrides(info)
+    if a != b:
+      diffs = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+      raise ValueError(f"config.reinit.dataset {name!r} does not fit the model of "
+                       f"{config.dataset.name!r}: (base, transfer) differ in {diffs}")
+
+
+def _first_nonfinite(steps: list[int], metrics: list[dict[str, np.ndarray]]):
+  """(step, loss) of the first non-finite training loss, or None."""
+  for step, m in zip(steps, metrics):
+    if not np.isfinite(m["loss"]):
+      return step, m["loss"]
+  return None
+
+
+_TRAIN_STEPS: dict[Any, tuple] = {}
+
+
+def _optimizer_and_step(config, model, sched, trainable, mesh):
+  """(optimizer, learning-rate schedule, jitted step), cached in this process.
+
+  Runs with the same model, schedule, optimiser settings and trainable set
+  (the seeds of a scope; the base model and the "full" scope) share one
+  compilation.
+  """
+  t = config.train
+  key = (model.config, sched, tuple(sorted(spec_lib.flatten(trainable).items())), mesh,
+         t.final_lr_fraction, t.grad_clip_norm, t.b1, t.b2, t.weight_decay)
+  if key not in _TRAIN_STEPS:
+    optimizer, lr = create_optimizer(config, sched, trainable)
+    _TRAIN_STEPS[key] = optimizer, lr, make_train_step(model, optimizer, trainable, mesh)
+  return _TRAIN_STEPS[key]
+
+
+class Trainer:
+  """Trains the runs of one config in one workdir.
+
+  Args:
+    config: the setting (checked with ``validate_config``).
+    model: ``create_model(config)``.
+    workdir: root of the layout in the module docstring.
+    mesh: device mesh with a "data" axis (default: all devices).
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, model: models.Model, workdir: str, *,
+               mesh: jax.sharding.Mesh | None = None):
+    self.config, self.model, self.workdir = config, model, workdir
+    self.mesh = create_mesh() if mesh is None else mesh
+    self._replicated = inputs.replicated(self.mesh)
+    self._base = None
+
+  def _initial_params(self, run: Run):
+    """(params, trainable mask, host copy of the base params or None) before training."""
+    fresh = self.model.init(jax.random.key(run.seed))
+    if not run.fine_tunes:
+      return fresh, jax.tree.map(lambda _: True, fresh), None
+    if self._base is None:
+      base_ckpts = checkpoints.RunCheckpoints(run_dir(self.workdir, runs(self.config)[0]),
+                                              read_only=True)
+      # A host copy: device arrays given to the training step are donated.
+      self._base = inputs.to_host(base_ckpts.restore_params(
+          base_ckpts.latest_step(), checkpoints.abstract_like(fresh, self._replicated)))
+    trainable = reinit.trainable_mask(self._base, self.model.scope_paths(run.scope))
+    base = jax.device_put(self._base, self._replicated)
+    return reinit.reinitialise(base, fresh, trainable), trainable, self._base
+
+  def train(self, run: Run) -> dict[str, float]:
+    """Trains (or resumes, or skips if complete) ``run``; returns its final evaluation.
+
+    Raises:
+      FloatingPointError: a non-finite training loss; the last checkpoint
+        saved before it is kept.
+      RuntimeError: a frozen parameter changed (cannot happen unless the
+        trainer is broken; checked after every fine-tuning).
+    """
+    directory = run_dir(self.workdir, run)
+    final_path = os.path.join(directory, "final_metrics.json")
+    num_steps = schedule(self.config, run).num_steps
+    ckpts = checkpoints.RunCheckpoints(directory, keep=self.config.train.keep_checkpoints)
+    start = ckpts.latest_step() or 0
+    if start >= num_steps and os.path.exists(final_path):
+      log.info("%s: complete (step %d), skipped", run.name, start)
+      ckpts.close()
+      with open(final_path) as f:
+        return json.load(f)
+    params, trainable, base = self._initial_params(run)
+    optimizer, lr, train_step = _optimizer_and_step(self.config, self.model,
+                                                    schedule(self.config, run), trainable,
+                                                    self.mesh)
+    state = {"params": params, "opt_state": optimizer.init(params)}
+    batches = inputs.train_batches(self.config, run.dataset, seed=run.seed)
+    if start:
+      abstract = checkpoints.abstract_like(state, self._replicated)
+      state["params"], state["opt_state"], meta = ckpts.restore(
+          start, abstract["params"], abstract["opt_state"])
+      batches.set_state(meta["data_state"])
+      log.info("%s: resuming from step %d in %s", run.name, start, ckpts.directory)
+    else:
+      state = jax.device_put(state, self._replicated)
+    arch = checkpoints.architecture(self.model.config.family, jax.eval_shape(lambda: params))
+    writer = metric_writers.MetricWriter(directory, resume_step=start,
+                                         enabled=jax.process_index() == 0)
+    try:
+      state, final = self._loop(run, state, start, num_steps, batches, train_step, lr, ckpts,
+                                writer, {"run": run.name, "architecture": arch})
+    finally:
+      ckpts.wait()
+      ckpts.close()
+      writer.close()
+    if base is not None:
+      changed = reinit.changed_frozen(base, state["params"], trainable)
+      if changed:
+        raise RuntimeError(f"{run.name}: frozen parameters changed during fine-tuning: {changed}")
+    if jax.process_index() == 0:
+      with open(final_path, "w") as f:
+        json.dump(final, f)
+    return final
+
+  def _evaluate(self, run: Run, params: Params) -> dict[str, float]:
+    return evaluate(self.model, params, eval_batches(self.config, run.dataset), mesh=self.mesh)
+
+  def _loop(self, run, state, start, num_steps, batches, train_step, lr, ckpts, writer, meta):
+    """Steps start+1 .. num_steps with logging, evaluation, checkpoints; (state, final eval)."""
+    t = self.config.train
+    progress = metric_writers.Progress(num_steps)
+    pending, last_saved, final = [], start, None
+    for step in range(start + 1, num_steps + 1):
+      state, metrics = train_step(state, shard_batch(next(batches), self.mesh))
+      pending.append(metrics)
+      if step == start + 1:  # The ETA counts from here, after compilation.
+        jax.block_until_ready(metrics)
+        progress.begin(step)
+      last = step == num_steps
+      do_log, do_eval = step % t.log_every == 0 or last, step % t.eval_every == 0 or last
+      do_save = step % t.checkpoint_every == 0 or last
+      if not (do_log or do_eval or do_save):
+        continue
+      pending = inputs.to_host(pending)
+      bad = _first_nonfinite(range(step - len(pending) + 1, step + 1), pending)
+      if bad:
+        raise FloatingPointError(
+            f"{run.name}: the training loss is {bad[1]} at step {bad[0]}; training stopped. "
+            f"The last good checkpoint (step {last_saved}) is kept in {ckpts.directory}.")
+      if do_log:
+        means = {k: float(np.mean([m[k] for m in pending])) for k in ("loss", "accuracy")}
+        writer.write_scalars(step, {"train/loss": means["loss"],
+                                    "train/accuracy": means["accuracy"],
+                                    "train/learning_rate": float(lr(step - 1))})
+        log.info("%s %s", run.name, progress.line(step, means))
+      pending = []
+      if do_eval:
+        final = self._evaluate(run, state["params"])
+        writer.write_scalars(step, {f"eval/{k}": v for k, v in final.items()})
+        log.info("%s step %d eval %s", run.name, step,
+                 " ".join(f"{k} {v:.4f}" for k, v in final.items()))
+      if do_save:
+        ckpts.save(step, state["params"], state["opt_state"],
+                   {**meta, "step": step, "data_state": batches.get_state()})
+        last_saved = step
+    if final is None:  # Complete on disk, but its final evaluation was lost.
+      final = self._evaluate(run, state["params"])
+    return state, final
+
+
+def check_workdir(config: ml_collections.ConfigDict, model: models.Model, workdir: str) -> None:
+  """Raises ValueError if any run directory holds checkpoints of another architecture."""
+  arch = checkpoints.architecture(model.config.family,
+                                  jax.eval_shape(model.init, jax.random.key(0)))
+  for run in runs(config):
+    checkpoints.check_architecture(run_dir(workdir, run), arch)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict]:
+  """Trains the base model and every re-initialised seed; returns final evaluations by run.
+
+  Everything that can be checked is checked before the first step: the
+  config (``validate_config``), the model it builds, a transfer data set,
+  and the checkpoints already in ``workdir``.
+  """
+  validate_config(config)
+  _check_data(config)
+  model = create_model(config)
+  check_workdir(config, model, workdir)
+  trainer = Trainer(config, model, workdir)
+  log.info("training %d run(s) in %s on %d device(s)", len(runs(config)), workdir,
+           jax.device_count())
+  results = {run.name: trainer.train(run) for run in runs(config)}
+  width = max(map(len, results))
+  log.info("final evaluation:\n%s", "\n".join(
+      f"  {name:<{width}}  loss {m['loss']:.4f}  accuracy {m['accuracy']:.4f}"
+      for name, m in results.items()))
+  return results
+
+
+def load_checkpoints(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Params]:
+  """The final parameters of every run of ``config`` in ``workdir``, by run name.
+
+  Raises:
+    ValueError: a run has no checkpoint (not trained yet).
+  """
+  model = create_model(config)
+  abstract = checkpoints.abstract_like(jax.eval_shape(model.init, jax.random.key(0)),
+                                       inputs.replicated(create_mesh()))
+  out = {}
+  for run in runs(config):
+    ckpts = checkpoints.RunCheckpoints(run_dir(workdir, run), read_only=True)
+    step = ckpts.latest_step()
+    if step is None:
+      raise ValueError(f"run {run.name!r} has no checkpoint in {ckpts.directory}; train it first")
+    out[run.name] = ckpts.restore_params(step, abstract)
+  return out

@@ -1,0 +1,270 @@
+"""Training on real offline data with the real models: runlocal runs, re-initialisation,
+resume, the NaN guard, bad configs and data parallelism.
+
+The quickstart at runlocal size (ViT on digits, every scope, two seeds) is
+trained once per module; tests with the same model and schedule reuse its
+compiled steps.
+"""
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from attn_symmetry import spec as spec_lib
+from experiments import checkpoints
+from experiments import inputs
+from experiments import metric_writers
+from experiments import train
+from experiments.configs import bert_offline
+from experiments.configs import gpt2_wiki_bytes
+from experiments.configs import llama_wiki_bytes
+from experiments.configs import quickstart
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _base_only(config):
+  config.reinit.scopes = ()
+  return config
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+  """(config, workdir, results) of the quickstart at runlocal size."""
+  config = quickstart.get_config("runlocal")
+  workdir = str(tmp_path_factory.mktemp("quickstart"))
+  return config, workdir, train.train_and_evaluate(config, workdir)
+
+
+def _tree_digest(directory):
+  """Hash of every file (path and bytes) under ``directory``."""
+  digest = hashlib.sha256()
+  for root, dirs, files in sorted(os.walk(directory)):
+    dirs.sort()
+    for name in sorted(files):
+      path = os.path.join(root, name)
+      digest.update(os.path.relpath(path, directory).encode())
+      with open(path, "rb") as f:
+        digest.update(f.read())
+  return digest.hexdigest()
+
+
+def _bits_equal(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_quickstart_trains_every_run(quickstart_run):
+  config, workdir, results = quickstart_run
+  assert list(results) == [run.name for run in train.runs(config)]
+  assert len(results) == 1 + len(config.reinit.scopes) * len(config.reinit.seeds)
+  for run in train.runs(config):
+    directory = train.run_dir(workdir, run)
+    m = results[run.name]
+    assert math.isfinite(m["loss"]) and 0.0 <= m["accuracy"] <= 1.0
+    with open(os.path.join(directory, "final_metrics.json")) as f:
+      assert json.load(f) == m
+    num_steps = train.schedule(config, run).num_steps
+    ckpts = checkpoints.RunCheckpoints(directory, read_only=True)
+    assert ckpts.latest_step() == num_steps
+    assert len(ckpts.all_steps()) <= config.train.keep_checkpoints
+    log = metric_writers.read_jsonl(os.path.join(directory, "metrics.jsonl"))
+    assert [e["step"] for e in log if "train/loss" in e][-1] == num_steps
+    assert [e for e in log if "eval/loss" in e][-1]["eval/loss"] == pytest.approx(m["loss"])
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(directory))
+
+
+def test_reinit_freezes_everything_outside_the_scope(quickstart_run):
+  config, workdir, _ = quickstart_run
+  model = train.create_model(config)
+  params = train.load_checkpoints(config, workdir)
+  base = spec_lib.flatten(params["base"])
+  for scope in config.reinit.scopes:
+    prefixes = model.scope_paths(scope)
+    in_scope = lambda p: any(q == "" or p == q or p.startswith(q + "/") for q in prefixes)
+    seeds = [spec_lib.flatten(params[f"reinit/{scope}/seed_{s}"]) for s in config.reinit.seeds]
+    assert any(in_scope(p) for p in base) and (scope == "full" or not all(map(in_scope, base)))
+    for leaves in seeds:
+      for path, value in leaves.items():
+        if in_scope(path):
+          assert not _bits_equal(value, base[path]), (scope, path)
+        else:
+          assert _bits_equal(value, base[path]), (scope, path)
+    # Different seeds re-initialise (and so end) differently.
+    kernel = next(p for p in base if in_scope(p) and p.endswith("kernel"))
+    assert not _bits_equal(seeds[0][kernel], seeds[1][kernel])
+
+
+def test_rerun_skips_finished_runs(quickstart_run):
+  config, workdir, results = quickstart_run
+  before = _tree_digest(workdir)
+  assert train.train_and_evaluate(config, workdir) == results
+  assert _tree_digest(workdir) == before
+
+
+class _Crash(Exception):
+  pass
+
+
+class _Batches:
+  """Wraps a training iterator: crashes before batch ``crash_at`` or poisons batch ``nan_at``."""
+
+  def __init__(self, batches, *, crash_at=None, nan_at=None):
+    self._batches, self._crash_at, self._nan_at, self._n = batches, crash_at, nan_at, 0
+
+  def __next__(self):
+    self._n += 1
+    if self._n == self._crash_at:
+      raise _Crash(f"killed before batch {self._n}")
+    batch = next(self._batches)
+    if self._n == self._nan_at:
+      batch = {**batch, "image": np.full_like(batch["image"], np.nan)}
+    return batch
+
+  def get_state(self):
+    return self._batches.get_state()
+
+  def set_state(self, state):
+    self._batches.set_state(state)
+
+
+def _patch_batches(monkeypatch, **kwargs):
+  real = inputs.train_batches
+  monkeypatch.setattr(inputs, "train_batches",
+                      lambda *a, **k: _Batches(real(*a, **k), **kwargs))
+
+
+def test_resume_after_crash_ends_identical(quickstart_run, tmp_path, monkeypatch):
+  reference_config, reference_dir, _ = quickstart_run
+  config = _base_only(quickstart.get_config("runlocal"))
+  config.train.log_every = 1
+  assert config.train.checkpoint_every == 4 and config.train.num_steps == 8
+  workdir = str(tmp_path)
+  with monkeypatch.context() as m:
+    _patch_batches(m, crash_at=7)  # Steps 5 and 6 are done and logged, not checkpointed.
+    with pytest.raises(_Crash):
+      train.train_and_evaluate(config, workdir)
+  base_dir = train.run_dir(workdir, train.runs(config)[0])
+  assert checkpoints.RunCheckpoints(base_dir, read_only=True).latest_step() == 4
+  train.train_and_evaluate(config, workdir)
+  resumed = train.load_checkpoints(config, workdir)["base"]
+  uninterrupted = train.load_checkpoints(reference_config, reference_dir)["base"]
+  for path, value in spec_lib.flatten(uninterrupted).items():
+    assert _bits_equal(spec_lib.flatten(resumed)[path], value), path
+  log = metric_writers.read_jsonl(os.path.join(base_dir, "metrics.jsonl"))
+  assert [e["step"] for e in log if "train/loss" in e] == list(range(1, 9))
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+  config = _base_only(quickstart.get_config("runlocal"))
+  _patch_batches(monkeypatch, nan_at=6)
+  with pytest.raises(FloatingPointError, match=r"nan at step 6.*last good checkpoint \(step 4\)"):
+    train.train_and_evaluate(config, str(tmp_path))
+  ckpts = checkpoints.RunCheckpoints(train.run_dir(str(tmp_path), train.runs(config)[0]),
+                                     read_only=True)
+  assert ckpts.all_steps() == [4]
+  params = train.load_checkpoints(config, str(tmp_path))["base"]
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("setting", [gpt2_wiki_bytes, llama_wiki_bytes, bert_offline],
+                         ids=["gpt2", "llama", "bert"])
+def test_runlocal_family(setting, tmp_path):
+  config = _base_only(setting.get_config("runlocal"))
+  results = train.train_and_evaluate(config, str(tmp_path))
+  model = train.create_model(config)
+  trained = spec_lib.flatten(train.load_checkpoints(config, str(tmp_path))["base"])
+  init = spec_lib.flatten(model.init(jax.random.key(config.seed)))
+  assert all(not _bits_equal(trained[p], init[p]) for p in init if p.endswith("kernel"))
+  loss = results["base"]["loss"]
+  assert math.isfinite(loss)
+  if model.task == "lm":  # Better than the uniform guess over bytes after a few steps.
+    assert loss < math.log(model.config.vocab_size)
+
+
+def _mutate(config, field, value):
+  node = config
+  *parents, last = field.split(".")
+  for p in parents:
+    node = node[p]
+  node[last] = value
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("model.family", "resnet", "unknown model family"),
+    ("model.overrides.num_heads", 5, "num_heads"),
+    ("dataset.name", "no_such_data", "unknown data set"),
+    ("reinit.scopes", ("first_attention", "second_layer"), "second_layer"),
+    ("reinit.seeds", (1, 1), "distinct"),
+    ("reinit.dataset", "wiki_bytes", "does not fit"),
+    ("train.batch_size", 4096, "larger than the train split"),
+    ("train.warmup_steps", 8, "warmup_steps"),
+])
+def test_bad_config_fails_before_training(field, value, error, tmp_path):
+  config = quickstart.get_config("runlocal")
+  _mutate(config, field, value)
+  workdir = str(tmp_path / "workdir")
+  with pytest.raises(ValueError, match=error):
+    train.train_and_evaluate(config, workdir)
+  assert not os.path.exists(workdir)
+
+
+def test_workdir_of_another_architecture_is_refused_untouched(quickstart_run):
+  _, workdir, _ = quickstart_run
+  config = quickstart.get_config("runlocal")
+  config.model.overrides.mlp_dim = 96
+  before = _tree_digest(workdir)
+  with pytest.raises(ValueError, match=r"another architecture(.|\n)*layers_0/mlp"):
+    train.train_and_evaluate(config, workdir)
+  assert _tree_digest(workdir) == before
+
+
+def test_main_rejects_override_of_missing_field(tmp_path):
+  workdir = tmp_path / "w"
+  proc = subprocess.run(
+      [sys.executable, "experiments/main.py",
+       "--config=experiments/configs/quickstart.py:runlocal", "--config.train.num_stepz=3",
+       f"--workdir={workdir}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert "config.train.num_stepz" in proc.stderr
+  assert not workdir.exists()
+
+
+_MULTI_DEVICE = """
+import json, sys
+import jax
+from experiments import train
+from experiments.configs import quickstart
+config = quickstart.get_config("runlocal")
+config.reinit.scopes = ()
+config.train.log_every = 1
+train.train_and_evaluate(config, sys.argv[1])
+print(json.dumps({"devices": jax.device_count()}))
+"""
+
+
+def test_data_parallel_matches_single_device(quickstart_run, tmp_path):
+  """Four CPU devices, batch split four ways: the same losses as one device."""
+  config = _base_only(quickstart.get_config("runlocal"))
+  config.train.log_every = 1
+  single = train.train_and_evaluate(config, str(tmp_path / "one"))
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+         "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", _MULTI_DEVICE, str(tmp_path / "four")], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"devices": 4}
+  logs = [metric_writers.read_jsonl(str(tmp_path / d / "base" / "metrics.jsonl"))
+          for d in ("one", "four")]
+  losses = [[e["train/loss"] for e in log if "train/loss" in e] for log in logs]
+  assert len(losses[0]) == config.train.num_steps
+  np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+  four = json.load(open(tmp_path / "four" / "base" / "final_metrics.json"))
+  assert four["loss"] == pytest.approx(single["base"]["loss"], rel=1e-5)

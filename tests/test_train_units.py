@@ -1,0 +1,196 @@
+"""Unit tests of the training pieces that need no model: metrics files, re-init masks, optimiser."""
+
+import glob
+import os
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import main
+from experiments import metric_writers
+from experiments import reinit
+from experiments import train
+from experiments.configs import default
+from experiments.configs import quickstart
+
+
+def _read_varint(buf, i):
+  shift = value = 0
+  while True:
+    b = buf[i]
+    value |= (b & 0x7F) << shift
+    i += 1
+    shift += 7
+    if not b & 0x80:
+      return value, i
+
+
+def _fields(buf):
+  """Protocol-buffer fields of ``buf`` as (number, value) pairs."""
+  i, out = 0, []
+  while i < len(buf):
+    key, i = _read_varint(buf, i)
+    number, wire = key >> 3, key & 7
+    if wire == 0:
+      value, i = _read_varint(buf, i)
+    elif wire == 1:
+      value, i = buf[i:i + 8], i + 8
+    elif wire == 5:
+      value, i = buf[i:i + 4], i + 4
+    else:
+      length, i = _read_varint(buf, i)
+      value, i = buf[i:i + length], i + length
+    out.append((number, value))
+  return out
+
+
+def _tensorboard_scalars(path):
+  """{(step, tag): value} from a TFRecord file of Event protos, checking every CRC."""
+  data = open(path, "rb").read()
+  i, out = 0, {}
+  while i < len(data):
+    header = data[i:i + 8]
+    (length,) = struct.unpack("<Q", header)
+    assert struct.unpack("<I", data[i + 8:i + 12])[0] == metric_writers._masked_crc(header)
+    payload = data[i + 12:i + 12 + length]
+    assert struct.unpack("<I", data[i + 12 + length:i + 16 + length])[0] == \
+        metric_writers._masked_crc(payload)
+    i += 16 + length
+    event = dict(_fields(payload))
+    for number, value in _fields(event.get(5, b"")):
+      assert number == 1
+      v = dict(_fields(value))
+      out[(event[2], v[1].decode())] = struct.unpack("<f", v[2])[0]
+  return out
+
+
+def test_crc32c_check_value():
+  # The standard check value of CRC-32C (RFC 3720).
+  assert metric_writers.crc32c(b"123456789") == 0xE3069283
+
+
+def test_metric_writer_json_and_tensorboard(tmp_path):
+  writer = metric_writers.MetricWriter(str(tmp_path))
+  for step in (1, 2, 3):
+    writer.write_scalars(step, {"train/loss": 1.0 / step, "eval/accuracy": 0.25 * step})
+  writer.close()
+  log = metric_writers.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert [e["step"] for e in log] == [1, 2, 3]
+  assert log[1]["train/loss"] == 0.5
+  (events,) = glob.glob(str(tmp_path / "events.out.tfevents.*"))
+  scalars = _tensorboard_scalars(events)
+  assert scalars[(3, "eval/accuracy")] == pytest.approx(0.75)
+  assert scalars[(2, "train/loss")] == pytest.approx(0.5)
+  assert len(scalars) == 6
+
+  # Resuming from step 1 drops what was logged after it, so steps stay unique.
+  writer = metric_writers.MetricWriter(str(tmp_path), resume_step=1)
+  writer.write_scalars(2, {"train/loss": 7.0})
+  writer.close()
+  log = metric_writers.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert [(e["step"], e["train/loss"]) for e in log] == [(1, 1.0), (2, 7.0)]
+
+
+def test_metric_writer_disabled_writes_nothing(tmp_path):
+  writer = metric_writers.MetricWriter(str(tmp_path / "run"), enabled=False)
+  writer.write_scalars(1, {"loss": 1.0})
+  writer.close()
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_progress_line_eta(monkeypatch):
+  clock = iter([0.0, 100.0, 200.0])  # Construction, begin, line.
+  monkeypatch.setattr(metric_writers.time, "perf_counter", lambda: next(clock))
+  progress = metric_writers.Progress(total=20, width=10)
+  progress.begin(5)
+  line = progress.line(10, {"loss": 0.5})  # 5 steps in 100 s; 10 steps left.
+  assert line.startswith("[#####.....]  50% step 10/20 loss 0.5 |")
+  assert "0.05 steps/s" in line and line.endswith("ETA 0:03:20")
+
+
+def _toy_params():
+  return {"embed": {"embedding": jnp.ones((5, 4))},
+          "layers_0": {"attention": {"query": {"kernel": jnp.ones((4, 2, 2)),
+                                               "bias": jnp.ones((2, 2))}},
+                       "mlp": {"kernel": jnp.ones((4, 8))}},
+          "layers_1": {"attention": {"query": {"kernel": jnp.ones((4, 2, 2))}}},
+          "layers_10": {"attention": {"query": {"kernel": jnp.ones((4, 2, 2))}}}}
+
+
+def test_trainable_mask_prefixes():
+  params = _toy_params()
+  flat = lambda mask: {p for p, m in reinit.spec_lib.flatten(mask).items() if m}
+  assert flat(reinit.trainable_mask(params, ["layers_1/attention"])) == {
+      "layers_1/attention/query/kernel"}  # Not layers_10.
+  assert flat(reinit.trainable_mask(params, ["layers_0"])) == {
+      "layers_0/attention/query/kernel", "layers_0/attention/query/bias", "layers_0/mlp/kernel"}
+  assert len(flat(reinit.trainable_mask(params, [""]))) == 6
+  with pytest.raises(ValueError, match="layers_3"):
+    reinit.trainable_mask(params, ["layers_3/attention"])
+  with pytest.raises(ValueError, match="at least one"):
+    reinit.trainable_mask(params, [])
+
+
+def test_reinitialise_and_changed_frozen_is_bitwise():
+  trained = {"a": np.zeros(3, np.float32), "b": np.ones(3, np.float32)}
+  fresh = {"a": np.full(3, 2.0, np.float32), "b": np.full(3, 5.0, np.float32)}
+  mask = {"a": False, "b": True}
+  params = reinit.reinitialise(trained, fresh, mask)
+  assert params["a"] is trained["a"] and params["b"] is fresh["b"]
+  assert reinit.changed_frozen(trained, params, mask) == []
+  # -0.0 == 0.0 numerically but not bit for bit: it must count as a change.
+  assert reinit.changed_frozen(trained, {"a": -np.zeros(3, np.float32), "b": fresh["b"]},
+                               mask) == ["a"]
+
+
+def test_optimizer_freezes_masked_leaves():
+  config = default.get_config()
+  params = {"frozen": {"kernel": jnp.ones((3, 3))},
+            "train": {"kernel": jnp.ones((3, 3)), "bias": jnp.ones(3)}}
+  trainable = {"frozen": {"kernel": False}, "train": {"kernel": True, "bias": True}}
+  sched = train.Schedule(num_steps=10, learning_rate=0.1, warmup_steps=1)
+  optimizer, lr = train.create_optimizer(config, sched, trainable)
+  state = optimizer.init(params)
+  # Adam moments exist for the trainable leaves only.
+  moments = [x for x in jax.tree.leaves(state) if x.ndim == 2]
+  assert len(moments) == 2
+  grads = jax.tree.map(jnp.zeros_like, params)
+  _, state = optimizer.update(grads, state, params)  # Step 0 of the warmup: learning rate 0.
+  updates, _ = optimizer.update(grads, state, params)
+  assert lr(0) == 0 and lr(1) > 0
+  np.testing.assert_array_equal(updates["frozen"]["kernel"], 0.0)
+  # With zero gradients only weight decay moves a leaf: matrices, not biases.
+  assert np.all(np.asarray(updates["train"]["kernel"]) < 0)
+  np.testing.assert_array_equal(updates["train"]["bias"], 0.0)
+
+
+@pytest.mark.parametrize("arg, error", [("rope,ape", "exclude"), ("bogus", "bogus")])
+def test_config_variant_errors(arg, error):
+  with pytest.raises(ValueError, match=error):
+    quickstart.get_config(arg)
+
+
+def test_default_workdir_names_setting_and_variant():
+  assert main.default_workdir("experiments/configs/vit_cifar.py:rope,runlocal").endswith(
+      os.path.join("attn_symmetry", "vit_cifar_rope_runlocal"))
+  assert main.default_workdir("configs/quickstart.py").endswith(
+      os.path.join("attn_symmetry", "quickstart"))
+
+
+def test_runs_layout():
+  config = default.get_config()
+  config.reinit.scopes = ("first_attention", "full")
+  config.reinit.seeds = (3, 4)
+  config.reinit.dataset = "mnist5k"
+  runs = train.runs(config)
+  assert [r.name for r in runs] == ["base", "reinit/first_attention/seed_3",
+                                    "reinit/first_attention/seed_4", "reinit/full/seed_3",
+                                    "reinit/full/seed_4"]
+  assert runs[0].dataset == "digits" and {r.dataset for r in runs[1:]} == {"mnist5k"}
+  assert [r.fine_tunes for r in runs] == [False, True, True, False, False]
+  assert train.run_dir("/w", runs[1]) == os.path.join("/w", "reinit", "first_attention", "seed_3")
+  assert train.schedule(config, runs[1]).num_steps == config.reinit.num_steps
+  assert train.schedule(config, runs[3]).num_steps == config.train.num_steps
