@@ -45,28 +45,25 @@ def _build(case):
   return models.build(family, "tiny", **overrides)
 
 
-def _params64(model, key):
+def _params64(model, seed):
   """Float64 params with every leaf perturbed (non-zero biases, non-unit norm scales)."""
-  params = model.init(key)
-  flat = spec_lib.flatten(params)
-  out = {}
-  for i, (path, leaf) in enumerate(sorted(flat.items())):
-    noise = jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float64)
-    out[path] = leaf.astype(jnp.float64) + 0.3 * noise
-  return spec_lib.unflatten(out)
+  rng = np.random.default_rng(seed)
+  flat = spec_lib.flatten(model.init(jax.random.key(seed)))
+  return spec_lib.unflatten({path: jnp.asarray(leaf, jnp.float64) + 0.3 * rng.normal(size=leaf.shape)
+                             for path, leaf in sorted(flat.items())})
 
 
-def _batch(model, key):
+def _batch(model, seed):
   """(inputs, kwargs) for one float64 forward pass, with padding and segments where they exist."""
   cfg = model.config
+  rng = np.random.default_rng(seed)
   if cfg.family == "vit":
-    shape = (B, cfg.image_size, cfg.image_size, cfg.num_channels)
-    return jax.random.normal(key, shape, jnp.float64), {}
-  tokens = jax.random.randint(key, (B, T), 0, cfg.vocab_size)
+    return jnp.asarray(rng.normal(size=(B, cfg.image_size, cfg.image_size, cfg.num_channels))), {}
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
   kwargs = {}
   if cfg.family == "bert":
-    kwargs["mask"] = jnp.arange(T)[None, :] < jnp.array([[T], [T - 2]])
-    kwargs["segments"] = (jnp.arange(T)[None, :] >= 3).astype(jnp.int32).repeat(B, 0)
+    kwargs["mask"] = jnp.asarray(np.arange(T)[None, :] < np.array([[T], [T - 2]]))
+    kwargs["segments"] = jnp.asarray(np.arange(T)[None, :] >= 3, jnp.int32).repeat(B, 0)
   return tokens, kwargs
 
 
@@ -84,8 +81,8 @@ def _max_diff(a, b):
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_invariant_under_full_group(x64, case):
   model = _build(case)
-  params = _params64(model, jax.random.key(0))
-  inputs, kwargs = _batch(model, jax.random.key(1))
+  params = _params64(model, 0)
+  inputs, kwargs = _batch(model, 1)
   element = ga.random_model_element(jax.random.key(2), model.spec)
   moved = _transform(model, params, element)
   apply = jax.jit(model.apply)
@@ -124,8 +121,8 @@ def test_spec_factors_per_family():
 @pytest.mark.parametrize("case", ["vit-rope2d", "bert-rope", "gpt2-rope-partial", "llama-rope"])
 def test_gl_on_rope_qk_changes_logits(x64, case):
   model = _build(case)
-  params = _params64(model, jax.random.key(0))
-  inputs, kwargs = _batch(model, jax.random.key(1))
+  params = _params64(model, 0)
+  inputs, kwargs = _batch(model, 1)
   element = ga.random_model_element(jax.random.key(2), model.spec, attention_group="gl")
   moved = _transform(model, params, element)
   logits, _ = model.apply(params, inputs, **kwargs)
@@ -229,8 +226,9 @@ def test_causal_models_ignore_the_future():
   params = model.init(jax.random.key(0))
   tokens = jnp.arange(T)[None] % model.config.vocab_size
   changed = tokens.at[0, -1].set(5)
-  a, _ = model.apply(params, tokens)
-  b, _ = model.apply(params, changed)
+  apply = jax.jit(model.apply)
+  a, _ = apply(params, tokens)
+  b, _ = apply(params, changed)
   np.testing.assert_allclose(a[:, :-1], b[:, :-1], atol=1e-6)
   assert _max_diff(a[:, -1], b[:, -1]) > 1e-6
 
@@ -240,9 +238,10 @@ def test_bert_mask_hides_padding():
   params = model.init(jax.random.key(0))
   tokens = jnp.array([[1, 2, 3, 4, 0, 0, 0]])
   mask = tokens > 0
-  a, _ = model.apply(params, tokens, mask=mask)
-  b, _ = model.apply(params, tokens.at[0, 5].set(9), mask=mask)
-  c, _ = model.apply(params, tokens.at[0, 5].set(9))
+  apply = jax.jit(model.apply)
+  a, _ = apply(params, tokens, mask=mask)
+  b, _ = apply(params, tokens.at[0, 5].set(9), mask=mask)
+  c, _ = apply(params, tokens.at[0, 5].set(9), mask=jnp.ones_like(mask))
   np.testing.assert_allclose(a, b, atol=1e-6)
   assert _max_diff(a, c) > 1e-6
 

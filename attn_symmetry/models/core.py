@@ -18,6 +18,7 @@ parameters, so a group element of ``group_action`` acts on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,15 @@ ACTIVATIONS = {
 }
 
 
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
+  """A parameter drawn from N(0, std^2).
+
+  Drawn flat and reshaped: eager draws compile once per shape, and the flat
+  shape is shared by all kernels of the same size (q, k, v, out; w_in, w_out).
+  """
+  return nnx.Param(std * jax.random.normal(rngs.params(), (math.prod(shape),)).reshape(shape))
+
+
 class Dense(nnx.Module):
   """y = x . kernel + bias, contracting the trailing axes of x with the kernel's leading ones.
 
@@ -49,7 +59,7 @@ class Dense(nnx.Module):
   def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], *, use_bias: bool,
                init_std: float, rngs: nnx.Rngs):
     self.num_in = len(in_shape)
-    self.kernel = nnx.Param(init_std * jax.random.normal(rngs.params(), (*in_shape, *out_shape)))
+    self.kernel = normal_param(rngs, (*in_shape, *out_shape), init_std)
     self.bias = nnx.Param(jnp.zeros(tuple(out_shape))) if use_bias else None
 
   def tree(self) -> dict[str, jax.Array]:
@@ -68,7 +78,7 @@ class Embedding(nnx.Module):
   """A lookup table ``embedding`` [V, D]; ``attend`` gives x E^T (a tied output head)."""
 
   def __init__(self, num: int, width: int, *, init_std: float, rngs: nnx.Rngs):
-    self.embedding = nnx.Param(init_std * jax.random.normal(rngs.params(), (num, width)))
+    self.embedding = normal_param(rngs, (num, width), init_std)
 
   def __call__(self, ids: jax.Array) -> jax.Array:
     return jnp.take(self.embedding[...], ids, axis=0)
@@ -284,10 +294,6 @@ def assemble_spec(cfg: Config, r: str | None, factors: dict[str, spec_lib.Factor
     factors = {r: residual, **factors}
   norm_scales = readers if residual is not None and residual.kind == "orthogonal" else {}
   return spec_lib.SymmetrySpec(factors, axes, sites, norm_scales)
-
-
-def normal_init(cfg: Config, rngs: nnx.Rngs, shape: tuple[int, ...]) -> nnx.Param:
-  return nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), shape))
 
 
 def check_tokens(cfg: Config, tokens: Any, name: str = "inputs") -> jax.Array:

@@ -57,7 +57,7 @@ class VisionTransformer(core.TransformerCore):
     p, d = cfg.patch_size, cfg.width
     self.patch_embed = core.Dense((p, p, cfg.num_channels), (d,), use_bias=cfg.use_bias,
                                   init_std=cfg.init_std, rngs=rngs)
-    self.cls_token = core.normal_init(cfg, rngs, (d,)) if cfg.pooling == "cls" else None
+    self.cls_token = core.normal_param(rngs, (d,), cfg.init_std) if cfg.pooling == "cls" else None
     self.pos_embed = (core.Embedding(num_tokens(cfg), d, init_std=cfg.init_std, rngs=rngs)
                       if cfg.pos_encoding == "learned" else None)
     self.head = core.Dense((d,), (cfg.num_classes,), use_bias=True, init_std=cfg.init_std,

@@ -1,0 +1,431 @@
+"""Hugging Face ``transformers`` checkpoints <-> the model zoo.
+
+    apply_fn, params = convert.from_hf(hf_model)            # a PyTorch HF model
+    apply_fn, params = convert.from_hf(state_dict, hf_config)
+    model, params = convert.load_hf(hf_model)                # with the Model
+    hf_model = convert.to_hf(model, params)                  # back to PyTorch
+
+Supported: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` (grouped-query attention,
+half-split RoPE with the default rope type), ``BertForSequenceClassification``,
+``BertForMaskedLM`` and ``ViTForImageClassification``.
+
+Each family has a table from our parameter paths to HF state-dict keys and
+the layout of the HF tensor:
+
+* "same": the same numbers, reshaped (biases [N * H] -> [N, H], embeddings,
+  norms, GPT-2's ``Conv1D`` weights, which are already [in, out]);
+* "linear": a ``torch.nn.Linear`` weight [out, in], transposed, then reshaped
+  (q_proj [N * H, D] -> query/kernel [D, N, H]; o_proj [D, N * H] ->
+  out/kernel [N, H, D]); HF splits heads head-major, like the canonical layout;
+* "conv": ViT's patch convolution [D, C, p, p] -> patch_embed/kernel [p, p, C, D];
+* ``part`` i of 3: GPT-2's fused ``c_attn`` [D, 3D] holds query, key, value
+  side by side along its last axis.
+
+The checkpoint is compared key by key and shape by shape with an HF model
+built (on PyTorch's meta device, so nothing is allocated) from the same
+config, so a missing, extra or misshapen parameter is reported by name before
+anything is converted. HF config options that the zoo cannot express (rope
+scaling, GPT-2's per-layer attention scaling, a ViT without qkv biases, ...)
+are refused with a ValueError naming the option. ``torch`` and
+``transformers`` are imported only when a converter is called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.models import config as config_lib
+from attn_symmetry.models.model import Model
+
+_ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                "relu": "relu", "silu": "silu", "swish": "silu"}
+_ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+_HF_CLASSES = {("gpt2", "lm"): "GPT2LMHeadModel", ("llama", "lm"): "LlamaForCausalLM",
+               ("bert", "classifier"): "BertForSequenceClassification",
+               ("bert", "mlm"): "BertForMaskedLM", ("vit", "classifier"): "ViTForImageClassification"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where one of our leaves lives in an HF state dict (module docstring)."""
+  key: str
+  layout: str = "same"
+  part: int | None = None
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def _require(hf_config: Any, name: str, ok: Callable[[Any], bool], what: str) -> None:
+  value = getattr(hf_config, name, None)
+  if not ok(value):
+    raise ValueError(f"unsupported HF config: {name}={value!r} ({what})")
+
+
+def _activation(hf_name: str) -> str:
+  if hf_name not in _ACT_FROM_HF:
+    raise ValueError(f"unsupported HF activation {hf_name!r}; supported {sorted(_ACT_FROM_HF)}")
+  return _ACT_FROM_HF[hf_name]
+
+
+def _rope_theta(hf_config: Any) -> float:
+  params = getattr(hf_config, "rope_parameters", None) or {}
+  scaling = getattr(hf_config, "rope_scaling", None) or {}
+  rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+  if rope_type != "default":
+    raise ValueError(f"unsupported HF config: rope type {rope_type!r} (only plain RoPE, 'default')")
+  return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def config_from_hf(hf_config: Any, head: str) -> config_lib.Config:
+  """Our ``Config`` for an HF config (``head`` as in ``Config.head``).
+
+  Raises:
+    ValueError: the model type or an option that the zoo cannot express.
+  """
+  kind = getattr(hf_config, "model_type", None)
+  c = hf_config
+  if kind == "gpt2":
+    _require(c, "scale_attn_weights", lambda v: v is not False, "attention must be scaled")
+    _require(c, "scale_attn_by_inverse_layer_idx", lambda v: not v, "per-layer scaling")
+    return config_lib.make_config(
+        "gpt2", width=c.n_embd, depth=c.n_layer, num_heads=c.n_head,
+        mlp_dim=c.n_inner or 4 * c.n_embd, max_len=c.n_positions, vocab_size=c.vocab_size,
+        norm_eps=c.layer_norm_epsilon, activation=_activation(c.activation_function),
+        tied_embeddings=c.tie_word_embeddings)
+  if kind == "llama":
+    _require(c, "mlp_bias", lambda v: bool(v) == bool(c.attention_bias),
+             "attention_bias and mlp_bias must agree")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    _require(c, "head_dim", lambda v: head_dim * c.num_attention_heads == c.hidden_size,
+             "head_dim must be hidden_size / num_attention_heads")
+    return config_lib.make_config(
+        "llama", width=c.hidden_size, depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+        mlp_dim=c.intermediate_size, max_len=c.max_position_embeddings, vocab_size=c.vocab_size,
+        norm_eps=c.rms_norm_eps, rope_base=_rope_theta(c), activation=_activation(c.hidden_act),
+        use_bias=bool(c.attention_bias), tied_embeddings=c.tie_word_embeddings)
+  if kind == "bert":
+    _require(c, "position_embedding_type", lambda v: v in (None, "absolute"),
+             "only absolute position embeddings")
+    _require(c, "is_decoder", lambda v: not v, "BERT as a decoder")
+    return config_lib.make_config(
+        "bert", width=c.hidden_size, depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
+        mlp_dim=c.intermediate_size, max_len=c.max_position_embeddings, vocab_size=c.vocab_size,
+        num_segments=c.type_vocab_size, norm_eps=c.layer_norm_eps,
+        activation=_activation(c.hidden_act), num_classes=c.num_labels, head=head,
+        tied_embeddings=c.tie_word_embeddings)
+  if kind == "vit":
+    _require(c, "qkv_bias", lambda v: v is not False, "the zoo's ViT has qkv biases")
+    return config_lib.make_config(
+        "vit", width=c.hidden_size, depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
+        mlp_dim=c.intermediate_size, image_size=c.image_size, patch_size=c.patch_size,
+        num_channels=c.num_channels, norm_eps=c.layer_norm_eps,
+        activation=_activation(c.hidden_act), num_classes=c.num_labels)
+  raise ValueError(f"unsupported HF model type {kind!r}; supported: gpt2, llama, bert, vit")
+
+
+def hf_config(cfg: config_lib.Config) -> Any:
+  """The HF config of our ``cfg``.
+
+  Raises:
+    ValueError: naming the config fields that HF's model of the family cannot
+      express (e.g. ``pos_encoding`` for a GPT-2 with RoPE).
+  """
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  act = _ACT_TO_HF[cfg.activation]
+  if cfg.family == "gpt2":
+    out = transformers.GPT2Config(
+        n_embd=cfg.width, n_layer=cfg.depth, n_head=cfg.num_heads, n_inner=cfg.mlp_dim,
+        n_positions=cfg.max_len, vocab_size=cfg.vocab_size, layer_norm_epsilon=cfg.norm_eps,
+        activation_function=act, tie_word_embeddings=cfg.tied_embeddings)
+  elif cfg.family == "llama":
+    out = transformers.LlamaConfig(
+        hidden_size=cfg.width, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.mlp_dim,
+        max_position_embeddings=cfg.max_len, vocab_size=cfg.vocab_size, rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base}, hidden_act=act,
+        attention_bias=cfg.use_bias, mlp_bias=cfg.use_bias, tie_word_embeddings=cfg.tied_embeddings,
+        head_dim=cfg.head_dim)
+  elif cfg.family == "bert":
+    out = transformers.BertConfig(
+        hidden_size=cfg.width, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
+        intermediate_size=cfg.mlp_dim, max_position_embeddings=cfg.max_len,
+        vocab_size=cfg.vocab_size, type_vocab_size=cfg.num_segments, layer_norm_eps=cfg.norm_eps,
+        hidden_act=act, num_labels=cfg.num_classes, tie_word_embeddings=cfg.tied_embeddings)
+  else:
+    out = transformers.ViTConfig(
+        hidden_size=cfg.width, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
+        intermediate_size=cfg.mlp_dim, image_size=cfg.image_size, patch_size=cfg.patch_size,
+        num_channels=cfg.num_channels, layer_norm_eps=cfg.norm_eps, hidden_act=act,
+        num_labels=cfg.num_classes, qkv_bias=True)
+  back = config_from_hf(out, cfg.head)
+  differ = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(back, f.name) and f.name != "init_std"}
+  if differ:
+    raise ValueError(f"HF {_HF_CLASSES[cfg.family, cfg.head]} cannot express config fields "
+                     f"{differ} (it would use {[getattr(back, k) for k in differ]})")
+  return out
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _dense(ours: str, hf: str, bias: bool, layout: str = "linear") -> dict[str, Source]:
+  table = {f"{ours}/kernel": Source(f"{hf}.weight", layout)}
+  if bias:
+    table[f"{ours}/bias"] = Source(f"{hf}.bias")
+  return table
+
+
+def _norm(ours: str, hf: str, cfg: config_lib.Config) -> dict[str, Source]:
+  table = {f"{ours}/scale": Source(f"{hf}.weight")}
+  if cfg.norm == "layer":
+    table[f"{ours}/bias"] = Source(f"{hf}.bias")
+  return table
+
+
+def _gpt2_table(cfg):
+  t = {"embed/embedding": Source("transformer.wte.weight"),
+       "pos_embed/embedding": Source("transformer.wpe.weight")}
+  for i in range(cfg.depth):
+    hf, lp = f"transformer.h.{i}", f"layers_{i}"
+    t |= _norm(f"{lp}/attention_norm", f"{hf}.ln_1", cfg) | _norm(f"{lp}/mlp_norm", f"{hf}.ln_2", cfg)
+    for part, name in enumerate(("query", "key", "value")):
+      t[f"{lp}/attention/{name}/kernel"] = Source(f"{hf}.attn.c_attn.weight", part=part)
+      t[f"{lp}/attention/{name}/bias"] = Source(f"{hf}.attn.c_attn.bias", part=part)
+    t |= _dense(f"{lp}/attention/out", f"{hf}.attn.c_proj", True, "same")
+    t |= _dense(f"{lp}/mlp/wi", f"{hf}.mlp.c_fc", True, "same")
+    t |= _dense(f"{lp}/mlp/wo", f"{hf}.mlp.c_proj", True, "same")
+  t |= _norm("final_norm", "transformer.ln_f", cfg)
+  aliases = {"lm_head.weight": "transformer.wte.weight"} if cfg.tied_embeddings else {}
+  if not cfg.tied_embeddings:
+    t |= _dense("head", "lm_head", False)
+  return t, aliases
+
+
+def _llama_table(cfg):
+  t = {"embed/embedding": Source("model.embed_tokens.weight")}
+  b = cfg.use_bias
+  for i in range(cfg.depth):
+    hf, lp = f"model.layers.{i}", f"layers_{i}"
+    t |= _norm(f"{lp}/attention_norm", f"{hf}.input_layernorm", cfg)
+    t |= _norm(f"{lp}/mlp_norm", f"{hf}.post_attention_layernorm", cfg)
+    for name, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "o_proj")):
+      t |= _dense(f"{lp}/attention/{name}", f"{hf}.self_attn.{proj}", b)
+    for name in ("gate", "up", "down"):
+      t |= _dense(f"{lp}/mlp/{name}", f"{hf}.mlp.{name}_proj", b)
+  t |= _norm("final_norm", "model.norm", cfg)
+  aliases = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tied_embeddings else {}
+  if not cfg.tied_embeddings:
+    t |= _dense("head", "lm_head", False)
+  return t, aliases
+
+
+def _bert_table(cfg):
+  e = "bert.embeddings"
+  t = {"embed/embedding": Source(f"{e}.word_embeddings.weight"),
+       "segment_embed/embedding": Source(f"{e}.token_type_embeddings.weight"),
+       "pos_embed/embedding": Source(f"{e}.position_embeddings.weight")}
+  t |= _norm("embed_norm", f"{e}.LayerNorm", cfg)
+  for i in range(cfg.depth):
+    hf, lp = f"bert.encoder.layer.{i}", f"layers_{i}"
+    for name in ("query", "key", "value"):
+      t |= _dense(f"{lp}/attention/{name}", f"{hf}.attention.self.{name}", True)
+    t |= _dense(f"{lp}/attention/out", f"{hf}.attention.output.dense", True)
+    t |= _norm(f"{lp}/attention_norm", f"{hf}.attention.output.LayerNorm", cfg)
+    t |= _dense(f"{lp}/mlp/wi", f"{hf}.intermediate.dense", True)
+    t |= _dense(f"{lp}/mlp/wo", f"{hf}.output.dense", True)
+    t |= _norm(f"{lp}/mlp_norm", f"{hf}.output.LayerNorm", cfg)
+  aliases = {}
+  if cfg.head == "classifier":
+    t |= _dense("pooler", "bert.pooler.dense", True) | _dense("head", "classifier", True)
+  else:
+    p = "cls.predictions"
+    t |= _dense("mlm/transform", f"{p}.transform.dense", True)
+    t |= _norm("mlm/norm", f"{p}.transform.LayerNorm", cfg)
+    aliases[f"{p}.decoder.bias"] = f"{p}.bias"
+    if cfg.tied_embeddings:
+      t["mlm/bias"] = Source(f"{p}.bias")
+      aliases[f"{p}.decoder.weight"] = f"{e}.word_embeddings.weight"
+    else:
+      t |= {"mlm/decoder/kernel": Source(f"{p}.decoder.weight", "linear"),
+            "mlm/decoder/bias": Source(f"{p}.bias")}
+  return t, aliases
+
+
+def _vit_table(cfg):
+  e = "vit.embeddings"
+  t = {"cls_token": Source(f"{e}.cls_token"), "pos_embed/embedding": Source(f"{e}.position_embeddings")}
+  t |= _dense("patch_embed", f"{e}.patch_embeddings.projection", True, "conv")
+  for i in range(cfg.depth):
+    hf, lp = f"vit.layers.{i}", f"layers_{i}"
+    t |= _norm(f"{lp}/attention_norm", f"{hf}.layernorm_before", cfg)
+    for name, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "o_proj")):
+      t |= _dense(f"{lp}/attention/{name}", f"{hf}.attention.{proj}", True)
+    t |= _norm(f"{lp}/mlp_norm", f"{hf}.layernorm_after", cfg)
+    t |= _dense(f"{lp}/mlp/wi", f"{hf}.mlp.fc1", True) | _dense(f"{lp}/mlp/wo", f"{hf}.mlp.fc2", True)
+  t |= _norm("final_norm", "vit.layernorm", cfg) | _dense("head", "classifier", True)
+  return t, {}
+
+
+_TABLES = {"gpt2": _gpt2_table, "llama": _llama_table, "bert": _bert_table, "vit": _vit_table}
+
+
+def param_table(cfg: config_lib.Config) -> tuple[dict[str, Source], dict[str, str]]:
+  """({our path: Source}, {tied HF alias key: the HF key it repeats}) for ``cfg``."""
+  return _TABLES[cfg.family](cfg)
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+  if hasattr(x, "detach"):  # a torch tensor
+    import torch  # pylint: disable=g-import-not-at-top
+    return x.detach().to(device="cpu", dtype=torch.float32).numpy()
+  return np.asarray(x, np.float32)
+
+
+def _read(x: np.ndarray, src: Source, shape: tuple[int, ...]) -> np.ndarray:
+  if src.part is not None:
+    x = np.split(x, 3, axis=-1)[src.part]
+  if src.layout == "linear":
+    x = x.T
+  elif src.layout == "conv":
+    x = x.transpose(2, 3, 1, 0)
+  return x.reshape(shape)
+
+
+def _write(x: np.ndarray, src: Source, hf_shape: tuple[int, ...]) -> np.ndarray:
+  """Inverse of ``_read``: our leaf -> the HF tensor (or its part), shape ``hf_shape``."""
+  if src.part is not None:
+    hf_shape = (*hf_shape[:-1], hf_shape[-1] // 3)
+  if src.layout == "linear":
+    return x.reshape(hf_shape[::-1]).T
+  if src.layout == "conv":
+    return x.transpose(3, 2, 0, 1)
+  return x.reshape(hf_shape)
+
+
+def _head_of(family: str, keys: set[str]) -> str:
+  if family in ("gpt2", "llama"):
+    return "lm"
+  if family == "vit" or "classifier.weight" in keys:
+    return "classifier"
+  if "cls.predictions.transform.dense.weight" in keys:
+    return "mlm"
+  raise ValueError("BERT checkpoint has neither a classifier ('classifier.weight') nor an MLM head "
+                   "('cls.predictions.transform.dense.weight')")
+
+
+def _template(cfg: config_lib.Config, hf_cfg: Any) -> dict[str, tuple[int, ...]]:
+  """Key -> shape of the state dict of an HF model of this config (built on the meta device)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  with torch.device("meta"):
+    hf_model = getattr(transformers, _HF_CLASSES[cfg.family, cfg.head])(hf_cfg)
+  return {k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
+
+
+def _check_checkpoint(state: Mapping[str, np.ndarray], template: dict[str, tuple[int, ...]],
+                      aliases: dict[str, str]) -> None:
+  missing = sorted(set(template) - set(state) - set(aliases))
+  extra = sorted(set(state) - set(template))
+  misshapen = [f"{k}: {tuple(state[k].shape)} instead of {s}" for k, s in sorted(template.items())
+               if k in state and tuple(state[k].shape) != s]
+  if missing or extra or misshapen:
+    raise ValueError(f"HF checkpoint does not fit its config: missing {missing}; extra {extra}; "
+                     f"misshapen {misshapen}")
+  untied = [a for a, src in sorted(aliases.items()) if a in state
+            and not np.array_equal(state[a], state[src])]
+  if untied:
+    raise ValueError(f"HF checkpoint: tied parameters {untied} differ from the ones they repeat")
+
+
+def load_hf(hf_model: Any, hf_config: Any = None) -> tuple[Model, dict[str, Any]]:
+  """Converts an HF model (or a state dict and its config) to (``Model``, params).
+
+  Args:
+    hf_model: a PyTorch HF model of a supported class, or its state dict
+      (key -> tensor or array).
+    hf_config: the HF config; required with a state dict.
+
+  Returns:
+    The zoo model of the same architecture and its float32 parameters.
+
+  Raises:
+    ValueError: unsupported architecture or option; a checkpoint with
+      missing, extra or misshapen parameters (named).
+  """
+  if hasattr(hf_model, "state_dict"):
+    hf_config = hf_model.config if hf_config is None else hf_config
+    hf_model = hf_model.state_dict()
+  if hf_config is None:
+    raise ValueError("load_hf needs hf_config when given a state dict")
+  state = {k: _to_numpy(v) for k, v in hf_model.items()}
+  family = getattr(hf_config, "model_type", None)
+  if family not in _TABLES:
+    raise ValueError(f"unsupported HF model type {family!r}; supported: {sorted(_TABLES)}")
+  cfg = config_from_hf(hf_config, _head_of(family, set(state)))
+  model = Model(cfg)
+  table, aliases = param_table(cfg)
+  template = _template(cfg, hf_config)
+  _check_checkpoint(state, template, aliases)
+  unused = sorted(set(template) - {s.key for s in table.values()} - set(aliases))
+  if unused:
+    raise ValueError(f"HF parameters {unused} have no counterpart in the zoo's {family} model")
+  flat = {path: jnp.asarray(_read(state[src.key], src, model.param_shapes[path]))
+          for path, src in table.items()}
+  params = spec_lib.unflatten(flat)
+  model.check_params(params)
+  return model, params
+
+
+def from_hf(hf_model: Any, hf_config: Any = None) -> tuple[Callable[..., Any], dict[str, Any]]:
+  """(apply_fn, params) for an HF model or state dict; ``load_hf`` has the details.
+
+  ``apply_fn(params, inputs, *, mask=None, segments=None)`` is ``Model.apply``:
+  ViT takes images [B, S, S, C] (channels last, unlike HF's pixel_values).
+  """
+  model, params = load_hf(hf_model, hf_config)
+  return model.apply, params
+
+
+def to_hf(model: Model, params: Mapping[str, Any]) -> Any:
+  """An HF PyTorch model (eval mode) with ``params``; the inverse of ``load_hf``.
+
+  Raises:
+    ValueError: if HF's model of the family cannot express ``model.config``
+      (naming the fields), or ``params`` do not fit the model.
+  """
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  cfg = model.config
+  model.check_params(params)
+  hf_cfg = hf_config(cfg)
+  hf_model = getattr(transformers, _HF_CLASSES[cfg.family, cfg.head])(hf_cfg)
+  template = {k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
+  table, aliases = param_table(cfg)
+  flat = spec_lib.flatten(params)
+  parts: dict[str, dict[int | None, np.ndarray]] = {}
+  for path, src in table.items():
+    value = _write(np.asarray(flat[path], np.float32), src, template[src.key])
+    parts.setdefault(src.key, {})[src.part] = value
+  state = {key: torch.from_numpy(np.array(
+      np.concatenate([p[i] for i in range(3)], -1) if None not in p else p[None]))
+           for key, p in parts.items()}
+  for alias, src in aliases.items():
+    if alias in template:
+      state[alias] = state[src]
+  hf_model.load_state_dict(state, strict=True)
+  return hf_model.eval()
