@@ -9,6 +9,7 @@ import pytest
 
 from attn_symmetry import data
 from attn_symmetry.data import _builders
+from attn_symmetry.data import _records
 
 IMAGE_SETS = ["digits", "mnist5k", "fashion_mnist_deb"]
 TEXT_SETS = ["newsgroups_mini"]
@@ -22,6 +23,14 @@ LM_SEQ_LEN = 128  # and long LM windows keep the number of examples small.
 def data_dir(tmp_path_factory):
   """One data dir for the session; each offline data set is prepared on first use."""
   return str(tmp_path_factory.mktemp("tensorflow_datasets"))
+
+
+@pytest.fixture(params=["in_memory", "from_files"])
+def read_mode(request, monkeypatch):
+  """Small splits are read from memory; "from_files" forces batched reads of the records."""
+  if request.param == "from_files":
+    monkeypatch.setattr(_records, "IN_MEMORY_BYTES", -1)
+  return request.param
 
 
 def _seq_len(name):
@@ -171,7 +180,7 @@ def test_two_processes_share_the_global_batch_and_cover_each_epoch(name, split, 
 
 @pytest.mark.parametrize("name", ["digits", "mnist5k", "newsgroups_mini", "wiki_bytes"])
 @pytest.mark.parametrize("process_count", [1, 2])
-def test_eval_pass_sees_every_example_once(name, process_count, data_dir):
+def test_eval_pass_sees_every_example_once(name, process_count, data_dir, read_mode):
   split = "test"
   info = data.dataset_info(name, data_dir=data_dir, seq_len=_seq_len(name))
   num = info.splits[split]
@@ -190,7 +199,7 @@ def test_eval_batch_larger_than_the_split_is_padded(data_dir):
   assert len(batch) == 1 and batch[0]["valid"].sum() == 40 and len(batch[0]["valid"]) == 64
 
 
-def test_text_classification_tokens_are_the_stored_bytes(data_dir):
+def test_text_classification_tokens_are_the_stored_bytes(data_dir, read_mode):
   builder = _builders.NewsgroupsMini(data_dir=data_dir, file_format="array_record")
   data.dataset_info("newsgroups_mini", data_dir=data_dir)  # Prepares it.
   records = builder.as_data_source(split="test")
@@ -204,7 +213,7 @@ def test_text_classification_tokens_are_the_stored_bytes(data_dir):
     assert b"\nNewsgroups: " not in b"\n" + text  # The header naming the label is removed.
 
 
-def test_lm_windows_tile_the_source_stream(data_dir):
+def test_lm_windows_tile_the_source_stream(data_dir, read_mode):
   path = _builders._gensim_test_file(_builders.WikiBytes.SOURCE)
   with bz2.open(path, "rb") as f:
     stream = f.read()
@@ -247,6 +256,10 @@ def test_augmentation_is_a_seeded_crop_and_flip(name, data_dir):
   mirrored_only = [not _matches_shift(o, a, pad, False) for o, a in zip(plain["image"],
                                                                          aug["image"])]
   assert any(mirrored_only) == info.flip  # Flips happen exactly where they keep the label.
+  halves = [next(data.train_iterator(name, augment=True, batch_size=32, seed=5,
+                                     data_dir=data_dir, process_index=p, process_count=2))
+            for p in range(2)]  # The same augmented global batch with two processes.
+  np.testing.assert_array_equal(np.concatenate([h["image"] for h in halves]), aug["image"])
 
 
 def test_default_data_dir_follows_the_environment(monkeypatch, tmp_path):
@@ -258,7 +271,7 @@ def test_default_data_dir_follows_the_environment(monkeypatch, tmp_path):
 
 def test_half_prepared_dataset_is_never_read(tmp_path):
   # A crashed preparation leaves TFDS's temporary folder; it must be ignored and redone.
-  junk = tmp_path / "digits" / "incomplete.ABC123_1.0.0"
+  junk = tmp_path / "digits" / "incomplete.ABC123_1.1.0"
   junk.mkdir(parents=True)
   (junk / "digits-train.array_record-00000-of-00001").write_bytes(b"garbage")
   info = data.dataset_info("digits", data_dir=str(tmp_path))
@@ -272,4 +285,4 @@ def test_prepare_command_line(tmp_path, capsys):
   from attn_symmetry.data import prepare
   prepare.main(["newsgroups_mini", "--data_dir", str(tmp_path)])
   assert "newsgroups_mini: prepared in" in capsys.readouterr().out
-  assert (tmp_path / "newsgroups_mini" / "1.0.0" / "dataset_info.json").exists()
+  assert (tmp_path / "newsgroups_mini" / "1.1.0" / "dataset_info.json").exists()

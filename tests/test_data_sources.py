@@ -20,6 +20,7 @@ from attn_symmetry import data
 from attn_symmetry.data import _builders
 from attn_symmetry.data import _catalog
 from attn_symmetry.data import _images
+from attn_symmetry.data import _records
 
 KW = dict(process_index=0, process_count=1)
 
@@ -107,7 +108,10 @@ def test_ag_news_layout_joins_title_and_description(tmp_path):
   assert texts == {(e["title"] + b"\n" + e["description"])[:512] for e in examples[6:]}
 
 
-def test_lm1b_layout_reads_sentences_as_one_stream(tmp_path):
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_lm1b_layout_reads_sentences_as_one_stream(tmp_path, monkeypatch, in_memory):
+  if not in_memory:  # lm1b is 4 GB: read from the files, with the record lengths cached.
+    monkeypatch.setattr(_records, "IN_MEMORY_BYTES", -1)
   sentences = [{"text": line} for line in _text_lines(120)]
   _fake_tfds("lm1b", str(tmp_path), {"train": sentences[:100], "test": sentences[100:]})
   builder = tfds.builder("lm1b", data_dir=str(tmp_path))
@@ -118,6 +122,8 @@ def test_lm1b_layout_reads_sentences_as_one_stream(tmp_path):
   assert joined == stream[:len(joined)]
   assert data.dataset_info("lm1b", data_dir=str(tmp_path), seq_len=16).splits["test"] == \
       len(windows)
+  cached = list((tmp_path / "lm1b").glob("*/attn_symmetry-lengths-test-sep1.npy"))
+  assert len(cached) == (0 if in_memory else 1)
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +252,7 @@ def test_fashion_mnist_without_the_debian_files_names_the_apt_command(tmp_path, 
   with pytest.raises(FileNotFoundError) as info:
     data.dataset_info("fashion_mnist_deb", data_dir=str(tmp_path))
   assert "apt-get install -y dataset-fashion-mnist" in str(info.value)
-  assert not (tmp_path / "fashion_mnist_deb" / "1.0.0").exists()
+  assert not (tmp_path / "fashion_mnist_deb" / "1.1.0").exists()
 
 
 def test_normalise_maps_the_uint8_range_to_minus_one_one():

@@ -25,18 +25,39 @@ def normalise(image: np.ndarray) -> np.ndarray:
   return image.astype(np.float32) * np.float32(1 / 127.5) - np.float32(1)
 
 
-def pad_crop(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-  """Zero-pads by Hi / 8 (at least 1) on each side and crops Hi x Wi at random."""
-  height, width = image.shape[:2]
+def example_keys(seed: int, positions: np.ndarray) -> np.ndarray:
+  """A random uint64 per stream position: splitmix64 of (seed, position).
+
+  Counter-based, so an example's augmentation depends only on the seed and its
+  position in the global stream, not on the batch or process that reads it.
+  """
+  x = np.asarray(positions, np.uint64) + np.array([seed % 2**64], np.uint64) * np.uint64(
+      0x9E3779B97F4A7C15)
+  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  return x ^ (x >> np.uint64(31))
+
+
+def _key_digits(keys: np.ndarray, shift: int, modulus: int) -> np.ndarray:
+  """Integers in [0, modulus) from 20 bits of each key, starting at bit ``shift``."""
+  return ((keys >> np.uint64(shift)) & np.uint64(0xFFFFF)).astype(np.int64) % modulus
+
+
+def pad_crop(images: np.ndarray, keys: np.ndarray) -> np.ndarray:
+  """Zero-pads [B, Hi, Wi, C] by Hi / 8 (at least 1) and crops Hi x Wi at offsets from keys."""
+  batch, height, width = images.shape[:3]
   pad = max(1, height // 8)
-  padded = np.pad(image, ((pad, pad), (pad, pad), (0, 0)))
-  top, left = rng.integers(0, 2 * pad + 1, size=2)
-  return padded[top:top + height, left:left + width]
+  padded = np.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+  top, left = _key_digits(keys, 0, 2 * pad + 1), _key_digits(keys, 20, 2 * pad + 1)
+  rows = top[:, None, None] + np.arange(height)[None, :, None]
+  cols = left[:, None, None] + np.arange(width)[None, None, :]
+  return padded[np.arange(batch)[:, None, None], rows, cols]
 
 
-def random_flip(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-  """Mirrors left-right with probability 1/2."""
-  return image[:, ::-1] if rng.random() < 0.5 else image
+def random_flip(images: np.ndarray, keys: np.ndarray) -> np.ndarray:
+  """Mirrors left-right the images [B, Hi, Wi, C] whose key has bit 40 set (probability 1/2)."""
+  flip = _key_digits(keys, 40, 2).astype(bool)
+  return np.where(flip[:, None, None, None], images[:, :, ::-1], images)
 
 
 def _resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -72,20 +93,26 @@ def random_resized_crop(image: np.ndarray, size: int, rng: np.random.Generator, 
   return center_crop(image, size)
 
 
-def preprocess(image: np.ndarray, *, size: int | None, rng: np.random.Generator | None,
-               flip: bool) -> np.ndarray:
-  """uint8 image -> float32 [size or Hi, size or Wi, C]; augmented when ``rng`` is given.
+def preprocess(images, *, size: int | None, keys: np.ndarray | None, flip: bool) -> np.ndarray:
+  """uint8 images -> float32 [B, size or Hi, size or Wi, C]; augmented when ``keys`` are given.
 
   Args:
-    image: uint8 [Hi, Wi, C].
+    images: uint8 [B, Hi, Wi, C], or B arrays [Hi, Wi, C] of several sizes
+      when ``size`` is set.
     size: output side for variable-size data sets, None to keep Hi x Wi.
-    rng: random generator for augmentation, None for the deterministic path.
+    keys: uint64 [B] random keys (``example_keys``) for augmentation, or None
+      for the deterministic path.
     flip: whether augmentation flips (only where flips keep the label).
   """
-  if size is not None:
-    image = center_crop(image, size) if rng is None else random_resized_crop(image, size, rng)
-  elif rng is not None:
-    image = pad_crop(image, rng)
-  if rng is not None and flip:
-    image = random_flip(image, rng)
-  return normalise(image)
+  if size is not None and keys is None:
+    batch = np.stack([center_crop(image, size) for image in images])
+  elif size is not None:
+    batch = np.stack([random_resized_crop(image, size, np.random.default_rng(int(key)))
+                      for image, key in zip(images, keys)])
+  else:
+    batch = np.asarray(images)
+    if keys is not None:
+      batch = pad_crop(batch, keys)
+  if keys is not None and flip:
+    batch = random_flip(batch, keys)
+  return normalise(batch)

@@ -10,27 +10,30 @@ with P processes and b = batch_size / P examples per process. Concatenating
 the local batches of processes 0..P-1 gives global batch k.
 
 * Training: the stream is the split shuffled with ``seed``, reshuffled every
-  epoch, repeated forever. Augmentation draws from a generator keyed by
-  (seed, stream position), so it is deterministic as well. A global batch may
-  straddle two epochs; every epoch sees each example once.
+  epoch, repeated forever. Augmentation draws from a random key per (seed,
+  stream position), so it is deterministic as well, and the same whatever the
+  number of processes. A global batch may straddle two epochs; every epoch sees
+  each example once.
 * Evaluation: the split in stored order, padded at the end to a multiple of
   the global batch with copies of the last example, marked ``valid=False``;
   every example is seen exactly once.
 
-Batches are dicts of numpy arrays (see ``attn_symmetry.data``); reading runs
-in ``num_threads`` threads ahead of the consumer.
+A process reads its batch of b examples at once (one batched array_record
+read, vectorised preprocessing); batches are read in ``num_threads`` threads
+ahead of the consumer. Batches are dicts of numpy arrays (see
+``attn_symmetry.data``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
-from typing import Any
-
 import grain
 import numpy as np
 
 from attn_symmetry.data import _catalog
 from attn_symmetry.data import _images
+from attn_symmetry.data import _records
 from attn_symmetry.data import _text
 
 Batch = dict[str, np.ndarray]
@@ -58,12 +61,13 @@ def _processes(batch_size: int, process_index: int | None,
 
 def _open_split(name: str, split: str, *, data_dir: str | None, seq_len: int | None,
                 image_size: int | None, augment: bool, download: bool
-                ) -> tuple[grain.MapDataset, Callable[[Any, np.random.Generator | None], Batch]]:
-  """The split's examples and the transform that makes them model inputs.
+                ) -> tuple[int, Callable[[np.ndarray, np.ndarray | None], Batch]]:
+  """The split's size and the function that reads a batch of it.
 
   Returns:
-    (examples, transform): transform(example, rng) gives one example of a batch;
-    rng is a generator for augmentation, or None.
+    (size, read): read(indices int [b], keys uint64 [b] or None) gives the batch
+    of examples ``indices``, augmented with the per-example random ``keys``
+    (``_images.example_keys``) when they are given.
   """
   e, builder = _catalog.open_builder(name, data_dir, download=download)
   _catalog.check_kind(name, e, seq_len=seq_len, image_size=image_size, augment=augment)
@@ -71,33 +75,47 @@ def _open_split(name: str, split: str, *, data_dir: str | None, seq_len: int | N
   seq_len = seq_len or _catalog.DEFAULT_SEQ_LEN
   if e.kind == "stream":
     windows = _text.WindowSource(builder, split, seq_len=seq_len, separator=e.separator)
-    return grain.MapDataset.source(windows), lambda example, rng: example
-  records = grain.MapDataset.source(builder.as_data_source(split=split)).map(e.convert)
+    def read_windows(indices, keys):
+      del keys
+      return {"tokens": windows.__getitems__(indices)}
+    return len(windows), read_windows
+  records = _records.Records(
+      builder.as_data_source(split=split), e.convert, key=(os.fspath(builder.data_path), split),
+      in_memory=builder.info.splits[split].num_bytes <= _records.IN_MEMORY_BYTES)
   if e.kind == "text":
-    def text_example(example, rng):
-      del rng
-      return {**_text.tokenize(example["text"], seq_len), "label": np.int32(example["label"])}
-    return records, text_example
+    def read_text(indices, keys):
+      del keys
+      columns = records.fetch(indices)
+      return {**_text.tokenize(list(columns["text"]), seq_len),
+              "label": columns["label"].astype(np.int32)}
+    return len(records), read_text
   height = builder.info.features["image"].shape[0]
   size = _catalog.image_shape(builder, image_size)[0] if height is None else None
-  def image_example(example, rng):
-    image = _images.preprocess(example["image"], size=size, rng=rng, flip=e.flip)
-    return {"image": image, "label": np.int32(example["label"])}
-  return records, image_example
+
+  def read_images(indices, keys):
+    columns = records.fetch(indices)
+    images = _images.preprocess(columns["image"], size=size, keys=keys, flip=e.flip)
+    return {"image": images, "label": columns["label"].astype(np.int32)}
+  return len(records), read_images
 
 
-def _local_batches(stream: grain.MapDataset, local_batch: int, process_index: int,
-                   process_count: int, num_threads: int) -> Iterator[Batch]:
-  batches = stream.batch(local_batch)[process_index::process_count]
+def _local_batches(positions: grain.MapDataset, read, local_batch: int, process_index: int,
+                   process_count: int, num_threads: int, num_workers: int) -> Iterator[Batch]:
+  """This process's batches of a stream of (position, example index) pairs."""
+  batches = positions.batch(local_batch)[process_index::process_count].map(read)
   options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=_DEFAULT_PREFETCH)
-  return iter(batches.to_iter_dataset(options))
+  batches = batches.to_iter_dataset(options)
+  if num_workers:
+    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  return iter(batches)
 
 
 def train_iterator(name: str, *, batch_size: int, seed: int, data_dir: str | None = None,
                    seq_len: int | None = None, augment: bool = False, split: str = "train",
                    process_index: int | None = None, process_count: int | None = None,
                    image_size: int | None = None, download: bool = False,
-                   num_threads: int = _DEFAULT_THREADS) -> Iterator[Batch]:
+                   num_threads: int = _DEFAULT_THREADS, num_workers: int = 0
+                   ) -> Iterator[Batch]:
   """Infinite iterator over shuffled training batches, this process's share.
 
   Args:
@@ -112,7 +130,9 @@ def train_iterator(name: str, *, batch_size: int, seed: int, data_dir: str | Non
       (default: ``jax.process_index()``, ``jax.process_count()``).
     image_size: crop side for variable-size images (ImageNet, default 224).
     download: prepare a missing data set that needs a download.
-    num_threads: reader threads.
+    num_threads: reader threads (per worker).
+    num_workers: reader processes (grain multiprocessing) on top of the
+      threads; 0 reads in this process. Worth it on hosts with many cores.
 
   Returns:
     An iterator of dicts with leading axis B / process_count: images {"image"
@@ -126,24 +146,28 @@ def train_iterator(name: str, *, batch_size: int, seed: int, data_dir: str | Non
   """
   process_index, process_count, local_batch = _processes(batch_size, process_index,
                                                          process_count)
-  examples, transform = _open_split(name, split, data_dir=data_dir, seq_len=seq_len,
-                                    image_size=image_size, augment=augment, download=download)
-  if batch_size > len(examples):
+  size, read = _open_split(name, split, data_dir=data_dir, seq_len=seq_len,
+                           image_size=image_size, augment=augment, download=download)
+  if batch_size > size:
     raise ValueError(f"batch_size {batch_size} is larger than split {split!r} of {name!r} "
-                     f"({len(examples)} examples)")
-  stream = examples.seed(seed).shuffle().repeat()
-  if augment:
-    stream = stream.random_map(transform)
-  else:
-    stream = stream.map(lambda example: transform(example, None))
-  return _local_batches(stream, local_batch, process_index, process_count, num_threads)
+                     f"({size} examples)")
+  # Position j of the stream holds example order[j]: a new permutation every epoch.
+  order = grain.MapDataset.range(size).seed(seed).shuffle().repeat()
+  positions = order.map_with_index(lambda j, index: (j, index))
+
+  def read_batch(batch):
+    j, indices = batch
+    return read(indices, _images.example_keys(seed, j) if augment else None)
+  return _local_batches(positions, read_batch, local_batch, process_index, process_count,
+                        num_threads, num_workers)
 
 
 def eval_iterator(name: str, *, batch_size: int, split: str = "test", data_dir: str | None = None,
                   seq_len: int | None = None, process_index: int | None = None,
                   process_count: int | None = None, image_size: int | None = None,
                   download: bool = False,
-                  num_threads: int = _DEFAULT_THREADS) -> Iterator[Batch]:
+                  num_threads: int = _DEFAULT_THREADS, num_workers: int = 0
+                  ) -> Iterator[Batch]:
   """One pass over a split in stored order, this process's share of each global batch.
 
   The split is padded to a multiple of ``batch_size`` with copies of its last
@@ -153,13 +177,13 @@ def eval_iterator(name: str, *, batch_size: int, split: str = "test", data_dir: 
   """
   process_index, process_count, local_batch = _processes(batch_size, process_index,
                                                          process_count)
-  examples, transform = _open_split(name, split, data_dir=data_dir, seq_len=seq_len,
-                                    image_size=image_size, augment=False, download=download)
-  num = len(examples)
-  padded = -(-num // batch_size) * batch_size
+  size, read = _open_split(name, split, data_dir=data_dir, seq_len=seq_len,
+                           image_size=image_size, augment=False, download=download)
+  padded = -(-size // batch_size) * batch_size
+  positions = grain.MapDataset.range(padded).map(lambda j: (j, min(j, size - 1)))
 
-  def example_at(i):
-    return {**transform(examples[min(i, num - 1)], None), "valid": np.bool_(i < num)}
-
-  stream = grain.MapDataset.range(padded).map(example_at)
-  return _local_batches(stream, local_batch, process_index, process_count, num_threads)
+  def read_batch(batch):
+    j, indices = batch
+    return {**read(indices, None), "valid": j < size}
+  return _local_batches(positions, read_batch, local_batch, process_index, process_count,
+                        num_threads, num_workers)

@@ -11,37 +11,50 @@ stream after the first exactly once; the last, partial window is dropped.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
 
-_READ_BLOCK = 4096  # Records read at once when measuring a stream.
-_CACHED_RECORDS = 64
+from attn_symmetry.data import _records
+
+_READ_BLOCK = 4096  # Records read at once when loading or measuring a stream.
 
 
-def tokenize(text: bytes, seq_len: int) -> dict[str, np.ndarray]:
-  """Byte tokens of ``text``, truncated or padded to ``seq_len``.
+def tokenize(texts: list[bytes], seq_len: int) -> dict[str, np.ndarray]:
+  """Byte tokens of ``texts``, each truncated or padded to ``seq_len``.
 
   Returns:
-    {"tokens": int32 [T] (bytes, then 0), "mask": bool [T] (True on bytes)}.
+    {"tokens": int32 [B, T] (bytes, then 0), "mask": bool [B, T] (True on bytes)}.
   """
-  data = np.frombuffer(text[:seq_len], np.uint8)
-  tokens = np.zeros(seq_len, np.int32)
-  tokens[:len(data)] = data
-  return {"tokens": tokens, "mask": np.arange(seq_len) < len(data)}
+  tokens = np.zeros((len(texts), seq_len), np.int32)
+  lengths = np.zeros(len(texts), np.int64)
+  for i, text in enumerate(texts):
+    data = np.frombuffer(text[:seq_len], np.uint8)
+    tokens[i, :len(data)] = data
+    lengths[i] = len(data)
+  return {"tokens": tokens, "mask": np.arange(seq_len) < lengths[:, None]}
+
+
+def _read_texts(source, indices: list[int], separator: bytes) -> list[bytes]:
+  """The texts of records ``indices``, each with the separator; checks that chunks are in order."""
+  texts = []
+  for i, record in zip(indices, source.__getitems__(indices)):
+    if "chunk" in record and record["chunk"] != i:
+      raise ValueError(f"stream record {i} holds chunk {record['chunk']}: stored out of order")
+    texts.append(record["text"] + separator)
+  return texts
+
+
+def _blocks(size: int):
+  """Index lists covering range(size) in blocks of _READ_BLOCK."""
+  return (list(range(start, min(start + _READ_BLOCK, size)))
+          for start in range(0, size, _READ_BLOCK))
 
 
 def _record_lengths(source, separator: bytes) -> np.ndarray:
-  """Bytes per record (separator included); checks that chunked streams are in order."""
-  lengths = np.zeros(len(source), np.int64)
-  for start in range(0, len(source), _READ_BLOCK):
-    indices = list(range(start, min(start + _READ_BLOCK, len(source))))
-    for i, record in zip(indices, source.__getitems__(indices)):
-      if "chunk" in record and record["chunk"] != i:
-        raise ValueError(f"stream record {i} holds chunk {record['chunk']}: stored out of order")
-      lengths[i] = len(record["text"]) + len(separator)
-  return lengths
+  """Bytes per record, separator included."""
+  return np.array([len(t) for block in _blocks(len(source))
+                   for t in _read_texts(source, block, separator)], np.int64)
 
 
 def _cached_lengths(builder, split: str, source, separator: bytes) -> np.ndarray:
@@ -64,8 +77,10 @@ def _cached_lengths(builder, split: str, source, separator: bytes) -> np.ndarray
 class WindowSource:
   """Random access to the windows of T + 1 bytes of a split's byte stream.
 
-  Window i is stream[i T : i T + T + 1], read from the one or few records under
-  it. Implements grain's random-access source protocol (__len__, __getitem__).
+  Window i is stream[i T : i T + T + 1]. A small split (``IN_MEMORY_BYTES``) is
+  held in memory as one byte array; otherwise a window is read from the one or
+  few records under it. Implements grain's random-access source protocol
+  (__len__, __getitem__, and __getitems__ for a batch of windows).
 
   Args:
     builder: a prepared TFDS builder whose records have a "text" feature.
@@ -78,31 +93,46 @@ class WindowSource:
     self._source = builder.as_data_source(split=split)
     self._seq_len = seq_len
     self._separator = separator
-    lengths = _cached_lengths(builder, split, self._source, separator)
-    self._ends = np.cumsum(lengths)
-    self._starts = self._ends - lengths
-    total = int(self._ends[-1]) if len(lengths) else 0
+    if builder.info.splits[split].num_bytes <= _records.IN_MEMORY_BYTES:
+      key = (os.fspath(builder.data_path), split, separator)
+      self._stream = _records.cached(key, self._load_stream)
+      total = len(self._stream)
+    else:
+      self._stream = None
+      lengths = _cached_lengths(builder, split, self._source, separator)
+      self._ends = np.cumsum(lengths)
+      self._starts = self._ends - lengths
+      total = int(self._ends[-1]) if len(lengths) else 0
     self._len = max(0, (total - 1) // seq_len)
+
+  def _load_stream(self) -> np.ndarray:
+    return np.frombuffer(b"".join(b"".join(_read_texts(self._source, block, self._separator))
+                                  for block in _blocks(len(self._source))), np.uint8)
 
   def __len__(self) -> int:
     return self._len
 
-  @functools.lru_cache(maxsize=_CACHED_RECORDS)
-  def _record(self, index: int) -> bytes:
-    """Record ``index`` with its separator; cached, since neighbouring windows share records."""
-    return self._source[index]["text"] + self._separator
-
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    if not 0 <= index < self._len:
-      raise IndexError(f"window {index} out of range [0, {self._len})")
-    start = index * self._seq_len
-    end = start + self._seq_len + 1
-    first = int(np.searchsorted(self._ends, start, side="right"))
-    last = int(np.searchsorted(self._starts, end, side="left"))  # One past the last record.
-    data = b"".join(self._record(i) for i in range(first, last))
-    offset = start - int(self._starts[first])
-    window = np.frombuffer(data, np.uint8, count=self._seq_len + 1, offset=offset)
-    return {"tokens": window.astype(np.int32)}
+    return {"tokens": self.__getitems__([index])[0]}
+
+  def __getitems__(self, indices) -> np.ndarray:
+    """Windows ``indices`` (int [b]) as int32 [b, T + 1]."""
+    indices = np.asarray(indices, np.int64)
+    if indices.size and not (0 <= indices.min() and indices.max() < self._len):
+      raise IndexError(f"windows {indices} out of range [0, {self._len})")
+    starts = indices * self._seq_len
+    if self._stream is not None:
+      return self._stream[starts[:, None] + np.arange(self._seq_len + 1)].astype(np.int32)
+    first = np.searchsorted(self._ends, starts, side="right")
+    last = np.searchsorted(self._starts, starts + self._seq_len + 1, side="left")  # Exclusive.
+    needed = sorted({r for a, b in zip(first, last) for r in range(a, b)})
+    texts = dict(zip(needed, _read_texts(self._source, needed, self._separator)))
+    windows = np.zeros((len(indices), self._seq_len + 1), np.int32)
+    for i, (start, a, b) in enumerate(zip(starts, first, last)):
+      data = b"".join(texts[r] for r in range(a, b))
+      windows[i] = np.frombuffer(data, np.uint8, count=self._seq_len + 1,
+                                 offset=int(start - self._starts[a]))
+    return windows
 
   def __repr__(self) -> str:
     return f"WindowSource({self._source!r}, seq_len={self._seq_len})"
