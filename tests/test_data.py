@@ -243,7 +243,8 @@ def _matches_shift(original, augmented, pad, flips):
 
 @pytest.mark.parametrize("name", ["digits", "fashion_mnist_deb"])
 def test_augmentation_is_a_seeded_crop_and_flip(name, data_dir):
-  kw = dict(batch_size=32, seed=5, data_dir=data_dir, process_index=0, process_count=1)
+  kw = dict(batch_size=32, seed=5, split="test", data_dir=data_dir, process_index=0,
+            process_count=1)
   plain = next(data.train_iterator(name, **kw))
   aug = next(data.train_iterator(name, augment=True, **kw))
   again = next(data.train_iterator(name, augment=True, **kw))
@@ -256,7 +257,7 @@ def test_augmentation_is_a_seeded_crop_and_flip(name, data_dir):
   mirrored_only = [not _matches_shift(o, a, pad, False) for o, a in zip(plain["image"],
                                                                          aug["image"])]
   assert any(mirrored_only) == info.flip  # Flips happen exactly where they keep the label.
-  halves = [next(data.train_iterator(name, augment=True, batch_size=32, seed=5,
+  halves = [next(data.train_iterator(name, augment=True, batch_size=32, seed=5, split="test",
                                      data_dir=data_dir, process_index=p, process_count=2))
             for p in range(2)]  # The same augmented global batch with two processes.
   np.testing.assert_array_equal(np.concatenate([h["image"] for h in halves]), aug["image"])

@@ -27,7 +27,9 @@ Usage::
   for batch in data.eval_iterator("digits", batch_size=256): ...
 
 The data dir is ``$ATTN_SYMMETRY_DATA_DIR``, else
-``~/.cache/attn_symmetry/tensorflow_datasets``.
+``~/.cache/attn_symmetry/tensorflow_datasets``. Splits of up to 256 MB are
+decoded once per process and read from memory; larger ones are read from the
+array_record files batch by batch (``num_workers`` adds reader processes).
 """
 
 from attn_symmetry.data._builders import FASHION_MNIST_APT

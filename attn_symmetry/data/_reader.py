@@ -10,7 +10,7 @@ with P processes and b = batch_size / P examples per process. Concatenating
 the local batches of processes 0..P-1 gives global batch k.
 
 * Training: the stream is the split shuffled with ``seed``, reshuffled every
-  epoch, repeated forever. Augmentation draws from a random key per (seed,
+  epoch (a numpy permutation drawn from (seed, epoch)), repeated forever. Augmentation draws from a random key per (seed,
   stream position), so it is deterministic as well, and the same whatever the
   number of processes. A global batch may straddle two epochs; every epoch sees
   each example once.
@@ -26,10 +26,13 @@ ahead of the consumer. Batches are dicts of numpy arrays (see
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
+
 import grain
 import numpy as np
+from absl import flags
 
 from attn_symmetry.data import _catalog
 from attn_symmetry.data import _images
@@ -37,8 +40,9 @@ from attn_symmetry.data import _records
 from attn_symmetry.data import _text
 
 Batch = dict[str, np.ndarray]
-_DEFAULT_THREADS = 8
+_DEFAULT_THREADS = 4
 _DEFAULT_PREFETCH = 16
+_ENDLESS = 2**62  # Batches of a training stream: more than any run reads.
 
 
 def _processes(batch_size: int, process_index: int | None,
@@ -99,13 +103,26 @@ def _open_split(name: str, split: str, *, data_dir: str | None, seq_len: int | N
   return len(records), read_images
 
 
-def _local_batches(positions: grain.MapDataset, read, local_batch: int, process_index: int,
-                   process_count: int, num_threads: int, num_workers: int) -> Iterator[Batch]:
-  """This process's batches of a stream of (position, example index) pairs."""
-  batches = positions.batch(local_batch)[process_index::process_count].map(read)
+@functools.lru_cache(maxsize=4)  # A batch may straddle two epochs; threads read ahead.
+def _epoch_order(seed: int, epoch: int, size: int) -> np.ndarray:
+  """The permutation of range(size) that epoch ``epoch`` reads, from (seed, epoch) alone."""
+  order = np.random.default_rng([seed % 2**64, epoch]).permutation(size)
+  return order.astype(np.int32) if size < 2**31 else order
+
+
+def _local_batches(read_positions: Callable[[np.ndarray], Batch], num_batches: int,
+                   local_batch: int, process_index: int, process_count: int, num_threads: int,
+                   num_workers: int) -> Iterator[Batch]:
+  """Local batch k reads stream positions [(k P + p) b, (k P + p + 1) b)."""
+  def batch(k):
+    start = (k * process_count + process_index) * local_batch
+    return read_positions(np.arange(start, start + local_batch))
+  batches = grain.MapDataset.range(num_batches).map(batch)
   options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=_DEFAULT_PREFETCH)
   batches = batches.to_iter_dataset(options)
   if num_workers:
+    if not flags.FLAGS.is_parsed():  # grain's workers read its absl flags.
+      flags.FLAGS.mark_as_parsed()
     batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
   return iter(batches)
 
@@ -151,14 +168,16 @@ def train_iterator(name: str, *, batch_size: int, seed: int, data_dir: str | Non
   if batch_size > size:
     raise ValueError(f"batch_size {batch_size} is larger than split {split!r} of {name!r} "
                      f"({size} examples)")
-  # Position j of the stream holds example order[j]: a new permutation every epoch.
-  order = grain.MapDataset.range(size).seed(seed).shuffle().repeat()
-  positions = order.map_with_index(lambda j, index: (j, index))
 
-  def read_batch(batch):
-    j, indices = batch
+  def read_positions(j):
+    """Position j of the stream holds example order_e[j mod size], e = j // size."""
+    epochs, offsets = np.divmod(j, size)
+    indices = np.empty_like(j)
+    for epoch in np.unique(epochs):
+      here = epochs == epoch
+      indices[here] = _epoch_order(seed, int(epoch), size)[offsets[here]]
     return read(indices, _images.example_keys(seed, j) if augment else None)
-  return _local_batches(positions, read_batch, local_batch, process_index, process_count,
+  return _local_batches(read_positions, _ENDLESS, local_batch, process_index, process_count,
                         num_threads, num_workers)
 
 
@@ -179,11 +198,8 @@ def eval_iterator(name: str, *, batch_size: int, split: str = "test", data_dir: 
                                                          process_count)
   size, read = _open_split(name, split, data_dir=data_dir, seq_len=seq_len,
                            image_size=image_size, augment=False, download=download)
-  padded = -(-size // batch_size) * batch_size
-  positions = grain.MapDataset.range(padded).map(lambda j: (j, min(j, size - 1)))
 
-  def read_batch(batch):
-    j, indices = batch
-    return {**read(indices, None), "valid": j < size}
-  return _local_batches(positions, read_batch, local_batch, process_index, process_count,
-                        num_threads, num_workers)
+  def read_positions(j):
+    return {**read(np.minimum(j, size - 1), None), "valid": j < size}
+  return _local_batches(read_positions, -(-size // batch_size), local_batch, process_index,
+                        process_count, num_threads, num_workers)
