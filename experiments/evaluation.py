@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from attn_symmetry import models
@@ -63,8 +64,8 @@ def evaluate(model: models.Model, params: Params, batches: Iterable[inputs.Batch
              mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
   """Mean loss and accuracy of ``params`` over ``batches`` (e.g. ``eval_batches``).
 
-  One jitted step per model config (compiled once per batch shape); the sums
-  stay on the devices until the end.
+  One jitted step per model config (compiled once per batch shape) adds each
+  batch's sums to the running ones, which stay on the devices until the end.
 
   Returns:
     {"loss": mean cross-entropy per prediction, "accuracy": fraction correct}.
@@ -72,12 +73,14 @@ def evaluate(model: models.Model, params: Params, batches: Iterable[inputs.Batch
   mesh = inputs.create_mesh() if mesh is None else mesh
   step = _EVAL_STEPS.get(model.config)
   if step is None:
-    step = _EVAL_STEPS[model.config] = jax.jit(lambda p, b: batch_metrics(model, p, b))
-  params = jax.device_put(params, inputs.replicated(mesh))
-  total = None
+    def step(params, batch, total):
+      return jax.tree.map(jnp.add, total, batch_metrics(model, params, batch))
+    step = _EVAL_STEPS[model.config] = jax.jit(step)
+  params, total = jax.device_put(
+      (params, dict.fromkeys(("loss", "correct", "count"), np.float32(0))), inputs.replicated(mesh))
+  empty = True
   for batch in batches:
-    sums = step(params, inputs.shard_batch(batch, mesh))
-    total = sums if total is None else jax.tree.map(jnp.add, total, sums)
-  if total is None:
+    total, empty = step(params, inputs.shard_batch(batch, mesh), total), False
+  if empty:
     raise ValueError("evaluate got no batches")
   return _means(inputs.to_host(total))

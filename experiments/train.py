@@ -195,7 +195,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                        f"{devices} devices")
 
 
-def _check_data(config: ml_collections.ConfigDict) -> None:
+def check_data(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError if a data set is too small for the batch or does not fit the model.
 
   The data set B of an A->B transfer must give the model the same input and
@@ -230,7 +230,7 @@ _TRAIN_STEPS: dict[Any, tuple] = {}
 
 
 def _optimizer_and_step(config, model, sched, trainable, mesh):
-  """(optimizer, learning-rate schedule, jitted step), cached in this process.
+  """(optimizer, jitted learning-rate schedule, jitted step), cached in this process.
 
   Runs with the same model, schedule, optimiser settings and trainable set
   (the seeds of a scope; the base model and the "full" scope) share one
@@ -241,7 +241,8 @@ def _optimizer_and_step(config, model, sched, trainable, mesh):
          t.final_lr_fraction, t.grad_clip_norm, t.b1, t.b2, t.weight_decay)
   if key not in _TRAIN_STEPS:
     optimizer, lr = create_optimizer(config, sched, trainable)
-    _TRAIN_STEPS[key] = optimizer, lr, make_train_step(model, optimizer, trainable, mesh)
+    _TRAIN_STEPS[key] = (optimizer, jax.jit(lr),
+                         make_train_step(model, optimizer, trainable, mesh))
   return _TRAIN_STEPS[key]
 
 
@@ -330,7 +331,8 @@ class Trainer:
     return final
 
   def _evaluate(self, run: Run, params: Params) -> dict[str, float]:
-    return evaluate(self.model, params, eval_batches(self.config, run.dataset), mesh=self.mesh)
+    return evaluate(self.model, params, inputs.eval_batches(self.config, run.dataset),
+                    mesh=self.mesh)
 
   def _loop(self, run, state, start, num_steps, batches, train_step, lr, ckpts, writer, meta):
     """Steps start+1 .. num_steps with logging, evaluation, checkpoints; (state, final eval)."""
@@ -391,7 +393,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   and the checkpoints already in ``workdir``.
   """
   validate_config(config)
-  _check_data(config)
+  check_data(config)
   model = create_model(config)
   check_workdir(config, model, workdir)
   trainer = Trainer(config, model, workdir)
@@ -406,17 +408,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 
 def load_checkpoints(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Params]:
-  """The final parameters of every run of ``config`` in ``workdir``, by run name.
+  """The parameters of the latest checkpoint of every run of ``config``, by run name.
+
+  Names are those of ``runs(config)``: "base", "reinit/<scope>/seed_<s>".
+  Arrays are replicated over all devices.
 
   Raises:
-    ValueError: a run has no checkpoint (not trained yet).
+    ValueError: a run has no checkpoint (not trained yet), or checkpoints of
+      another architecture than ``config``'s model (naming the parameters).
   """
   model = create_model(config)
-  abstract = checkpoints.abstract_like(jax.eval_shape(model.init, jax.random.key(0)),
-                                       inputs.replicated(create_mesh()))
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
+  arch = checkpoints.architecture(model.config.family, shapes)
+  abstract = checkpoints.abstract_like(shapes, inputs.replicated(create_mesh()))
   out = {}
   for run in runs(config):
-    ckpts = checkpoints.RunCheckpoints(run_dir(workdir, run), read_only=True)
+    directory = run_dir(workdir, run)
+    checkpoints.check_architecture(directory, arch)
+    ckpts = checkpoints.RunCheckpoints(directory, read_only=True)
     step = ckpts.latest_step()
     if step is None:
       raise ValueError(f"run {run.name!r} has no checkpoint in {ckpts.directory}; train it first")

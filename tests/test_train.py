@@ -26,6 +26,7 @@ from experiments.configs import bert_offline
 from experiments.configs import gpt2_wiki_bytes
 from experiments.configs import llama_wiki_bytes
 from experiments.configs import quickstart
+from experiments.configs import vit_mnist_to_fashion
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -189,6 +190,35 @@ def test_runlocal_family(setting, tmp_path):
     assert loss < math.log(model.config.vocab_size)
 
 
+def _record_reads(monkeypatch, reader, read):
+  """Makes ``inputs.<reader>`` append (reader, data set) to ``read`` on every call."""
+  real = getattr(inputs, reader)
+
+  def recording(config, dataset, **kwargs):
+    read.append((reader, dataset))
+    return real(config, dataset, **kwargs)
+
+  monkeypatch.setattr(inputs, reader, recording)
+
+
+def test_transfer_fine_tunes_on_the_second_data_set(tmp_path, monkeypatch):
+  """A->B: the base model learns MNIST digits, the re-initialised scope Fashion-MNIST."""
+  config = vit_mnist_to_fashion.get_config("runlocal")
+  config.reinit.scopes, config.reinit.seeds = ("first_attention",), (1,)
+  read = []
+  for reader in ("train_batches", "eval_batches"):
+    _record_reads(monkeypatch, reader, read)
+  train.train_and_evaluate(config, str(tmp_path))
+  assert read == [("train_batches", "mnist5k"), ("eval_batches", "mnist5k"),
+                  ("train_batches", "fashion_mnist_deb"), ("eval_batches", "fashion_mnist_deb")]
+  params = train.load_checkpoints(config, str(tmp_path))
+  base, tuned = (spec_lib.flatten(params[k]) for k in ("base", "reinit/first_attention/seed_1"))
+  frozen = [p for p in base if not p.startswith("layers_0/attention/")]
+  assert frozen and all(_bits_equal(base[p], tuned[p]) for p in frozen)
+  assert not _bits_equal(base["layers_0/attention/query/kernel"],
+                         tuned["layers_0/attention/query/kernel"])
+
+
 def _mutate(config, field, value):
   node = config
   *parents, last = field.split(".")
@@ -221,9 +251,16 @@ def test_workdir_of_another_architecture_is_refused_untouched(quickstart_run):
   config = quickstart.get_config("runlocal")
   config.model.overrides.mlp_dim = 96
   before = _tree_digest(workdir)
-  with pytest.raises(ValueError, match=r"another architecture(.|\n)*layers_0/mlp"):
-    train.train_and_evaluate(config, workdir)
+  for entry_point in (train.train_and_evaluate, train.load_checkpoints):
+    with pytest.raises(ValueError, match=r"another architecture(.|\n)*layers_0/mlp"):
+      entry_point(config, workdir)
   assert _tree_digest(workdir) == before
+
+
+def test_load_checkpoints_of_untrained_run_names_it(tmp_path):
+  config = quickstart.get_config("runlocal")
+  with pytest.raises(ValueError, match="'base' has no checkpoint"):
+    train.load_checkpoints(config, str(tmp_path))
 
 
 def test_main_rejects_override_of_missing_field(tmp_path):
@@ -242,6 +279,7 @@ import json, sys
 import jax
 from experiments import train
 from experiments.configs import quickstart
+from experiments.configs import vit_mnist_to_fashion
 config = quickstart.get_config("runlocal")
 config.reinit.scopes = ()
 config.train.log_every = 1
@@ -250,7 +288,7 @@ print(json.dumps({"devices": jax.device_count()}))
 """
 
 
-def test_data_parallel_matches_single_device(quickstart_run, tmp_path):
+def test_data_parallel_matches_single_device(tmp_path):
   """Four CPU devices, batch split four ways: the same losses as one device."""
   config = _base_only(quickstart.get_config("runlocal"))
   config.train.log_every = 1

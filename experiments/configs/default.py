@@ -35,7 +35,7 @@ SCOPES = ("first_attention", "all_attention", "first_layer", "full")
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The default setting: the quickstart's ViT on digits, without re-initialisation."""
-  parse_arg(arg, allowed=())
+  variants = parse_arg(arg, allowed=())
   config = ml_collections.ConfigDict()
   config.seed = 0
 
@@ -76,6 +76,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.reinit.dataset = ""
 
   config.study = ml_collections.ConfigDict()
+  if "runlocal" in variants:
+    runlocal(config)
   return config
 
 
@@ -121,7 +123,6 @@ def runlocal(config: ml_collections.ConfigDict) -> None:
   train = config.train
   train.num_steps = 8
   train.batch_size = 8
-  train.eval_batch_size = 64
   train.warmup_steps = 2
   train.log_every = 4
   train.eval_every = 8
