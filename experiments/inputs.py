@@ -25,13 +25,15 @@ def data_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """Keyword arguments of the ``attn_symmetry.data`` readers; unset options left out."""
   d = config.dataset
   options = dict(data_dir=d.data_dir or None, seq_len=d.seq_len or None,
-                 image_size=d.image_size or None)
+                 image_size=d.image_size or None, num_workers=d.num_workers or None)
   return {k: v for k, v in options.items() if v is not None}
 
 
 def dataset_info(config: ml_collections.ConfigDict, dataset: str) -> data.DatasetInfo:
   """``attn_symmetry.data.dataset_info`` with the config's reader options."""
-  return data.dataset_info(dataset, **data_options(config))
+  options = data_options(config)
+  options.pop("num_workers", None)
+  return data.dataset_info(dataset, **options)
 
 
 def model_overrides(info: data.DatasetInfo) -> dict[str, Any]:

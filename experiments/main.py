@@ -29,6 +29,10 @@ flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() first."
 flags.mark_flag_as_required("config")
 FLAGS = flags.FLAGS
 
+# The stages of a run, in order: each takes (config, workdir) and skips what the workdir
+# already holds, so that a rerun after a crash continues where it stopped.
+STAGES = (train.train_and_evaluate,)
+
 
 def default_workdir(config_path: str) -> str:
   """$TMPDIR/attn_symmetry/<setting>[_<variant>] for "path/<setting>.py[:<variant>]"."""
@@ -62,7 +66,8 @@ def main(argv):
     jax.distributed.initialize()
   workdir = FLAGS.workdir or default_workdir(config_flags.get_config_filename(FLAGS["config"]))
   train.log.info("workdir: %s", workdir)
-  train.train_and_evaluate(FLAGS.config, workdir)
+  for stage in STAGES:
+    stage(FLAGS.config, workdir)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@ import sys
 import jax
 import numpy as np
 import pytest
+from absl.testing import flagsaver
 
 from attn_symmetry import spec as spec_lib
 from experiments import checkpoints
 from experiments import inputs
+from experiments import main
 from experiments import metric_writers
 from experiments import train
 from experiments.configs import bert_offline
@@ -108,6 +110,18 @@ def test_rerun_skips_finished_runs(quickstart_run):
   before = _tree_digest(workdir)
   assert train.train_and_evaluate(config, workdir) == results
   assert _tree_digest(workdir) == before
+
+
+def test_main_runs_the_same_training(quickstart_run, tmp_path):
+  """main.py's flags and stages give what the library call gave, number for number."""
+  _, _, results = quickstart_run
+  argv = ["main.py", f"--config={REPO}/experiments/configs/quickstart.py:runlocal",
+          f"--workdir={tmp_path}"]
+  with flagsaver.flagsaver():
+    main.main(main.parse_flags(argv))
+  for name, metrics in results.items():
+    with open(tmp_path / name / "final_metrics.json") as f:
+      assert json.load(f) == metrics
 
 
 class _Crash(Exception):

@@ -13,7 +13,8 @@ Fields:
   dataset: ``name`` (one of ``attn_symmetry.data.DATASETS``) and the reader
     options: ``data_dir`` ("" for the default), ``seq_len`` (tokens per text
     example), ``image_size`` (crop side of variable-size images; 0 takes the
-    reader's default for both), ``augment`` (random crop and flip of images).
+    reader's default for both), ``augment`` (random crop and flip of images),
+    ``num_workers`` (reader processes on top of threads; 0 reads in-process).
     The data set fixes the model's input and output sizes.
   train: optimisation of the base model (AdamW with linear warmup and cosine
     decay), evaluation, logging and checkpointing intervals.
@@ -50,6 +51,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.dataset.seq_len = 0
   config.dataset.image_size = 0
   config.dataset.augment = False
+  config.dataset.num_workers = 0
 
   config.train = ml_collections.ConfigDict()
   config.train.num_steps = 1000
@@ -120,6 +122,7 @@ def runlocal(config: ml_collections.ConfigDict) -> None:
       del config.model.overrides[size]
   if config.dataset.seq_len:
     config.dataset.seq_len = min(config.dataset.seq_len, 32)
+  config.dataset.num_workers = 0
   train = config.train
   train.num_steps = 8
   train.batch_size = 8

@@ -24,6 +24,7 @@ def get_config(arg=None):
   config.dataset.name = "imagenet2012"
   config.dataset.image_size = 224
   config.dataset.augment = True
+  config.dataset.num_workers = 8
   config.train.num_steps = 100000
   config.train.batch_size = 512
   config.train.eval_batch_size = 512
