@@ -149,8 +149,23 @@ def _lock(data_dir: str, name: str):
 
 
 def prepare_dataset(name: str, data_dir: str, *, manual_dir: str | None = None,
-            archive: str | None = None) -> tfds.core.DatasetBuilder:
-  """Prepares ``name`` into ``data_dir`` (atomic: TFDS writes aside, then renames)."""
+                    archive: str | None = None) -> tfds.core.DatasetBuilder:
+  """Prepares ``name`` into ``data_dir`` (atomic: TFDS writes aside, then renames).
+
+  Args:
+    name: one of ``DATASETS``.
+    data_dir: the data dir.
+    manual_dir: files downloaded by hand (imagenet2012).
+    archive: a local copy of what enwik8, wikitext103 or dbpedia would download.
+
+  Returns:
+    The prepared builder.
+
+  Raises:
+    FileNotFoundError: an offline data set's source files are missing (the
+      message names the install command).
+    RuntimeError: a TFDS data set, without TensorFlow installed.
+  """
   e = entry(name)
   if isinstance(e.builder, type):
     e.builder.check_sources()

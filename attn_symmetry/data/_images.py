@@ -45,13 +45,14 @@ def _key_digits(keys: np.ndarray, shift: int, modulus: int) -> np.ndarray:
 
 def pad_crop(images: np.ndarray, keys: np.ndarray) -> np.ndarray:
   """Zero-pads [B, Hi, Wi, C] by Hi / 8 (at least 1) and crops Hi x Wi at offsets from keys."""
-  batch, height, width = images.shape[:3]
+  batch, height, width, channels = images.shape
   pad = max(1, height // 8)
-  padded = np.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+  padded = np.zeros((batch, height + 2 * pad, width + 2 * pad, channels), images.dtype)
+  padded[:, pad:pad + height, pad:pad + width] = images
   top, left = _key_digits(keys, 0, 2 * pad + 1), _key_digits(keys, 20, 2 * pad + 1)
-  rows = top[:, None, None] + np.arange(height)[None, :, None]
-  cols = left[:, None, None] + np.arange(width)[None, None, :]
-  return padded[np.arange(batch)[:, None, None], rows, cols]
+  # [B, 2 pad + 1, 2 pad + 1, C, Hi, Wi]: every crop, as a view; pick one per image.
+  crops = np.lib.stride_tricks.sliding_window_view(padded, (height, width), axis=(1, 2))
+  return np.moveaxis(crops[np.arange(batch), top, left], 1, -1)
 
 
 def random_flip(images: np.ndarray, keys: np.ndarray) -> np.ndarray:
