@@ -1,0 +1,29 @@
+"""Weight matching: the group element that brings model B closest to model A.
+
+DESIGN.md section 6. Attention layers are matched in two stages (heads by a
+linear assignment on invariant features, then the per-head QK matrix in GL(H)
+or H(H) and VO matrix in GL(H)); FFN hidden units and the residual stream by
+Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.
+
+  match_attention             one attention layer or a layer stack.
+  match_attention_exhaustive  Stage 2 after every head permutation (ablation).
+  head_distances              Stage 1 costs between the heads of two layers.
+  match_ffn                   Weight Matching of a spec's permutation/orthogonal factors.
+  align_model                 all of it, for every factor and attention site in scope.
+  linear_assignment           the jitted Hungarian algorithm, batched.
+
+Everything is jitted end to end and imports jax, numpy and optax only.
+"""
+
+from attn_symmetry.matching._assignment import head_permutations
+from attn_symmetry.matching._assignment import linear_assignment
+from attn_symmetry.matching._attention import DEFAULT_LEARNING_RATE
+from attn_symmetry.matching._attention import DEFAULT_STEPS
+from attn_symmetry.matching._attention import METHODS
+from attn_symmetry.matching._attention import match_attention
+from attn_symmetry.matching._attention import match_attention_exhaustive
+from attn_symmetry.matching._features import DISTANCES
+from attn_symmetry.matching._features import head_distances
+from attn_symmetry.matching._model import DEFAULT_MAX_ROUNDS
+from attn_symmetry.matching._model import align_model
+from attn_symmetry.matching._model import match_ffn

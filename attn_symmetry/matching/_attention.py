@@ -1,0 +1,344 @@
+"""Two-stage weight matching of attention layers (DESIGN.md section 6).
+
+Given two canonical attention layers (or layer stacks with a leading [L] axis),
+find g = (perm, A_k, B_k) with g . theta_B close to theta_A:
+
+1. Stage 1 assigns B's heads to A's by a linear assignment problem on the
+   invariant-feature distances of ``_features`` (under GQA, kv groups first,
+   then heads within groups);
+2. Stage 2 solves, for every matched kv group, the QK matrix in GL(H) (H(H)
+   with RoPE) and the VO matrix in GL(H) (``_stage2``).
+
+Methods (the paper's Table 1): "naive" (identity), "perm" (Variant 1: Stage 1
+only), "ortho" (Variant 2: Stage 1 and the orthogonal Procrustes solution),
+"full" (Stage 1, the best of the Procrustes and least-squares starts, then
+Adam refinement). The objective reported for every stage is the squared
+parameter distance over the query, key, value and output weights and biases,
+sum_leaf ||theta_A - g . theta_B||^2 (the output bias is left out: no head
+symmetry moves it), computed from the H x H Grams.
+
+Everything after input validation runs in one ``jax.jit`` per shape: Grams by
+einsum, ``vmap`` over layers, heads and permutations, ``jax.lax`` loops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_symmetry import attention
+from attn_symmetry import group_action
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.matching import _assignment
+from attn_symmetry.matching import _features
+from attn_symmetry.matching import _stage2
+
+METHODS = ("naive", "perm", "ortho", "full")
+DEFAULT_STEPS = 200
+DEFAULT_LEARNING_RATE = 1e-2
+MAX_EXHAUSTIVE_HEADS = 8
+_PROJECTIONS = ("query", "key", "value", "out")
+_LEAVES = ("query/kernel", "key/kernel", "value/kernel", "out/kernel", "query/bias", "key/bias",
+           "value/bias", "out/bias")
+
+Params = dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_options(method: str, distance: str, steps: int) -> None:
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+  if distance not in _features.DISTANCES:
+    raise ValueError(f"distance must be one of {_features.DISTANCES}, got {distance!r}")
+  if not isinstance(steps, (int, np.integer)) or steps < 0:
+    raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
+
+
+def check_finite(flat: dict[str, Any], name: str) -> None:
+  """ValueError naming the first leaf with NaN or Inf entries (concrete leaves only)."""
+  for path, leaf in flat.items():
+    if not isinstance(leaf, jax.core.Tracer) and not np.isfinite(np.asarray(leaf)).all():
+      raise ValueError(f"{name}: {path} has NaN or Inf entries")
+
+
+def check_same_leaves(flat_a: dict[str, Any], flat_b: dict[str, Any]) -> None:
+  """ValueError naming the leaf when two flattened trees differ in paths, shapes or dtypes."""
+  only_a, only_b = sorted(set(flat_a) - set(flat_b)), sorted(set(flat_b) - set(flat_a))
+  if only_a or only_b:
+    raise ValueError(f"params_a and params_b differ: leaves only in params_a {only_a}, "
+                     f"only in params_b {only_b}")
+  for path, a in flat_a.items():
+    b = flat_b[path]
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+      raise ValueError(f"{path}: params_a has {a.dtype}{list(a.shape)} but params_b has "
+                       f"{b.dtype}{list(b.shape)}")
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise ValueError(f"{path}: parameters must be floating point, got {a.dtype}")
+
+
+def layer_shapes(params: Params, prefix: str = "") -> tuple[tuple[int, ...], int, int, int, int]:
+  """(batch shape, D, N, K, H) of a canonical attention layer (stack); ValueError naming the leaf."""
+  flat = spec_lib.flatten(params)
+  for path in flat:
+    if path not in _LEAVES:
+      raise ValueError(f"{prefix}{path} is not a leaf of a canonical attention layer {_LEAVES}")
+  for name in _PROJECTIONS:
+    if f"{name}/kernel" not in flat:
+      raise ValueError(f"attention params lack {prefix}{name}/kernel")
+  query = flat["query/kernel"]
+  if query.ndim < 3:
+    raise ValueError(f"{prefix}query/kernel must be [..., D, N, H], got shape {tuple(query.shape)}")
+  *lead, d, n, h = query.shape
+  lead = tuple(lead)
+  k = flat["key/kernel"].shape[-2] if flat["key/kernel"].ndim == query.ndim else -1
+  if k <= 0 or n % k:
+    raise ValueError(f"{prefix}key/kernel has shape {tuple(flat['key/kernel'].shape)}: its kv heads "
+                     f"must divide the {n} query heads of {prefix}query/kernel {tuple(query.shape)}")
+  expected = {"query/kernel": (*lead, d, n, h), "key/kernel": (*lead, d, k, h),
+              "value/kernel": (*lead, d, k, h), "out/kernel": (*lead, n, h, d),
+              "query/bias": (*lead, n, h), "key/bias": (*lead, k, h), "value/bias": (*lead, k, h),
+              "out/bias": (*lead, d)}
+  for path, leaf in flat.items():
+    if tuple(leaf.shape) != expected[path]:
+      raise ValueError(f"{prefix}{path} has shape {tuple(leaf.shape)}, expected {expected[path]} "
+                       f"(D={d}, N={n}, K={k}, H={h} from {prefix}query/kernel and key/kernel)")
+  return lead, d, n, k, h
+
+
+def _check_pair(params_a: Params, params_b: Params) -> tuple[tuple[int, ...], int, int, int]:
+  flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
+  lead, _, n, k, h = layer_shapes(params_a)
+  check_same_leaves(flat_a, flat_b)
+  check_finite(flat_a, "params_a")
+  check_finite(flat_b, "params_b")
+  return lead, n, k, h
+
+
+# ----------------------------------------------------------------------------- the solver
+
+
+def _values(matrices: list[tuple[jax.Array, jax.Array]],
+            problems: list[tuple[_stage2.Problem, _stage2.Problem]]) -> jax.Array:
+  """Objective [S] of S (qk, vo) matrix pairs [K, H, H] on their problems, summed over kv groups.
+
+  One batched evaluation for all of them (a single copy of the objective in
+  the compiled program).
+  """
+  qk, vo = (jnp.stack([m[i] for m in matrices]) for i in (0, 1))
+  qk_p, vo_p = (jax.tree.map(lambda *x: jnp.stack(x), *[p[i] for p in problems]) for i in (0, 1))
+  value = jax.vmap(jax.vmap(lambda m, p: _stage2.objective(m, p)[0]))
+  both = value(jnp.concatenate([qk, vo]), jax.tree.map(lambda x, y: jnp.concatenate([x, y]), qk_p, vo_p))
+  return (both[: len(matrices)] + both[len(matrices):]).sum(-1)
+
+
+def element_objective(g: _features.Grams, element: group_action.AttentionElement) -> jax.Array:
+  """sum_leaf ||theta_A - element . theta_B||^2 of one layer from its Grams (no leading axes)."""
+  return _values([(element.qk, element.vo)], [_stage2.pair_problems(g, element.perm)])[0]
+
+
+def _over_halves(fn, rope, qk_args: tuple, vo_args: tuple) -> tuple[Any, Any]:
+  """(fn(rope, *qk_args), fn(None, *vo_args)) for functions batched over kv groups.
+
+  When both halves are GL(H) (rope None) this is one call on the concatenated
+  batches, so that the compiled program holds a single copy of ``fn``.
+  """
+  if rope is not None:
+    return fn(rope, *qk_args), fn(None, *vo_args)
+  k = jax.tree.leaves(qk_args)[0].shape[0]
+  both = fn(None, *jax.tree.map(lambda x, y: jnp.concatenate([x, y]), qk_args, vo_args))
+  return jax.tree.map(lambda x: x[:k], both), jax.tree.map(lambda x: x[k:], both)
+
+
+def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, distance: str, *,
+                steps: int, learning_rate: jax.Array) -> tuple[group_action.AttentionElement, dict[str, Any]]:
+  """Both stages for one layer from its Grams (no leading axes).
+
+  Returns:
+    (element, info) with info["objective"][stage] for "naive" and every stage
+    up to ``method``, and info["assignment_cost"] (not for "naive").
+  """
+  rope = site if site.group == "rope" else None
+  identity = jnp.arange(site.num_heads, dtype=jnp.int32)
+  eye = jnp.broadcast_to(jnp.eye(site.head_dim, dtype=g.q.dtype),
+                         (site.kv_heads, site.head_dim, site.head_dim))
+  naive = _stage2.pair_problems(g, identity)
+  if method == "naive":
+    element = group_action.AttentionElement(identity, eye, eye)
+    return element, {"objective": {"naive": _values([(eye, eye)], [naive])[0]}}
+  cost = _features.head_cost(g, site, distance)
+  perm = _assignment.assign_heads(cost, site.kv_heads)
+  element, stages = stage2(g, perm, site, method, steps=steps, learning_rate=learning_rate)
+  problems = _stage2.pair_problems(g, perm)
+  values = _values([(eye, eye)] + list(stages.values()), [naive] + [problems] * len(stages))
+  return element, {"objective": dict(zip(["naive", *stages], values)),
+                   "assignment_cost": _assignment.assignment_cost(cost, perm)}
+
+
+def stage2(g: _features.Grams, perm: jax.Array, site: spec_lib.AttentionSite, method: str, *,
+           steps: int, learning_rate: jax.Array
+           ) -> tuple[group_action.AttentionElement, dict[str, tuple[jax.Array, jax.Array]]]:
+  """Stage 2 after the head assignment ``perm`` [N] of one layer.
+
+  Returns:
+    (element, stages): the element of ``method`` and, for every stage up to
+    it ("perm", "ortho", "full"), its (qk, vo) matrices [K, H, H].
+  """
+  problems = _stage2.pair_problems(g, perm)
+  rope = site if site.group == "rope" else None
+  eye = jnp.broadcast_to(jnp.eye(site.head_dim, dtype=g.q.dtype), problems[0].s1.shape)
+  stages = {"perm": (eye, eye)}
+  if method in ("ortho", "full"):
+    procrustes = lambda group, p: jax.vmap(lambda x: _stage2.procrustes(x.c1 + x.c2, group))(p)
+    orthogonal = _over_halves(procrustes, rope, (problems[0],), (problems[1],))
+    stages["ortho"] = (jax.vmap(lambda x: _stage2.to_matrix(x, rope))(orthogonal[0]), orthogonal[1])
+  if method == "full":
+    solve = lambda group, p, start: jax.vmap(lambda x, s: _stage2.solve(
+        x, group, s, steps=steps, learning_rate=learning_rate))(p, start)
+    stages["full"] = _over_halves(solve, rope, (problems[0], orthogonal[0]),
+                                  (problems[1], orthogonal[1]))
+  return group_action.AttentionElement(perm.astype(jnp.int32), *stages[method]), stages
+
+
+def _flatten_lead(params: Params, lead: tuple[int, ...]) -> Params:
+  return jax.tree.map(lambda x: x.reshape(-1, *x.shape[len(lead):]), params)
+
+
+def _restore_lead(tree: Any, lead: tuple[int, ...]) -> Any:
+  return jax.tree.map(lambda x: x.reshape(*lead, *x.shape[1:]), tree)
+
+
+def _grams(params_a: Params, params_b: Params) -> tuple[_features.Grams, tuple[int, ...]]:
+  """Grams of every layer, leading axes flattened to one: ([L, ...], lead shape)."""
+  lead = params_a["query"]["kernel"].shape[:-3]
+  grams = jax.vmap(_features.layer_grams)(_flatten_lead(params_a, lead), _flatten_lead(params_b, lead))
+  return grams, lead
+
+
+def _match_core(params_a, params_b, learning_rate, *, site, method, distance, steps):
+  grams, lead = _grams(params_a, params_b)
+  solve = lambda g: solve_layer(g, site, method, distance, steps=steps, learning_rate=learning_rate)
+  return _restore_lead(jax.vmap(solve)(grams), lead)
+
+
+def _exhaustive_core(params_a, params_b, learning_rate, *, site, method, distance, steps):
+  grams, lead = _grams(params_a, params_b)
+  perms = jnp.asarray(_assignment.head_permutations(site.num_heads, site.kv_heads))
+
+  def per_layer(g):
+    def per_perm(perm):
+      element, _ = stage2(g, perm, site, method, steps=steps, learning_rate=learning_rate)
+      return element, element_objective(g, element)
+    elements, values = jax.vmap(per_perm)(perms)
+    chosen = _assignment.assign_heads(_features.head_cost(g, site, distance), site.kv_heads)
+    return elements, values, jnp.argmax(jnp.all(perms == chosen, axis=-1))
+
+  elements, values, index = _restore_lead(jax.vmap(per_layer)(grams), lead)
+  to_front = lambda x: jnp.moveaxis(x, len(lead), 0)
+  return jax.tree.map(to_front, elements), {"objective": to_front(values), "perms": perms,
+                                            "stage1_index": index}
+
+
+_STATIC = ("site", "method", "distance", "steps")
+_match_jit = jax.jit(_match_core, static_argnames=_STATIC)
+_exhaustive_jit = jax.jit(_exhaustive_core, static_argnames=_STATIC)
+
+
+def _prepare(params_a, params_b, *, group, rope_pairing, rotary_fraction, rope_axes, method,
+             distance, steps, learning_rate):
+  check_options(method, distance, steps)
+  _, n, k, h = _check_pair(params_a, params_b)
+  if group not in spec_lib.ATTENTION_GROUPS:
+    raise ValueError(f"group must be one of {spec_lib.ATTENTION_GROUPS}, got {group!r}")
+  if group == "rope":
+    attention.rope_pairs(h, pairing=rope_pairing, rotary_fraction=rotary_fraction, rope_axes=rope_axes)
+  site = spec_lib.AttentionSite(n, h, num_kv_heads=k, group=group, rope_pairing=rope_pairing,
+                                rotary_fraction=rotary_fraction, rope_axes=rope_axes)
+  dtype = params_a["query"]["kernel"].dtype
+  return site, canonical_layer(params_a), canonical_layer(params_b), jnp.asarray(learning_rate, dtype)
+
+
+def canonical_layer(params: Params) -> Params:
+  """The leaves that matching reads, with zero biases where absent (one trace with or without)."""
+  out = {"out": {"kernel": params["out"]["kernel"]}}
+  for name in ("query", "key", "value"):
+    kernel, bias = params[name]["kernel"], params[name].get("bias")
+    if bias is None:
+      bias = np.zeros(kernel.shape[:-3] + kernel.shape[-2:], kernel.dtype)
+    out[name] = {"kernel": kernel, "bias": bias}
+  return out
+
+
+def match_attention(params_a: Params, params_b: Params, *, group: str = "gl",
+                    rope_pairing: str = "half", rotary_fraction: float = 1.0, rope_axes: int = 1,
+                    method: str = "full", distance: str = "frobenius",
+                    steps: int = DEFAULT_STEPS, learning_rate: float = DEFAULT_LEARNING_RATE
+                    ) -> tuple[group_action.AttentionElement, dict[str, Any]]:
+  """Aligns attention layer B to layer A (module docstring).
+
+  Args:
+    params_a, params_b: canonical attention parameters of the same shapes
+      (``attention.py``; biases optional), one layer ([D, N, H] query kernel)
+      or a stack with leading axes ([L, D, N, H]).
+    group: "gl" (no or absolute position encoding) or "rope" (the QK matrix
+      is restricted to H(H), and Stage 1 compares per-frequency-pair circuits).
+    rope_pairing, rotary_fraction, rope_axes: the RoPE layout, for "rope".
+    method: "naive", "perm", "ortho" or "full".
+    distance: Stage 1 distance, "frobenius" (default), "squared",
+      "normalised" or "cosine", of the QK and VO circuits (summed).
+    steps: Adam steps of the "full" refinement.
+    learning_rate: Adam learning rate.
+
+  Returns:
+    (element, info): an ``AttentionElement`` with the layers' leading shape
+    such that ``group_action.apply(params_b, element)`` is close to
+    ``params_a``; info["objective"][stage] [...] the squared parameter
+    distance after each stage run ("naive", then up to ``method``),
+    info["assignment_cost"] [...] the optimal Stage 1 cost (not for "naive").
+
+  Raises:
+    ValueError: before any computation, naming the leaf or option, if the
+      layers differ in leaves, shapes or dtypes, are not canonical, have kv
+      heads that do not divide the query heads, or hold NaN or Inf.
+  """
+  site, params_a, params_b, lr = _prepare(
+      params_a, params_b, group=group, rope_pairing=rope_pairing, rotary_fraction=rotary_fraction,
+      rope_axes=rope_axes, method=method, distance=distance, steps=steps, learning_rate=learning_rate)
+  return _match_jit(params_a, params_b, lr, site=site, method=method, distance=distance,
+                    steps=int(steps))
+
+
+def match_attention_exhaustive(params_a: Params, params_b: Params, *, group: str = "gl",
+                               rope_pairing: str = "half", rotary_fraction: float = 1.0,
+                               rope_axes: int = 1, method: str = "full",
+                               distance: str = "frobenius", steps: int = DEFAULT_STEPS,
+                               learning_rate: float = DEFAULT_LEARNING_RATE
+                               ) -> tuple[group_action.AttentionElement, dict[str, Any]]:
+  """Stage 2 after every head permutation, for the paper's Stage 1 ablation.
+
+  Enumerates the P head permutations that map kv groups onto kv groups (N!
+  for multi-head attention; at most ``MAX_EXHAUSTIVE_HEADS`` heads) and runs
+  Stage 2 of ``method`` ("perm", "ortho" or "full") after each. Arguments as
+  ``match_attention``.
+
+  Returns:
+    (elements, info): elements with batch shape [P, ...] (permutation first,
+    then the layers' leading shape); info["objective"] [P, ...] the squared
+    parameter distance of each, info["perms"] [P, N] the permutations
+    (``_assignment.head_permutations`` order), info["stage1_index"] [...]
+    the row of the permutation that Stage 1 picks with ``distance``.
+  """
+  site, params_a, params_b, lr = _prepare(
+      params_a, params_b, group=group, rope_pairing=rope_pairing, rotary_fraction=rotary_fraction,
+      rope_axes=rope_axes, method=method, distance=distance, steps=steps, learning_rate=learning_rate)
+  if method == "naive":
+    raise ValueError("exhaustive matching needs a Stage 2 method: 'perm', 'ortho' or 'full'")
+  if site.num_heads > MAX_EXHAUSTIVE_HEADS:
+    raise ValueError(f"exhaustive matching enumerates N! permutations; N = {site.num_heads} > "
+                     f"{MAX_EXHAUSTIVE_HEADS}")
+  return _exhaustive_jit(params_a, params_b, lr, site=site, method=method, distance=distance,
+                         steps=int(steps))

@@ -1,0 +1,421 @@
+"""Whole-model alignment over a ``SymmetrySpec``: Weight Matching plus attention matching.
+
+The objective is the squared parameter distance ||theta_A - g . theta_B||^2
+over every leaf, minimised by block coordinate descent (Ainsworth et al. 2023,
+generalised):
+
+* a permutation factor P (FFN hidden units, a LayerNorm residual stream): with
+  every other factor fixed, <theta_A, g . theta_B> is linear in P, so the best
+  P solves the linear assignment problem on M = sum_leaf A_(P) B_(P)^T over
+  every leaf axis that P acts on (A_(P) the leaf with P's axis first,
+  flattened to [n, -1]; B with all other factors and the attention elements
+  applied);
+* an orthogonal factor O (the residual stream of an RMSNorm model, norm scales
+  folded) likewise maximises tr(O M) over O(n): the polar factor of M^T
+  (orthogonal Procrustes). Folded norm scales (all ones) are left out, as
+  ``group_action.apply_model`` leaves them unchanged;
+* attention sites: two-stage matching (``_attention``) of A's layer against
+  B's layer with the current factors applied.
+
+Steps are batched where they are independent: factors of one kind and size
+that share no leaf (the FFNs of all layers) form one step with one batched
+LAP, attention sites of one configuration one step with ``vmap`` over layers.
+Each step is accepted only if it improves the objective by more than a
+relative tolerance; a step is rerun only when a step sharing a leaf with it
+changed after it last ran, and the loop ends when no step is pending (or
+after ``max_rounds``). In the first round a factor reads only the leaves whose
+other factors and sites are already solved (embeddings, norms and the head for
+the residual stream, when nothing else is known), and runs again later with
+all of its leaves: a wrong first guess from still unmatched weights would
+otherwise steer the descent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_symmetry import group_action
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.matching import _assignment
+from attn_symmetry.matching import _attention
+from attn_symmetry.matching import _features
+
+DEFAULT_MAX_ROUNDS = 10
+Params = dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- scope and plan
+
+
+def _in_scope(path: str, prefixes: Sequence[str]) -> bool:
+  return any(p == "" or path == p or path.startswith(p + "/") for p in prefixes)
+
+
+def _site_leaves(spec: spec_lib.SymmetrySpec, site: str) -> list[str]:
+  return [p for p in spec.axes if p.startswith(site + "/")]
+
+
+def active_names(spec: spec_lib.SymmetrySpec, scope: Sequence[str] | None,
+                 attention: bool = True) -> tuple[str, ...]:
+  """Factors and (if ``attention``) sites all of whose leaves lie under a prefix of ``scope``.
+
+  ``scope`` None or [""] means the whole model. A prefix that names no leaf is
+  an error (ValueError naming it), so that a typo does not silently align
+  nothing.
+  """
+  prefixes = [""] if scope is None else list(scope)
+  for p in prefixes:
+    if not isinstance(p, str):
+      raise ValueError(f"scope entries must be path prefixes (str), got {p!r}")
+    if not any(_in_scope(path, [p]) for path in spec.axes):
+      raise ValueError(f"scope prefix {p!r} matches no parameter of the spec")
+  names = []
+  for f in spec.factors:
+    leaves = [p for p, axes in spec.axes.items() if f in axes]
+    if leaves and all(_in_scope(p, prefixes) for p in leaves):
+      names.append(f)
+  if attention:
+    names += [s for s in spec.attention if all(_in_scope(p, prefixes) for p in _site_leaves(spec, s))]
+  return tuple(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  names: tuple[str, ...]  # factors of one kind and size, or attention sites of one configuration
+  attention: bool
+  leaves: frozenset[str]  # every leaf that the step's names act on
+
+
+def _plan(spec: spec_lib.SymmetrySpec, flat: dict[str, Any]) -> list[_Step]:
+  """The steps of one round, in order (module docstring); ``spec`` holds the active names only."""
+  touched = {f: frozenset(p for p, axes in spec.axes.items() if f in axes) for f in spec.factors}
+  size = lambda f: sum(math.prod(flat[p].shape) for p in touched[f])
+  steps: list[_Step] = []
+  for f in sorted(spec.factors, key=lambda f: -size(f)):  # the residual stream first
+    kind = (spec.factors[f].kind, spec.factors[f].size)
+    for i, step in enumerate(steps):
+      if (not step.attention and kind == (spec.factors[step.names[0]].kind, spec.factors[step.names[0]].size)
+          and not step.leaves & touched[f]):
+        steps[i] = _Step(step.names + (f,), False, step.leaves | touched[f])
+        break
+    else:
+      steps.append(_Step((f,), False, touched[f]))
+  groups: dict[Any, list[str]] = {}
+  for s, site in spec.attention.items():
+    leaves = _site_leaves(spec, s)
+    key = (site, tuple((p[len(s):], flat[p].shape, flat[p].dtype) for p in leaves))
+    groups.setdefault(key, []).append(s)
+  for names in groups.values():
+    steps.append(_Step(tuple(names), True, frozenset(p for s in names for p in _site_leaves(spec, s))))
+  return steps
+
+
+def _site_of(spec: spec_lib.SymmetrySpec) -> dict[str, str]:
+  return {p: s for s in spec.attention for p in _site_leaves(spec, s)}
+
+
+def _first_round_leaves(spec: spec_lib.SymmetrySpec, steps: list[_Step]) -> list[frozenset[str] | None]:
+  """For each factor step, the leaves it reads in round one (None: all of them).
+
+  A leaf is read when every other factor and site acting on it belongs to an
+  earlier step; if that leaves a factor without leaves, it reads all of them.
+  """
+  site_of = _site_of(spec)
+  solved: set[str] = set()
+  out: list[frozenset[str] | None] = []
+  for step in steps:
+    leaves = set()
+    for f in step.names if not step.attention else ():
+      own = [p for p in spec.axes if f in spec.axes[p]]
+      known = [p for p in own
+               if {g for g in spec.axes[p] if g not in (None, f)} | {site_of.get(p)} - {None} <= solved]
+      leaves.update(known or own)
+    out.append(None if step.attention or leaves == step.leaves else frozenset(leaves))
+    solved.update(step.names)
+  return out
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _transform(spec: spec_lib.SymmetrySpec, leaf: jax.Array, path: str, element: dict[str, Any],
+               skip_axis: int | None = None) -> jax.Array:
+  """A leaf of B with the element's factors applied to its axes (but ``skip_axis``)."""
+  for axis, f in enumerate(spec.axes[path]):
+    if f is None or axis == skip_axis:
+      continue
+    kind = spec.factors[f].kind
+    if kind == "orthogonal" and path in spec.norm_scales:
+      continue  # folded to ones, which every orthogonal map leaves alone
+    leaf = group_action._act_on_axis(leaf, axis, element[f], kind)  # pylint: disable=protected-access
+  return leaf
+
+
+def _with_attention(spec: spec_lib.SymmetrySpec, flat_b: dict[str, Any], element: dict[str, Any],
+                    paths) -> dict[str, Any]:
+  """B's leaves among ``paths``, with the attention elements of their sites applied."""
+  site_of = _site_of(spec)
+  out = {p: flat_b[p] for p in paths}
+  for s in {site_of[p] for p in paths if p in site_of}:
+    leaves = _site_leaves(spec, s)
+    layer = spec_lib.unflatten({p[len(s) + 1:]: flat_b[p] for p in leaves})
+    moved = spec_lib.flatten(group_action.apply(layer, element[s]))
+    out.update({f"{s}/{p}": v for p, v in moved.items()})
+  return out
+
+
+def _tolerance(dtype: Any) -> float:
+  return 100 * float(jnp.finfo(dtype).eps)
+
+
+def _factor_scores(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element,
+                   leaves: frozenset[str]) -> tuple[jax.Array, jax.Array]:
+  """M [F, n, n] (M[j, i] = <A_j, B_i> over ``leaves``) and its bound ||A|| ||B|| [F]
+  for every factor F of ``step``, with everything else in ``element`` applied to B."""
+  b_moved = _with_attention(spec, flat_b, element, leaves)
+  scores, scales = [], []
+  for f in step.names:
+    n = spec.factors[f].size
+    m, norm_a, norm_b = 0.0, 0.0, 0.0
+    for path in sorted(leaves):
+      if spec.factors[f].kind == "orthogonal" and path in spec.norm_scales:
+        continue
+      for axis, g in enumerate(spec.axes[path]):
+        if g != f:
+          continue
+        a = jnp.moveaxis(flat_a[path], axis, 0).reshape(n, -1)
+        b = jnp.moveaxis(_transform(spec, b_moved[path], path, element, axis), axis, 0).reshape(n, -1)
+        m = m + jnp.matmul(a, b.T, precision=_features.HIGHEST)  # [new (A), old (B)]
+        norm_a, norm_b = norm_a + jnp.sum(a * a), norm_b + jnp.sum(b * b)
+    scores.append(m)
+    scales.append(jnp.sqrt(norm_a * norm_b))
+  return jnp.stack(scores), jnp.stack(scales)
+
+
+def _factor_update(spec: spec_lib.SymmetrySpec, step: _Step, m: jax.Array, scale: jax.Array,
+                   element) -> tuple[dict[str, Any], jax.Array]:
+  """The best value of every factor of ``step`` given its scores; (element, changed)."""
+  old = jnp.stack([element[f] for f in step.names])
+  if spec.factors[step.names[0]].kind == "permutation":
+    new = _assignment.linear_assignment(-m).astype(old.dtype)
+    gain = _assignment.assignment_cost(m, new) - _assignment.assignment_cost(m, old)
+    differs = jnp.any(new != old, axis=-1)
+  else:
+    u, _, vt = jnp.linalg.svd(jnp.swapaxes(m, -1, -2))
+    new = u @ vt
+    gain = jnp.sum((new - old) * jnp.swapaxes(m, -1, -2), axis=(-2, -1))
+    differs = True
+  accept = gain > _tolerance(m.dtype) * scale
+  chosen = jnp.where(accept.reshape(-1, *[1] * (new.ndim - 1)), new, old)
+  element = dict(element, **{f: chosen[i] for i, f in enumerate(step.names)})
+  return element, jnp.any(accept & differs)
+
+
+def _stack(trees: list[Any]) -> Any:
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element, learning_rate,
+                    *, method: str, distance: str, steps: int) -> tuple[dict[str, Any], jax.Array]:
+  """Matches every site of ``step`` (vmap over sites) given the factors; (element, changed)."""
+  layers_a, layers_b = [], []
+  for s in step.names:
+    leaves = _site_leaves(spec, s)
+    layers_a.append(spec_lib.unflatten({p[len(s) + 1:]: flat_a[p] for p in leaves}))
+    layers_b.append(spec_lib.unflatten({p[len(s) + 1:]: _transform(spec, flat_b[p], p, element)
+                                        for p in leaves}))
+  layer_a, layer_b = _stack(layers_a), _stack(layers_b)
+  grams = jax.vmap(_features.layer_grams)(layer_a, layer_b)
+  site = spec.attention[step.names[0]]
+  solve = lambda g: _attention.solve_layer(g, site, method, distance, steps=steps,
+                                           learning_rate=learning_rate)
+  new, info = jax.vmap(solve)(grams)
+  old = _stack([element[s] for s in step.names])
+  old_value = jax.vmap(_attention.element_objective)(grams, old)
+  squares = lambda t: sum(jnp.sum(x * x, axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(t))
+  scale = squares(layer_a) + squares(layer_b)
+  accept = info["objective"][method] < old_value - _tolerance(scale.dtype) * scale
+  chosen = jax.tree.map(lambda x, y: jnp.where(accept.reshape(-1, *[1] * (x.ndim - 1)), x, y), new, old)
+  element = dict(element, **{s: jax.tree.map(lambda x, i=i: x[i], chosen)
+                             for i, s in enumerate(step.names)})
+  return element, jnp.any(accept)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _identity(spec: spec_lib.SymmetrySpec, dtype: Any) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  for name, f in spec.factors.items():
+    out[name] = (jnp.arange(f.size, dtype=jnp.int32) if f.kind == "permutation"
+                 else jnp.eye(f.size, dtype=dtype))
+  for name, site in spec.attention.items():
+    eye = jnp.broadcast_to(jnp.eye(site.head_dim, dtype=dtype), (site.kv_heads, site.head_dim, site.head_dim))
+    out[name] = group_action.AttentionElement(jnp.arange(site.num_heads, dtype=jnp.int32), eye, eye)
+  return out
+
+
+def _distance(spec: spec_lib.SymmetrySpec, flat_a, flat_b, element) -> jax.Array:
+  moved = spec_lib.flatten(group_action.apply_model(spec, spec_lib.unflatten(flat_b), element))
+  return sum(jnp.sum((flat_a[p] - moved[p]) ** 2) for p in flat_a)
+
+
+class _StaticSpec:
+  """A spec as a static jit argument: hashed and compared by its content."""
+
+  def __init__(self, spec: spec_lib.SymmetrySpec):
+    self.spec = spec
+    self._key = (tuple(spec.factors.items()), tuple(spec.axes.items()),
+                 tuple(spec.attention.items()), tuple((k, tuple(v)) for k, v in spec.norm_scales.items()))
+
+  def __hash__(self):
+    return hash(self._key)
+
+  def __eq__(self, other):
+    return isinstance(other, _StaticSpec) and self._key == other._key
+
+
+def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps, max_rounds):
+  spec = spec.spec
+  dtype = next(iter(flat_a.values())).dtype
+  plan = _plan(spec, flat_a)
+  first = _first_round_leaves(spec, plan)
+  neighbours = np.array([[s is not t and bool(s.leaves & t.leaves) for t in plan] for s in plan],
+                        bool).reshape(len(plan), len(plan))
+
+  def run(i, element, rounds):
+    step = plan[i]
+    if step.attention:
+      return _attention_step(spec, step, flat_a, flat_b, element, learning_rate, method=method,
+                             distance=distance, steps=steps)
+    scores = lambda leaves: _factor_scores(spec, step, flat_a, flat_b, element, leaves)
+    if first[i] is None:
+      m, scale = scores(step.leaves)
+    else:
+      m, scale = jax.lax.cond(rounds == 0, lambda: scores(first[i]), lambda: scores(step.leaves))
+    return _factor_update(spec, step, m, scale, element)
+
+  def body(state):
+    element, dirty, rounds = state
+    for i in range(len(plan)):
+      element, changed = jax.lax.cond(dirty[i], lambda e, i=i: run(i, e, rounds),
+                                      lambda e: (e, jnp.bool_(False)), element)
+      rerun = first[i] is not None and rounds == 0
+      dirty = (dirty.at[i].set(rerun) | (changed & neighbours[i]))
+    return element, dirty, rounds + 1
+
+  element = _identity(spec, dtype)
+  state = (element, jnp.ones(len(plan), bool), jnp.int32(0))
+  cond = lambda s: jnp.any(s[1]) & (s[2] < max_rounds)
+  element, _, rounds = jax.lax.while_loop(cond, body, state)
+  info = {"distance": {"initial": _distance(spec, flat_a, flat_b, _identity(spec, dtype)),
+                       "final": _distance(spec, flat_a, flat_b, element)},
+          "rounds": rounds}
+  return element, info
+
+
+_align_jit = jax.jit(_align_core, static_argnames=("spec", "method", "distance", "steps", "max_rounds"))
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _check_model_pair(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params) -> None:
+  for name, params in (("params_a", params_a), ("params_b", params_b)):
+    try:
+      spec.check(params)
+    except ValueError as e:
+      raise ValueError(f"{name}: {e}") from None
+  flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
+  _attention.check_same_leaves(flat_a, flat_b)
+  for s, site in spec.attention.items():
+    layer = spec_lib.subtree(params_a, s)
+    _, _, n, k, h = _attention.layer_shapes(layer, prefix=s + "/")
+    if (n, k, h) != (site.num_heads, site.kv_heads, site.head_dim):
+      raise ValueError(f"{s}/query/kernel and {s}/key/kernel have N={n}, K={k}, H={h}, but the "
+                       f"spec's site has N={site.num_heads}, K={site.kv_heads}, H={site.head_dim}")
+  _attention.check_finite(flat_a, "params_a")
+  _attention.check_finite(flat_b, "params_b")
+
+
+def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps, learning_rate,
+                     max_rounds):
+  active = spec.restrict(names)
+  needs_folding = any(active.factors[f].kind == "orthogonal" for f in active.factors
+                      if any(f in spec.axes[p] for p in spec.norm_scales))
+  if needs_folding:
+    params_a = group_action.fold_norm_scales(spec, params_a)
+    params_b = group_action.fold_norm_scales(spec, params_b)
+  flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
+  dtype = next(iter(flat_a.values())).dtype
+  element, info = _align_jit(flat_a, flat_b, jnp.asarray(learning_rate, dtype),
+                             spec=_StaticSpec(active), method=method, distance=distance,
+                             steps=int(steps), max_rounds=int(max_rounds))
+  full = _identity(spec, dtype)
+  full.update(element)
+  info["folded_norm_scales"] = needs_folding
+  return full, info
+
+
+def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
+                scope: Sequence[str] | None = None, method: str = "full",
+                distance: str = "frobenius", steps: int = _attention.DEFAULT_STEPS,
+                learning_rate: float = _attention.DEFAULT_LEARNING_RATE,
+                max_rounds: int = DEFAULT_MAX_ROUNDS) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Aligns model B to model A: every factor and attention site of ``spec`` in scope.
+
+  Args:
+    spec: the models' symmetry spec.
+    params_a, params_b: parameters that fit ``spec``, with equal shapes.
+    scope: parameter path prefixes (``model.scope_paths(name)``); a factor or
+      site is aligned only if every leaf it acts on lies under one of them,
+      the rest stays identity. None or [""]: the whole model.
+    method: "naive" (identity everywhere), or the attention method ("perm",
+      "ortho", "full"; ``match_attention``) used next to Weight Matching of
+      the factors.
+    distance, steps, learning_rate: attention matching options.
+    max_rounds: most rounds of coordinate descent.
+
+  Returns:
+    (element, info): a model element for ``group_action.apply_model(spec,
+    params, element)``, where params is ``params_b``, or, when an aligned
+    orthogonal factor meets norm scales, ``group_action.fold_norm_scales(spec,
+    params_b)`` (info["folded_norm_scales"] says which); info["distance"]
+    {"initial", "final"} the squared parameter distance to (folded) A before
+    and after, info["rounds"] the rounds run.
+
+  Raises:
+    ValueError: before any computation, naming the leaf, if the parameters do
+      not fit the spec or each other, hold NaN or Inf, or a scope prefix
+      matches nothing.
+  """
+  _attention.check_options(method, distance, steps)
+  _check_model_pair(spec, params_a, params_b)
+  names = active_names(spec, scope)
+  if method == "naive":
+    return group_action.identity_model(spec), {"folded_norm_scales": False}
+  return _weight_matching(spec, params_a, params_b, names=names, method=method, distance=distance,
+                          steps=steps, learning_rate=learning_rate, max_rounds=max_rounds)
+
+
+def match_ffn(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
+              scope: Sequence[str] | None = None,
+              max_rounds: int = DEFAULT_MAX_ROUNDS) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Weight Matching (Ainsworth et al. 2023) of the permutation and orthogonal factors of ``spec``.
+
+  Coordinate descent over the factors in scope (FFN hidden units, the residual
+  stream), each step a linear assignment (or orthogonal Procrustes) on every
+  weight the factor acts on; attention sites stay identity. Arguments and
+  returns as ``align_model``.
+  """
+  _check_model_pair(spec, params_a, params_b)
+  names = active_names(spec, scope, attention=False)
+  return _weight_matching(spec, params_a, params_b, names=names, method="full",
+                          distance="frobenius", steps=0, learning_rate=0.0, max_rounds=max_rounds)

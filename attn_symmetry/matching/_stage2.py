@@ -1,0 +1,205 @@
+"""Stage 2 of attention matching: the best QK and VO matrices of one matched head pair.
+
+Both halves of a matched pair are the same problem,
+
+    min_M  q(M; S1, C1, n1) + q(M^{-T}; S2, C2, n2),
+    q(X; S, C, n) = tr(X^T S X) - 2 tr(X^T C) + n = ||X_B X - Y_A||_F^2,
+
+with S = X_B^T X_B, C = X_B^T Y_A and n = ||Y_A||_F^2:
+
+* QK: M = A, (X_B, Y_A) = (Q~_B, Q~_A) and (K~_B, K~_A), since W^K <- W^K A^{-T};
+  A in GL(H), or in H(H) with RoPE;
+* VO: M = B, (X_B, Y_A) = (V~_B, V~_A) and (O_B^T, O_A^T), since
+  ||B^{-1} O_B - O_A||^2 = ||O_B^T B^{-T} - O_A^T||^2; B in GL(H).
+
+Under GQA, S1, C1 (QK) and S2, C2 (VO) sum over the G query heads of the kv
+group. Everything is H x H, so an evaluation costs O(H^3) whatever D is.
+
+Solutions, from cheap to exact (DESIGN.md section 6):
+
+* Procrustes: for orthogonal M, M^{-T} = M and q(M) = const - 2 tr(M^T (C1 + C2)),
+  maximised over O(H) by the polar factor U V^T of C1 + C2 = U S V^T; over the
+  orthogonal part of H(H) (one unit complex number per frequency pair) by
+  normalising each pair's coefficients <E_p, C1 + C2> (a polar factor on the
+  unrotated block of a partial rotary).
+* Least squares from one side: M = S1^{-1} C1 ignores the second term,
+  M^{-T} = S2^{-1} C2 the first; exact on noise-free planted problems.
+  Projected onto H(H) with RoPE.
+* Refinement: Adam (optax) on the exact objective from the best start, in the
+  group's own parameters (the matrix for GL(H); the (a_p, b_p) pairs, and the
+  unrotated block, for H(H)), with M^{-T} by a linear solve. Iterates whose
+  objective is not finite or whose condition bound ||M||_F ||M^{-1}||_F exceeds
+  ``max_condition`` are rejected: the iterate returns to the best one so far
+  and the step size halves. The best iterate is returned.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from attn_symmetry import attention
+from attn_symmetry import group_action
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.matching._features import HIGHEST, Grams
+
+
+class Problem(NamedTuple):
+  """min_M q(M; s1, c1, n1) + q(M^{-T}; s2, c2, n2) (module docstring); s, c [H, H], n []."""
+  s1: jax.Array
+  c1: jax.Array
+  n1: jax.Array
+  s2: jax.Array
+  c2: jax.Array
+  n2: jax.Array
+
+
+def pair_problems(g: Grams, perm: jax.Array) -> tuple[Problem, Problem]:
+  """The QK and VO problems [K] of every kv group once B's heads are permuted by ``perm`` [N]."""
+  n, k = g.q.shape[0], g.k.shape[0]
+  rep = n // k
+  sigma = perm[::rep] // rep
+  heads, groups = jnp.arange(n), jnp.arange(k)
+  per_group = lambda x: x.reshape(k, rep, *x.shape[1:]).sum(1)
+  t = lambda x: jnp.swapaxes(x, -1, -2)
+  tr = lambda x: jnp.trace(x, axis1=-2, axis2=-1)
+  qk = Problem(per_group(g.qb[perm]), per_group(t(g.q[heads, perm])), per_group(tr(g.qa)),
+               g.kb[sigma], t(g.k[groups, sigma]), tr(g.ka))
+  vo = Problem(g.vb[sigma], t(g.v[groups, sigma]), tr(g.va),
+               per_group(g.ob[perm]), per_group(t(g.o[heads, perm])), per_group(tr(g.oa)))
+  return qk, vo
+
+
+def max_condition(dtype: Any) -> float:
+  """Largest accepted condition bound: group_action's limit, or less in low precision."""
+  return min(group_action.MAX_CONDITION, 0.01 / float(jnp.finfo(dtype).eps))
+
+
+def _quadratic(x, s, c, n):
+  return jnp.sum(x * jnp.matmul(s, x, precision=HIGHEST)) - 2 * jnp.sum(x * c) + n
+
+
+def objective(m: jax.Array, p: Problem) -> tuple[jax.Array, jax.Array]:
+  """(q(M) + q(M^{-T}), ||M||_F ||M^{-T}||_F) for one matrix M [H, H]."""
+  m_inv_t = jnp.linalg.solve(m.T, jnp.eye(m.shape[-1], dtype=m.dtype))
+  value = _quadratic(m, p.s1, p.c1, p.n1) + _quadratic(m_inv_t, p.s2, p.c2, p.n2)
+  return value, jnp.linalg.norm(m) * jnp.linalg.norm(m_inv_t)
+
+
+# ----------------------------------------------------------------------------- group parameters
+# ``rope`` is the attention site when the matrix lies in H(H), None for GL(H).
+
+
+def to_matrix(params: Any, rope: spec_lib.AttentionSite | None) -> jax.Array:
+  """The [H, H] matrix of group parameters (the matrix itself for GL(H))."""
+  if rope is None:
+    return params
+  return group_action.rope_commutant(params["ab"], params.get("rest"), head_dim=rope.head_dim,
+                                     **rope.rope_kwargs)
+
+
+def _rope_template(rope: spec_lib.AttentionSite, dtype: Any) -> dict[str, jax.Array]:
+  r = attention.rotary_dims(rope.head_dim, rope.rotary_fraction, rope.rope_axes)
+  params = {"ab": jnp.zeros((r // 2, 2), dtype)}
+  if r < rope.head_dim:
+    params["rest"] = jnp.zeros((rope.head_dim - r, rope.head_dim - r), dtype)
+  return params
+
+
+def project(m: jax.Array, rope: spec_lib.AttentionSite | None) -> Any:
+  """Group parameters of the Frobenius-nearest matrix to ``m`` [H, H] in the group's span.
+
+  H(H) is spanned by an orthogonal basis E_i (the two matrices of every pair,
+  one per entry of the unrotated block), so the projection has coefficients
+  <E_i, m> / <E_i, E_i>: gradients of the linear maps p -> <to_matrix(p), m>
+  and p -> ||to_matrix(p)||^2 / 2 (the latter at p = 1).
+  """
+  if rope is None:
+    return m
+  template = _rope_template(rope, m.dtype)
+  inner = jax.grad(lambda p: jnp.sum(to_matrix(p, rope) * m))(template)
+  ones = jax.tree.map(jnp.ones_like, template)
+  norms = jax.grad(lambda p: jnp.sum(to_matrix(p, rope) ** 2) / 2)(ones)
+  return jax.tree.map(jnp.divide, inner, norms)
+
+
+def _polar(c: jax.Array) -> jax.Array:
+  u, _, vt = jnp.linalg.svd(c)
+  return u @ vt
+
+
+def procrustes(c: jax.Array, rope: spec_lib.AttentionSite | None) -> Any:
+  """Orthogonal group parameters maximising tr(M^T c) (module docstring)."""
+  if rope is None:
+    return _polar(c)
+  params = project(c, rope)
+  ab = params["ab"]
+  radius = jnp.linalg.norm(ab, axis=-1, keepdims=True)
+  params["ab"] = jnp.where(radius > 0, ab / jnp.where(radius > 0, radius, 1),
+                           jnp.array([1, 0], ab.dtype))
+  if "rest" in params:
+    params["rest"] = _polar(params["rest"])
+  return params
+
+
+def _evaluate(params: Any, p: Problem, rope: spec_lib.AttentionSite | None) -> tuple[jax.Array, jax.Array]:
+  """Objective, +inf where it is not finite or M is near-singular."""
+  value, cond = objective(to_matrix(params, rope), p)
+  ok = jnp.isfinite(value) & (cond <= max_condition(value.dtype))
+  return jnp.where(ok, value, jnp.inf), ok
+
+
+def _tree_where(pred: jax.Array, x: Any, y: Any) -> Any:
+  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), x, y)
+
+
+def best_start(p: Problem, rope: spec_lib.AttentionSite | None, orthogonal: Any) -> Any:
+  """The best of the Procrustes start ``orthogonal`` and the two one-sided least-squares starts."""
+  h = p.s1.shape[-1]
+  eye = jnp.eye(h, dtype=p.s1.dtype)
+  eps = jnp.finfo(p.s1.dtype).eps
+  ridge = lambda s: s + eps * (jnp.trace(s) / h + jnp.finfo(s.dtype).tiny) * eye
+  from_first = jnp.linalg.solve(ridge(p.s1), p.c1)
+  from_second = jnp.linalg.solve(jnp.linalg.solve(ridge(p.s2), p.c2).T, eye)
+  least_squares = jax.vmap(lambda m: project(m, rope))(jnp.stack([from_first, from_second]))
+  candidates = jax.tree.map(lambda x, y: jnp.concatenate([x[None], y]), orthogonal, least_squares)
+  values, _ = jax.vmap(_evaluate, in_axes=(0, None, None))(candidates, p, rope)
+  return jax.tree.map(lambda x: x[jnp.argmin(values)], candidates)
+
+
+def refine(start: Any, p: Problem, rope: spec_lib.AttentionSite | None, *, steps: int,
+           learning_rate: jax.Array) -> Any:
+  """Guarded Adam steps on the exact objective from ``start`` (module docstring).
+
+  Returns the best of ``start`` and the ``steps`` iterates (group parameters).
+  """
+  opt = optax.adam(learning_rate)
+  value_and_grad = jax.value_and_grad(_evaluate, has_aux=True)
+
+  def body(_, state):
+    params, opt_state, best, best_value, scale = state
+    (value, ok), grad = value_and_grad(params, p, rope)
+    ok &= functools.reduce(jnp.logical_and, [jnp.isfinite(g).all() for g in jax.tree.leaves(grad)])
+    better = ok & (value < best_value)
+    best, best_value = _tree_where(better, params, best), jnp.where(better, value, best_value)
+    updates, opt_state = opt.update(_tree_where(ok, grad, jax.tree.map(jnp.zeros_like, grad)),
+                                    opt_state, params)
+    moved = jax.tree.map(lambda x, u: x + scale * u, params, updates)
+    return (_tree_where(ok, moved, best), opt_state, best, best_value,
+            jnp.where(ok, scale, scale / 2))
+
+  inf = jnp.full((), jnp.inf, p.s1.dtype)
+  state = (start, opt.init(start), start, inf, jnp.ones((), p.s1.dtype))
+  # Iteration i evaluates iterate i; the update of the last one is not used.
+  return jax.lax.fori_loop(0, steps + 1, body, state)[2]
+
+
+def solve(p: Problem, rope: spec_lib.AttentionSite | None, orthogonal: Any, *, steps: int,
+          learning_rate: jax.Array) -> jax.Array:
+  """The refined matrix [H, H] of one problem: best start (given the Procrustes one), then ``refine``."""
+  start = best_start(p, rope, orthogonal)
+  return to_matrix(refine(start, p, rope, steps=steps, learning_rate=learning_rate), rope)

@@ -1,0 +1,303 @@
+"""Attention matching: LAP, Stage 1 features, planted recovery, noise, exhaustive mode, jit, bad input."""
+
+import functools
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.optimize
+
+from attn_symmetry import attention
+from attn_symmetry import group_action as ga
+from attn_symmetry import matching
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.matching import _attention
+from attn_symmetry.matching import _stage2
+
+D, N, H, L = 12, 4, 4, 2
+
+# name -> (group, num_kv_heads, biases, rope_pairing, rotary_fraction)
+CASES = {
+    "gl": ("gl", None, True, "half", 1.0),
+    "gl_no_bias": ("gl", None, False, "half", 1.0),
+    "gl_gqa": ("gl", 2, True, "half", 1.0),  # exhaustive mode only, to save a compile
+    "rope_half_gqa": ("rope", 2, False, "half", 1.0),
+    "rope_interleaved_partial": ("rope", None, True, "interleaved", 0.5),
+}
+
+
+def _stack(seed, *, kv=None, bias=True, layers=L, width=D):
+  """``layers`` random canonical attention layers stacked, [L, ...] float64 leaves.
+
+  Test data comes from numpy: every distinct eager JAX op would cost a compile.
+  """
+  rng = np.random.default_rng(seed)
+  k = kv or N
+  shapes = {"query": ((width, N, H), (N, H)), "key": ((width, k, H), (k, H)),
+            "value": ((width, k, H), (k, H)), "out": ((N, H, width), (width,))}
+  params = {}
+  for name, (kernel, bias_shape) in shapes.items():
+    params[name] = {"kernel": rng.normal(size=(layers, *kernel)) / np.sqrt(kernel[0])}
+    if bias:
+      params[name]["bias"] = 0.1 * rng.normal(size=(layers, *bias_shape))
+  return params
+
+
+_act = jax.jit(ga.apply)
+_random_element = jax.jit(ga.random_element, static_argnames=(
+    "num_heads", "head_dim", "group", "num_kv_heads", "rope_pairing", "rotary_fraction",
+    "batch_shape", "dtype"))
+
+
+def _planted(case, seed=0, noise=0.0, element_group=None):
+  """(A, B = g A (+ noise), g, matching options) for one of CASES."""
+  group, kv, bias, pairing, fraction = CASES[case]
+  a = _stack(seed, kv=kv, bias=bias)
+  g = _random_element(jax.random.key(seed), num_heads=N, head_dim=H, num_kv_heads=kv,
+                      group=element_group or group, rope_pairing=pairing, rotary_fraction=fraction,
+                      batch_shape=(L,), dtype=jnp.float64)
+  g = g._replace(perm=np.asarray(g.perm, np.int32))  # as matching returns it: one trace of _act
+  b = jax.tree.map(np.asarray, _act(a, g))
+  if noise:
+    rng = np.random.default_rng(seed + 1)
+    b = jax.tree.map(lambda x: x + noise * np.std(x) * rng.normal(size=x.shape), b)
+  options = dict(group=group, rope_pairing=pairing, rotary_fraction=fraction)
+  return a, b, g, options
+
+
+def _inverse_perm(g):
+  return np.argsort(np.asarray(g.perm), axis=-1)
+
+
+def _squared_distance(a, b, element=None):
+  """sum over the head-symmetric leaves of ||a - element . b||^2, computed directly."""
+  moved = spec_lib.flatten(b if element is None else _act(b, element))
+  return sum(np.sum((leaf - moved[p]) ** 2) for p, leaf in spec_lib.flatten(a).items()
+             if p != "out/bias")
+
+
+@functools.partial(jax.jit, static_argnames=("pairing", "fraction"))
+def _rotations(offsets, *, pairing, fraction):
+  """R_k [len(offsets), H, H] as matrices, from apply_rope on the basis rows."""
+  eye = jnp.broadcast_to(jnp.eye(H, dtype=jnp.float64)[None, :, None, :], (len(offsets), H, 1, H))
+  positions = jnp.broadcast_to(offsets[:, None], (len(offsets), H))
+  return attention.apply_rope(eye, positions, pairing=pairing, rotary_fraction=fraction)[:, :, 0]
+
+
+# ----------------------------------------------------------------------------- the LAP
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 5), (3, 9, 9), (17, 17)])
+def test_linear_assignment_matches_scipy(x64, shape):
+  cost = np.random.default_rng(sum(shape)).normal(size=shape)
+  perm = np.asarray(jax.jit(matching.linear_assignment)(cost))
+  for c, p in zip(cost.reshape(-1, *shape[-2:]), perm.reshape(-1, shape[-1])):
+    assert sorted(p) == list(range(shape[-1]))
+    rows, cols = scipy.optimize.linear_sum_assignment(c)
+    np.testing.assert_allclose(c[np.arange(len(p)), p].sum(), c[rows, cols].sum(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("kv", [None, 2, 1])
+def test_head_permutations_enumerate_the_kv_preserving_ones(kv):
+  perms = matching.head_permutations(N, kv)
+  g = N // (kv or N)
+  expected = {p for p in itertools.permutations(range(N))
+              if all(p[i] // g == p[i - i % g] // g for i in range(N))}
+  assert {tuple(p) for p in perms} == expected and len(perms) == len(expected)
+  assert list(perms[0]) == list(range(N))
+
+
+# ----------------------------------------------------------------------------- Stage 1 features
+
+
+def _circuits(layer, n, site):
+  """Brute force: the D+1-sized QK circuits (per frequency pair with RoPE) and VO circuit of head n."""
+  k = n // (N // layer["key"]["kernel"].shape[-2])
+  aug = lambda name, i: np.concatenate([layer[name]["kernel"][:, i], layer[name]["bias"][None, i]])
+  q, key, v = aug("query", n), aug("key", k), aug("value", k)
+  if site.group == "rope":
+    pairs = attention.rope_pairs(H, pairing=site.rope_pairing, rotary_fraction=site.rotary_fraction)
+    blocks = [list(p) for p in pairs] + [sorted(set(range(H)) - set(pairs.reshape(-1)))]
+    qk = [q[:, b] @ key[:, b].T for b in blocks if b]
+  else:
+    qk = [q @ key.T]
+  return np.stack(qk), v @ np.asarray(layer["out"]["kernel"][n])
+
+
+def _brute_force_distance(x, y, distance):
+  if distance == "squared":
+    return np.sum((x - y) ** 2)
+  if distance == "frobenius":
+    return np.linalg.norm(x - y)
+  cosine = np.sum(x * y) / (np.linalg.norm(x) * np.linalg.norm(y))
+  return 1 - cosine if distance == "cosine" else np.sqrt(2 - 2 * cosine)
+
+
+@pytest.mark.parametrize("case", ["gl_gqa", "rope_interleaved_partial"])
+def test_head_distances_equal_brute_force_circuits(x64, case):
+  """The Gram/trace expansions equal distances of the explicitly formed D x D circuits."""
+  group, kv, _, pairing, fraction = CASES[case]
+  a, b = (jax.tree.map(lambda x: np.asarray(x[0]), _stack(s, kv=kv, layers=1)) for s in (0, 1))
+  site = spec_lib.AttentionSite(N, H, num_kv_heads=kv, group=group, rope_pairing=pairing,
+                                rotary_fraction=fraction)
+  costs = jax.jit(lambda a, b: [matching.head_distances(a, b, site=site, distance=d)
+                                for d in matching.DISTANCES])(a, b)
+  for distance, cost in zip(matching.DISTANCES, costs):
+    for n, m in itertools.product(range(N), range(N)):
+      (qk_a, vo_a), (qk_b, vo_b) = _circuits(a, n, site), _circuits(b, m, site)
+      want = _brute_force_distance(qk_a, qk_b, distance) + _brute_force_distance(vo_a, vo_b, distance)
+      np.testing.assert_allclose(cost[n, m], want, rtol=1e-9, atol=1e-9, err_msg=distance)
+
+
+# ----------------------------------------------------------------------------- planted recovery
+
+
+@pytest.mark.parametrize("case", ["gl", "gl_no_bias", "rope_half_gqa", "rope_interleaved_partial"])
+def test_planted_recovery(x64, case):
+  a, b, g, options = _planted(case)
+  element, info = matching.match_attention(a, b, **options)
+  np.testing.assert_array_equal(element.perm, _inverse_perm(g))
+  moved = spec_lib.flatten(_act(b, element))
+  for path, leaf in spec_lib.flatten(a).items():
+    assert np.linalg.norm(moved[path] - leaf) / np.linalg.norm(leaf) <= 1e-5, path
+  # The Gram-based objectives are the squared parameter distances.
+  np.testing.assert_allclose(info["objective"]["naive"].sum(), _squared_distance(a, b), rtol=1e-9)
+  assert float(info["objective"]["full"].sum()) <= 1e-10 * float(info["objective"]["naive"].sum())
+  if options["group"] == "rope":
+    qk = np.asarray(element.qk)
+    for r in np.asarray(_rotations(jnp.array([1.0, 2.0, 7.0]), pairing=options["rope_pairing"],
+                                   fraction=options["rotary_fraction"])):
+      np.testing.assert_allclose(r @ qk, qk @ r, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", ["gl", "rope_half_gqa"])
+def test_noise_orders_the_methods(x64, case):
+  """B = g A + noise: perm >= ortho >= full, and full well below naive."""
+  a, b, _, options = _planted(case, seed=3, noise=0.2)
+  element, info = matching.match_attention(a, b, **options)
+  objective = {k: float(v.sum()) for k, v in info["objective"].items()}
+  assert objective["perm"] >= objective["ortho"] >= objective["full"]
+  assert objective["full"] <= 0.1 * objective["naive"]
+  np.testing.assert_allclose(objective["full"], _squared_distance(a, b, element), rtol=1e-9)
+  if case == "gl":  # the Variant 2 element itself gives the reported distance
+    variant, _ = matching.match_attention(a, b, method="ortho", **options)
+    np.testing.assert_allclose(_squared_distance(a, b, variant), objective["ortho"], rtol=1e-9)
+    assert objective["ortho"] > 1.5 * objective["full"]  # refinement matters for GL(H)
+
+
+def test_refinement_guard_keeps_matrices_well_conditioned(x64):
+  """A rank-deficient key head and a huge learning rate: the result stays finite,
+  invertible and never worse than the best start."""
+  a, b, _, options = _planted("gl", seed=5, noise=0.3)
+  b["key"]["kernel"] = np.asarray(b["key"]["kernel"]).copy()
+  b["key"]["kernel"][:, :, 1, 1:] = 0.0
+  b["key"]["bias"] = np.asarray(b["key"]["bias"]).copy()
+  b["key"]["bias"][:, 1, 1:] = 0.0
+  element, info = matching.match_attention(a, b, learning_rate=10.0, **options)
+  ga.check_element(element)  # finite, condition number <= ga.MAX_CONDITION
+  assert np.isfinite(np.asarray(element.qk)).all()
+  assert float(info["objective"]["full"].sum()) <= float(info["objective"]["ortho"].sum())
+
+  @jax.jit
+  def start_and_refine(problem):
+    start = _stage2.best_start(problem, None, jnp.eye(H))
+    best = _stage2.refine(start, problem, None, steps=50, learning_rate=jnp.float64(100.0))
+    return _stage2.objective(start, problem)[0], _stage2.objective(best, problem)
+
+  problem = _stage2.Problem(jnp.diag(jnp.array([1.0, 1e-12, 1.0, 1.0])), jnp.eye(H), 4.0,
+                            jnp.eye(H), jnp.eye(H), 4.0)
+  start_value, (value, cond) = start_and_refine(problem)
+  assert value <= start_value and cond <= _stage2.max_condition(jnp.float64)
+
+
+# ----------------------------------------------------------------------------- exhaustive mode
+
+
+@pytest.mark.parametrize("case,method,element_group", [("gl", "full", None),
+                                                       ("gl_gqa", "ortho", "orthogonal")])
+def test_exhaustive_best_permutation_is_stage1s(x64, case, method, element_group):
+  a, b, g, options = _planted(case, seed=7, element_group=element_group)
+  elements, info = matching.match_attention_exhaustive(a, b, method=method, **options)
+  perms = np.asarray(info["perms"])
+  assert len(perms) == (24 if g.num_kv_heads == N else 8)
+  assert elements.perm.shape == (len(perms), L, N) and info["objective"].shape == (len(perms), L)
+  best = np.argmin(np.asarray(info["objective"]), axis=0)
+  np.testing.assert_array_equal(best, info["stage1_index"])
+  np.testing.assert_array_equal(perms[best], _inverse_perm(g))
+  for layer in range(L):
+    chosen = jax.tree.map(lambda x: np.asarray(x)[best[layer], layer:layer + 1], elements)
+    one = lambda p: jax.tree.map(lambda x: x[layer:layer + 1], p)
+    assert _squared_distance(one(a), one(b), chosen) <= 1e-10 * float(info["objective"][:, layer].max())
+
+
+# ----------------------------------------------------------------------------- jit and bad input
+
+
+def test_one_trace_per_shape(x64, monkeypatch):
+  counted = jax.jit(chex.assert_max_traces(_attention._match_core, n=1),
+                    static_argnames=("site", "method", "distance", "steps"))
+  monkeypatch.setattr(_attention, "_match_jit", counted)
+  for seed, bias, lr in ((0, True, 1e-2), (1, False, 3e-3), (2, True, 0.5)):
+    a, b = (_stack(seed + s, bias=bias) for s in (0, 10))
+    matching.match_attention(a, b, method="perm", learning_rate=lr)
+  with pytest.raises(AssertionError, match="traced > 1"):  # a new shape traces again
+    matching.match_attention(*(_stack(s, layers=3) for s in (0, 1)), method="perm")
+
+
+def _bad_input(case):
+  a = _stack(0)
+  if case == "extra leaf":
+    return dict(a, extra={"kernel": a["out"]["kernel"]}), a, "extra/kernel"
+  if case == "missing bias":
+    return a, dict(a, query={"kernel": a["query"]["kernel"]}), "query/bias"
+  if case == "different width":
+    return a, _stack(1, width=D + 1), "query/kernel: params_a has float64\\[2, 12, 4, 4\\]"
+  if case == "kv heads do not divide":
+    return (dict(a, key=jax.tree.map(lambda x: x[..., :3, :], a["key"])), a,
+            "key/kernel has shape .* must divide the 4 query heads")
+  if case == "inconsistent head dim":
+    return dict(a, out=dict(a["out"], kernel=a["out"]["kernel"][:, :, :3])), a, "out/kernel has shape"
+  if case == "nan":
+    bias = a["value"]["bias"].copy()
+    bias[0, 1, 2] = np.nan
+    return a, dict(a, value=dict(a["value"], bias=bias)), "params_b: value/bias has NaN or Inf"
+  if case == "inf":
+    kernel = a["query"]["kernel"].copy()
+    kernel[0] = np.inf
+    return dict(a, query=dict(a["query"], kernel=kernel)), a, "params_a: query/kernel has NaN or Inf"
+  return a, jax.tree.map(lambda x: x.astype(np.float32), a), "params_b has float32"
+
+
+@pytest.mark.parametrize("case", ["extra leaf", "missing bias", "different width",
+                                  "kv heads do not divide", "inconsistent head dim", "nan", "inf",
+                                  "float32 against float64"])
+def test_bad_input_names_the_leaf(x64, case):
+  a, b, message = _bad_input(case)
+  with pytest.raises(ValueError, match=message):
+    matching.match_attention(a, b)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(method="greedy"), "method must be one of"),
+    (dict(distance="l1"), "distance must be one of"),
+    (dict(steps=-1), "steps must be"),
+    (dict(group="rope", rotary_fraction=0.25), "rotated dims"),
+    (dict(group="so"), "group must be one of"),
+])
+def test_bad_options(x64, kwargs, message):
+  a = _stack(0)
+  with pytest.raises(ValueError, match=message):
+    matching.match_attention(a, a, **kwargs)
+
+
+def test_exhaustive_refuses_many_heads(x64):
+  a = jax.tree.map(lambda x: x[0], _stack(0))
+  big = {name: {"kernel": np.ones((D, 9, 2))} for name in ("query", "key", "value")}
+  big["out"] = {"kernel": np.ones((9, 2, D))}
+  with pytest.raises(ValueError, match="N = 9"):
+    matching.match_attention_exhaustive(big, big)
+  with pytest.raises(ValueError, match="Stage 2 method"):
+    matching.match_attention_exhaustive(a, a, method="naive")
