@@ -5,7 +5,7 @@ r"""The 25-point interpolation path against 25 separate plain evaluations.
 Both sides evaluate the same ViT endpoints on the same digits test split in one
 process: the path side with ``lmc.path_evaluator`` (one compilation, lambda an
 argument vmapped over chunks of lambdas, every batch read once), the reference
-with ``train.evaluate`` called once per interpolated model (its step compiled
+with ``evaluation.evaluate`` called once per interpolated model (its step compiled
 once and reused). Prints each side's best wall time over the repeats, after a
 warm-up that compiles both, their ratio (goal: <= 1.1) and the number of
 compilations of the path function.
@@ -20,7 +20,8 @@ import numpy as np
 from attn_symmetry import data
 from attn_symmetry import lmc
 from attn_symmetry import models
-from experiments import train
+from experiments import evaluation
+from experiments import inputs
 
 
 def main():
@@ -32,26 +33,26 @@ def main():
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
 
-  info = data.info(args.dataset)
-  model = models.build("vit", args.preset, **data.model_overrides(info))
+  info = data.dataset_info(args.dataset)
+  model = models.build("vit", args.preset, **inputs.model_overrides(info))
   params_a, params_b = model.init(jax.random.key(0)), model.init(jax.random.key(1))
   batches = list(data.eval_iterator(args.dataset, batch_size=args.batch_size))
   lams = lmc.lambdas(25)
-  mesh = train.create_mesh()
+  mesh = inputs.create_mesh()
 
   traces = []
   def metric(p, b):
     traces.append(1)
-    return train.batch_metrics(model, p, b)
+    return evaluation.batch_metrics(model, p, b)
   evaluator = lmc.path_evaluator(metric)
 
   def path():
     sums = lmc.evaluate_path(evaluator, params_a, params_b, batches, lams, chunk_size=args.chunk,
-                             put=lambda b: train.shard_batch(b, mesh))
+                             put=lambda b: inputs.shard_batch(b, mesh))
     return sums["loss"] / sums["count"]
 
   def separate():
-    return np.array([train.evaluate(model, lmc.interpolate(params_a, params_b, lam), batches,
+    return np.array([evaluation.evaluate(model, lmc.interpolate(params_a, params_b, lam), batches,
                                     mesh=mesh)["loss"] for lam in lams])
 
   loss_path, loss_sep = path(), separate()  # warm-up: compiles both

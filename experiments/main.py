@@ -20,6 +20,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from experiments import study
 from experiments import train
 
 config_flags.DEFINE_config_file("config", None, "A setting in experiments/configs/.",
@@ -31,7 +32,7 @@ FLAGS = flags.FLAGS
 
 # The stages of a run, in order: each takes (config, workdir) and skips what the workdir
 # already holds, so that a rerun after a crash continues where it stopped.
-STAGES = (train.train_and_evaluate,)
+STAGES = (train.train_and_evaluate, study.run_study)
 
 
 def default_workdir(config_path: str) -> str:
@@ -66,8 +67,11 @@ def main(argv):
     jax.distributed.initialize()
   workdir = FLAGS.workdir or default_workdir(config_flags.get_config_filename(FLAGS["config"]))
   train.log.info("workdir: %s", workdir)
+  study.validate_study_config(FLAGS.config)  # before training, so a bad field costs nothing
   for stage in STAGES:
-    stage(FLAGS.config, workdir)
+    outputs = stage(FLAGS.config, workdir)
+  for name, path in outputs.items():  # the study's reports
+    print(f"{name}: {path}")
 
 
 if __name__ == "__main__":

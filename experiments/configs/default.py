@@ -24,7 +24,14 @@ Fields:
     "full" scope trains the whole model from scratch with the base schedule
     ``train.*``). ``dataset`` names the data set B of an A->B transfer ("" is
     the base data set).
-  study: options of the LMC study stages (filled by the study).
+  study: the LMC study after training (``experiments/study.py``): the
+    matching ``methods`` compared (naive must be one), ``num_lambdas``
+    interpolation points evaluated ``lambda_chunk`` at a time, Stage 2
+    ``match_steps`` and ``match_learning_rate``, the Stage 1 ``distance`` and
+    the ``distances`` of its ablation, the ``permutation_ablation`` over every
+    head order (for at most ``max_exhaustive_heads`` heads), and the input
+    ``noise_levels`` of the robustness check (Gaussian std on normalised
+    images; token replacement rate on text).
 """
 
 from __future__ import annotations
@@ -78,6 +85,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.reinit.dataset = ""
 
   config.study = ml_collections.ConfigDict()
+  config.study.methods = ["naive", "perm", "ortho", "full"]
+  config.study.num_lambdas = 25
+  config.study.lambda_chunk = 25
+  config.study.match_steps = 200
+  config.study.match_learning_rate = 1e-2
+  config.study.distance = "frobenius"
+  config.study.distances = ["frobenius", "squared", "normalised", "cosine"]
+  config.study.permutation_ablation = True
+  config.study.max_exhaustive_heads = 6
+  config.study.noise_levels = [0.0, 0.5, 1.0]
   if "runlocal" in variants:
     runlocal(config)
   return config
@@ -133,6 +150,10 @@ def runlocal(config: ml_collections.ConfigDict) -> None:
   config.reinit.num_steps = 4
   config.reinit.warmup_steps = 1
   config.reinit.seeds = (1, 2)
+  config.study.num_lambdas = 5
+  config.study.match_steps = 20
+  config.study.distances = ["frobenius", "cosine"]
+  config.study.noise_levels = [0.0, 0.5]
 
 
 def language_model(variants: set[str], *, family: str, dataset: str, seq_len: int = 256,

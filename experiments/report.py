@@ -1,0 +1,149 @@
+"""Reports of the LMC study: summaries over pairs, ``summary.md`` and figures.
+
+Every number here is computed from the per-pair curves that the study wrote
+into ``results.json``; nothing is typed in.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+METHOD_LABELS = {"naive": "naive", "perm": "Variant 1 (Stage 1)", "ortho": "Variant 2 (+ ortho init)",
+                 "full": "full (+ gradient refinement)"}
+_COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green"}
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
+  v = np.asarray([x for x in values if x is not None and math.isfinite(x)], np.float64)
+  if not len(v):
+    return None, None
+  return float(v.mean()), float(v.std())
+
+
+def ratio_pct(value: float, naive: float, eps: float = 1e-12) -> float | None:
+  """value / naive * 100, or None when the naive barrier is zero (nothing to reduce)."""
+  return None if naive <= eps else 100.0 * value / naive
+
+
+def summarise_methods(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
+  """Mean and std over pairs of every method's barriers and barrier ratios to naive.
+
+  Args:
+    pairs: entries {"methods": {method: {"loss_barrier", "accuracy_barrier"}}}.
+
+  Returns:
+    {method: {"loss_barrier_mean", "loss_barrier_std", "accuracy_barrier_mean",
+    "accuracy_barrier_std", "loss_barrier_ratio_pct", "loss_barrier_ratio_pct_std",
+    "accuracy_barrier_ratio_pct", "accuracy_barrier_ratio_pct_std", "num_pairs"}}.
+  """
+  methods = list(pairs[0]["methods"]) if pairs else []
+  out = {}
+  for m in methods:
+    row: dict[str, float | None] = {"num_pairs": len(pairs)}
+    for metric in ("loss_barrier", "accuracy_barrier"):
+      values = [p["methods"][m][metric] for p in pairs]
+      row[f"{metric}_mean"], row[f"{metric}_std"] = _mean_std(values)
+      ratios = [ratio_pct(p["methods"][m][metric], p["methods"]["naive"][metric]) for p in pairs]
+      row[f"{metric}_ratio_pct"], row[f"{metric}_ratio_pct_std"] = _mean_std(ratios)
+    out[m] = row
+  return out
+
+
+def _fmt(mean: float | None, std: float | None, digits: int = 4) -> str:
+  if mean is None:
+    return "n/a"
+  return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any]]) -> str:
+  """``summary.md``: per scope, the barrier table and the Table 1 ablations."""
+  lines = [f"# {title}", ""]
+  for scope, res in results_by_scope.items():
+    lines += [f"## Re-initialisation scope: {scope}", "",
+              f"{len(res['pairs'])} checkpoint pair(s), {len(res['lambdas'])} interpolation points"
+              f" on the {res.get('eval_split', 'test')} split. Endpoint metrics: " +
+              ", ".join(f"{name} loss {m['loss']:.4f} acc {m['accuracy']:.4f}"
+                        for name, m in res.get("endpoints", {}).items()), "",
+              "| method | loss barrier | accuracy barrier | loss barrier / naive (%) | "
+              "accuracy barrier / naive (%) |", "|---|---|---|---|---|"]
+    for m, row in res["methods"].items():
+      lines.append(f"| {METHOD_LABELS.get(m, m)} | {_fmt(row['loss_barrier_mean'], row['loss_barrier_std'])} | "
+                   f"{_fmt(row['accuracy_barrier_mean'], row['accuracy_barrier_std'])} | "
+                   f"{_fmt(row['loss_barrier_ratio_pct'], row['loss_barrier_ratio_pct_std'], 1)} | "
+                   f"{_fmt(row['accuracy_barrier_ratio_pct'], row['accuracy_barrier_ratio_pct_std'], 1)} |")
+    lines.append("")
+    abl = res.get("ablation", {})
+    if "permutations" in abl:
+      s = abl["permutations"]["summary"]
+      lines += [f"### Stage 1 ablation (Table 1 layout): the head permutation Stage 1 chose, ranked "
+                f"among all {abl['permutations']['num_permutations']}, each followed by Stage 2", "",
+                "| | Rank (loss) | L̂ (loss) | Rank (accuracy) | L̂ (accuracy) |", "|---|---|---|---|---|",
+                f"| Stage 1 | {_fmt(s['loss_rank_mean'], s['loss_rank_std'], 2)} | "
+                f"{_fmt(s['loss_lhat_mean'], s['loss_lhat_std'], 1)} | "
+                f"{_fmt(s['accuracy_rank_mean'], s['accuracy_rank_std'], 2)} | "
+                f"{_fmt(s['accuracy_lhat_mean'], s['accuracy_lhat_std'], 1)} |", ""]
+    if "distances" in abl:
+      lines += ["### Stage 1 head distance (full method)", "",
+                "| distance | loss barrier | loss barrier / naive (%) |", "|---|---|---|"]
+      for d, row in abl["distances"].items():
+        lines.append(f"| {d} | {_fmt(row['loss_barrier_mean'], row['loss_barrier_std'])} | "
+                     f"{_fmt(row['loss_barrier_ratio_pct'], row['loss_barrier_ratio_pct_std'], 1)} |")
+      lines.append("")
+    rob = res.get("robustness")
+    if rob:
+      lines += ["### Robustness (accuracy under input noise, mean over pairs)", "",
+                "| noise | " + " | ".join(rob["models"]) + " |",
+                "|---" * (len(rob["models"]) + 1) + "|"]
+      for i, sigma in enumerate(rob["noise_levels"]):
+        lines.append(f"| {sigma:g} | " + " | ".join(f"{rob['accuracy'][m][i]:.4f}" for m in rob["models"]) + " |")
+      lines.append("")
+  return "\n".join(lines)
+
+
+def plot_curves(path: str, title: str, lambdas: Sequence[float],
+                pairs: Sequence[Mapping[str, Any]], *, loss_name: str = "loss") -> str:
+  """PNG with the loss and accuracy along the path, mean ± std over pairs per method."""
+  lams = np.asarray(lambdas)
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+  for ax, metric, ylabel in ((axes[0], "loss", loss_name), (axes[1], "accuracy", "accuracy")):
+    for m in pairs[0]["methods"]:
+      curves = np.asarray([p["methods"][m][metric] for p in pairs], np.float64)
+      mean, std = curves.mean(0), curves.std(0)
+      ax.plot(lams, mean, label=METHOD_LABELS.get(m, m), color=_COLORS.get(m))
+      ax.fill_between(lams, mean - std, mean + std, alpha=0.2, color=_COLORS.get(m))
+    ax.set_xlabel("λ (0 = model A, 1 = aligned model B)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=8)
+  fig.suptitle(title)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def rank_and_lhat(chosen: float, all_barriers: Sequence[float], naive: float) -> tuple[int, float | None]:
+  """Rank (1 = best) of Stage 1's barrier among every permutation's, and
+  L̂ = (L_method - L_top1) / (L_naive - L_top1) * 100 (None if naive is already the best)."""
+  values = np.asarray(all_barriers, np.float64)
+  top1 = float(values.min())
+  rank = 1 + int(np.sum(values < chosen - 1e-12))
+  return rank, ratio_pct(chosen - top1, naive - top1)
+
+
+def summarise_permutation_ablation(per_pair: Sequence[Mapping[str, float]]) -> dict[str, float | None]:
+  """Mean and std over pairs of {loss,accuracy}_{rank,lhat}."""
+  out = {}
+  for key in ("loss_rank", "loss_lhat", "accuracy_rank", "accuracy_lhat"):
+    out[f"{key}_mean"], out[f"{key}_std"] = _mean_std([p[key] for p in per_pair])
+  return out
