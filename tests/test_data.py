@@ -287,3 +287,12 @@ def test_prepare_command_line(tmp_path, capsys):
   prepare.main(["newsgroups_mini", "--data_dir", str(tmp_path)])
   assert "newsgroups_mini: prepared in" in capsys.readouterr().out
   assert (tmp_path / "newsgroups_mini" / "1.1.0" / "dataset_info.json").exists()
+
+
+def test_processes_default_to_jax(data_dir):
+  import jax
+  assert (jax.process_index(), jax.process_count()) == (0, 1)
+  default = next(data.train_iterator("digits", batch_size=8, seed=0, data_dir=data_dir))
+  explicit = next(data.train_iterator("digits", batch_size=8, seed=0, data_dir=data_dir,
+                                      process_index=0, process_count=1))
+  np.testing.assert_array_equal(default["image"], explicit["image"])
