@@ -24,18 +24,18 @@ def get_config(arg=None):
   config.model.overrides.patch_size = 2
   default.set_position_encoding(config, variants, ape="learned", rope="rope2d")
   config.dataset.name = "digits"
-  config.train.num_steps = 600
+  config.train.num_steps = 500
   config.train.batch_size = 64
   config.train.learning_rate = 3e-3
   config.train.warmup_steps = 50
   config.train.log_every = 100
-  config.train.eval_every = 300
-  config.train.checkpoint_every = 300
+  config.train.eval_every = 250
+  config.train.checkpoint_every = 250
   config.reinit.scopes = default.SCOPES
   config.reinit.seeds = (1, 2, 3)
-  config.reinit.num_steps = 300
+  config.reinit.num_steps = 200
   config.reinit.learning_rate = 3e-3
-  config.reinit.warmup_steps = 30
+  config.reinit.warmup_steps = 20
   if "runlocal" in variants:
     default.runlocal(config)
   return config
