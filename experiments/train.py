@@ -15,10 +15,9 @@ from its latest checkpoint and is skipped when already complete. Layout:
 and in every run directory ``checkpoints/<step>/`` (``checkpoints.py``),
 ``metrics.jsonl`` and TensorBoard event files (``metric_writers.py``), and
 ``final_metrics.json`` (the evaluation of the last step). ``load_checkpoints``
-gives the study every run's final parameters; ``create_model``,
-``eval_batches``, ``create_mesh``, ``shard_batch`` (``inputs.py``),
-``batch_metrics`` and ``evaluate`` (``evaluation.py``), re-exported here, are
-the pieces it needs to evaluate them.
+gives the study every run's final parameters; ``inputs.py`` (model, batches,
+mesh) and ``evaluation.py`` (``batch_metrics``, ``evaluate``) the pieces it
+needs to evaluate them.
 
 Data parallelism: a ``jax.sharding.Mesh`` over all devices with one axis
 "data"; every batch is split along it and the parameters and optimiser state
@@ -48,10 +47,8 @@ from experiments import checkpoints
 from experiments import inputs
 from experiments import metric_writers
 from experiments import reinit
+from experiments import evaluation
 from experiments.configs import default as default_config
-# What the study needs next to ``load_checkpoints``, re-exported.
-from experiments.evaluation import batch_metrics, evaluate  # pylint: disable=g-importing-member
-from experiments.inputs import create_mesh, create_model, eval_batches, shard_batch  # pylint: disable=g-importing-member
 
 Params = dict[str, Any]
 
@@ -146,7 +143,7 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
   """
 
   def loss_fn(params, batch):
-    sums = batch_metrics(model, params, batch)
+    sums = evaluation.batch_metrics(model, params, batch)
     return sums["loss"] / sums["count"], sums
 
   def step(state, batch):
@@ -251,7 +248,7 @@ class Trainer:
 
   Args:
     config: the setting (checked with ``validate_config``).
-    model: ``create_model(config)``.
+    model: ``inputs.create_model(config)``.
     workdir: root of the layout in the module docstring.
     mesh: device mesh with a "data" axis (default: all devices).
   """
@@ -259,7 +256,7 @@ class Trainer:
   def __init__(self, config: ml_collections.ConfigDict, model: models.Model, workdir: str, *,
                mesh: jax.sharding.Mesh | None = None):
     self.config, self.model, self.workdir = config, model, workdir
-    self.mesh = create_mesh() if mesh is None else mesh
+    self.mesh = inputs.create_mesh() if mesh is None else mesh
     self._replicated = inputs.replicated(self.mesh)
     self._base = None
 
@@ -331,7 +328,7 @@ class Trainer:
     return final
 
   def _evaluate(self, run: Run, params: Params) -> dict[str, float]:
-    return evaluate(self.model, params, inputs.eval_batches(self.config, run.dataset),
+    return evaluation.evaluate(self.model, params, inputs.eval_batches(self.config, run.dataset),
                     mesh=self.mesh)
 
   def _loop(self, run, state, start, num_steps, batches, train_step, lr, ckpts, writer, meta):
@@ -340,7 +337,7 @@ class Trainer:
     progress = metric_writers.Progress(num_steps)
     pending, last_saved, final = [], start, None
     for step in range(start + 1, num_steps + 1):
-      state, metrics = train_step(state, shard_batch(next(batches), self.mesh))
+      state, metrics = train_step(state, inputs.shard_batch(next(batches), self.mesh))
       pending.append(metrics)
       if step == start + 1:  # The ETA counts from here, after compilation.
         jax.block_until_ready(metrics)
@@ -394,7 +391,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   validate_config(config)
   check_data(config)
-  model = create_model(config)
+  model = inputs.create_model(config)
   check_workdir(config, model, workdir)
   trainer = Trainer(config, model, workdir)
   log.info("training %d run(s) in %s on %d device(s)", len(runs(config)), workdir,
@@ -417,10 +414,10 @@ def load_checkpoints(config: ml_collections.ConfigDict, workdir: str) -> dict[st
     ValueError: a run has no checkpoint (not trained yet), or checkpoints of
       another architecture than ``config``'s model (naming the parameters).
   """
-  model = create_model(config)
+  model = inputs.create_model(config)
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   arch = checkpoints.architecture(model.config.family, shapes)
-  abstract = checkpoints.abstract_like(shapes, inputs.replicated(create_mesh()))
+  abstract = checkpoints.abstract_like(shapes, inputs.replicated(inputs.create_mesh()))
   out = {}
   for run in runs(config):
     directory = run_dir(workdir, run)
