@@ -25,5 +25,6 @@ from attn_symmetry.matching._attention import match_attention_exhaustive
 from attn_symmetry.matching._features import DISTANCES
 from attn_symmetry.matching._features import head_distances
 from attn_symmetry.matching._model import DEFAULT_MAX_ROUNDS
+from attn_symmetry.matching._model import active_names
 from attn_symmetry.matching._model import align_model
 from attn_symmetry.matching._model import match_ffn

@@ -158,16 +158,20 @@ def _transform(spec: spec_lib.SymmetrySpec, leaf: jax.Array, path: str, element:
   return leaf
 
 
-def _with_attention(spec: spec_lib.SymmetrySpec, flat_b: dict[str, Any], element: dict[str, Any],
-                    paths) -> dict[str, Any]:
-  """B's leaves among ``paths``, with the attention elements of their sites applied."""
-  site_of = _site_of(spec)
+def _with_attention(spec: spec_lib.SymmetrySpec, plan: list[_Step], flat_b: dict[str, Any],
+                    element: dict[str, Any], paths) -> dict[str, Any]:
+  """B's leaves among ``paths``, with the attention elements of their sites applied
+  (``group_action.apply``, vmapped over the sites of each attention step)."""
   out = {p: flat_b[p] for p in paths}
-  for s in {site_of[p] for p in paths if p in site_of}:
-    leaves = _site_leaves(spec, s)
-    layer = spec_lib.unflatten({p[len(s) + 1:]: flat_b[p] for p in leaves})
-    moved = spec_lib.flatten(group_action.apply(layer, element[s]))
-    out.update({f"{s}/{p}": v for p, v in moved.items()})
+  for step in plan:
+    sites = [s for s in step.names if step.attention and step.leaves & set(paths)]
+    if not sites:
+      continue
+    layers = [spec_lib.unflatten({p[len(s) + 1:]: flat_b[p] for p in _site_leaves(spec, s)})
+              for s in sites]
+    moved = jax.vmap(group_action.apply)(_stack(layers), _stack([element[s] for s in sites]))
+    for i, s in enumerate(sites):
+      out.update({f"{s}/{p}": v[i] for p, v in spec_lib.flatten(moved).items()})
   return out
 
 
@@ -175,33 +179,33 @@ def _tolerance(dtype: Any) -> float:
   return 100 * float(jnp.finfo(dtype).eps)
 
 
-def _factor_scores(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element,
-                   leaves: frozenset[str]) -> tuple[jax.Array, jax.Array]:
-  """M [F, n, n] (M[j, i] = <A_j, B_i> over ``leaves``) and its bound ||A|| ||B|| [F]
-  for every factor F of ``step``, with everything else in ``element`` applied to B."""
-  b_moved = _with_attention(spec, flat_b, element, leaves)
-  scores, scales = [], []
+def _factor_scores(spec: spec_lib.SymmetrySpec, plan: list[_Step], step: _Step, flat_a, flat_b,
+                   element, leaves: frozenset[str]) -> jax.Array:
+  """[F, n + 2, n] for the F factors of ``step``, read from ``leaves`` only: the scores
+  M[j, i] = <A_j, B_i> (rows :n) and the squared norms of the A and B parts read (rows n, n + 1),
+  with everything else in ``element`` applied to B."""
+  b_moved = _with_attention(spec, plan, flat_b, element, leaves)
+  out = []
   for f in step.names:
     n = spec.factors[f].size
-    m, norm_a, norm_b = 0.0, 0.0, 0.0
+    m, norm_a, norm_b = jnp.zeros((n, n), flat_a[next(iter(leaves))].dtype), 0.0, 0.0
     for path in sorted(leaves):
       if spec.factors[f].kind == "orthogonal" and path in spec.norm_scales:
         continue
-      for axis, g in enumerate(spec.axes[path]):
-        if g != f:
-          continue
+      for axis in (i for i, g in enumerate(spec.axes[path]) if g == f):
         a = jnp.moveaxis(flat_a[path], axis, 0).reshape(n, -1)
         b = jnp.moveaxis(_transform(spec, b_moved[path], path, element, axis), axis, 0).reshape(n, -1)
         m = m + jnp.matmul(a, b.T, precision=_features.HIGHEST)  # [new (A), old (B)]
         norm_a, norm_b = norm_a + jnp.sum(a * a), norm_b + jnp.sum(b * b)
-    scores.append(m)
-    scales.append(jnp.sqrt(norm_a * norm_b))
-  return jnp.stack(scores), jnp.stack(scales)
+    out.append(jnp.concatenate([m, jnp.broadcast_to(jnp.stack([norm_a, norm_b])[:, None], (2, n))]))
+  return jnp.stack(out)
 
 
-def _factor_update(spec: spec_lib.SymmetrySpec, step: _Step, m: jax.Array, scale: jax.Array,
+def _factor_update(spec: spec_lib.SymmetrySpec, step: _Step, scores: jax.Array,
                    element) -> tuple[dict[str, Any], jax.Array]:
-  """The best value of every factor of ``step`` given its scores; (element, changed)."""
+  """The best value of every factor of ``step`` given its ``_factor_scores``; (element, changed)."""
+  n = scores.shape[-1]
+  m, scale = scores[:, :n], jnp.sqrt(scores[:, n, 0] * scores[:, n + 1, 0])  # ||A|| ||B||
   old = jnp.stack([element[f] for f in step.names])
   if spec.factors[step.names[0]].kind == "permutation":
     new = _assignment.linear_assignment(-m).astype(old.dtype)
@@ -262,9 +266,10 @@ def _identity(spec: spec_lib.SymmetrySpec, dtype: Any) -> dict[str, Any]:
   return out
 
 
-def _distance(spec: spec_lib.SymmetrySpec, flat_a, flat_b, element) -> jax.Array:
-  moved = spec_lib.flatten(group_action.apply_model(spec, spec_lib.unflatten(flat_b), element))
-  return sum(jnp.sum((flat_a[p] - moved[p]) ** 2) for p in flat_a)
+def _distance(spec: spec_lib.SymmetrySpec, plan: list[_Step], flat_a, flat_b, element) -> jax.Array:
+  """||theta_A - element . theta_B||^2 over every leaf."""
+  moved = _with_attention(spec, plan, flat_b, element, list(flat_b))
+  return sum(jnp.sum((a - _transform(spec, moved[p], p, element)) ** 2) for p, a in flat_a.items())
 
 
 class _StaticSpec:
@@ -295,12 +300,14 @@ def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps,
     if step.attention:
       return _attention_step(spec, step, flat_a, flat_b, element, learning_rate, method=method,
                              distance=distance, steps=steps)
-    scores = lambda leaves: _factor_scores(spec, step, flat_a, flat_b, element, leaves)
+    scores = lambda leaves: _factor_scores(spec, plan, step, flat_a, flat_b, element, leaves)
     if first[i] is None:
-      m, scale = scores(step.leaves)
-    else:
-      m, scale = jax.lax.cond(rounds == 0, lambda: scores(first[i]), lambda: scores(step.leaves))
-    return _factor_update(spec, step, m, scale, element)
+      total = scores(step.leaves)
+    else:  # the leaves of round one, and the others from round two on
+      known = scores(first[i])
+      total = known + jax.lax.cond(rounds == 0, lambda: jnp.zeros_like(known),
+                                   lambda: scores(step.leaves - first[i]))
+    return _factor_update(spec, step, total, element)
 
   def body(state):
     element, dirty, rounds = state
@@ -315,8 +322,8 @@ def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps,
   state = (element, jnp.ones(len(plan), bool), jnp.int32(0))
   cond = lambda s: jnp.any(s[1]) & (s[2] < max_rounds)
   element, _, rounds = jax.lax.while_loop(cond, body, state)
-  info = {"distance": {"initial": _distance(spec, flat_a, flat_b, _identity(spec, dtype)),
-                       "final": _distance(spec, flat_a, flat_b, element)},
+  initial = sum(jnp.sum((flat_a[p] - flat_b[p]) ** 2) for p in flat_a)
+  info = {"distance": {"initial": initial, "final": _distance(spec, plan, flat_a, flat_b, element)},
           "rounds": rounds}
   return element, info
 

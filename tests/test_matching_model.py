@@ -1,0 +1,273 @@
+"""Whole-model alignment: Weight Matching and align_model on small ViT-like and Llama-like specs.
+
+The specs are built here with ``spec.SymmetrySpec`` directly (independent of
+``attn_symmetry.models``). Test data comes from numpy, so that the only
+compiles are those of the code under test and of a few jitted helpers.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.optimize
+
+from attn_symmetry import attention
+from attn_symmetry import group_action as ga
+from attn_symmetry import matching
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.matching import _model
+
+D, N, H, F, LAYERS = 8, 4, 2, 12, 2
+R = "residual"
+
+
+def vit_like():
+  """LayerNorm, GELU MLP with biases, learned positions, class token: a permutation residual."""
+  shapes = {"embed/kernel": ((12, D), (None, R)), "embed/bias": ((D,), (R,)),
+            "cls": ((1, D), (None, R)), "pos_embedding": ((5, D), (None, R)),
+            "norm/scale": ((D,), (R,)), "norm/bias": ((D,), (R,)),
+            "head/kernel": ((D, 3), (R, None)), "head/bias": ((3,), (None,))}
+  factors, sites = {R: spec_lib.Factor(D)}, {}
+  for i in range(LAYERS):
+    layer, mlp = f"layers_{i}", f"layers_{i}/mlp"
+    factors[mlp] = spec_lib.Factor(F)
+    for norm in ("ln1", "ln2"):
+      shapes |= {f"{layer}/{norm}/scale": ((D,), (R,)), f"{layer}/{norm}/bias": ((D,), (R,))}
+    for proj in ("query", "key", "value"):
+      shapes |= {f"{layer}/attention/{proj}/kernel": ((D, N, H), (R, None, None)),
+                 f"{layer}/attention/{proj}/bias": ((N, H), (None, None))}
+    shapes |= {f"{layer}/attention/out/kernel": ((N, H, D), (None, None, R)),
+               f"{layer}/attention/out/bias": ((D,), (R,)),
+               f"{mlp}/wi/kernel": ((D, F), (R, mlp)), f"{mlp}/wi/bias": ((F,), (mlp,)),
+               f"{mlp}/wo/kernel": ((F, D), (mlp, R)), f"{mlp}/wo/bias": ((D,), (R,))}
+    sites[f"{layer}/attention"] = spec_lib.AttentionSite(N, H)
+  axes = {p: a for p, (_, a) in shapes.items()}
+  return spec_lib.SymmetrySpec(factors, axes, sites), {p: s for p, (s, _) in shapes.items()}
+
+
+def llama_like():
+  """RMSNorm, SwiGLU, grouped-query RoPE attention, no biases: an orthogonal residual."""
+  kv = N // 2
+  shapes = {"embed": ((24, D), (None, R)), "norm/scale": ((D,), (R,)),
+            "head/kernel": ((D, 24), (R, None))}
+  factors, sites = {R: spec_lib.Factor(D, "orthogonal")}, {}
+  norm_scales = {"norm/scale": ("head/kernel",)}
+  for i in range(LAYERS):
+    layer, mlp = f"layers_{i}", f"layers_{i}/mlp"
+    factors[mlp] = spec_lib.Factor(F)
+    shapes |= {f"{layer}/attention_norm/scale": ((D,), (R,)),
+               f"{layer}/mlp_norm/scale": ((D,), (R,)),
+               f"{layer}/attention/query/kernel": ((D, N, H), (R, None, None)),
+               f"{layer}/attention/key/kernel": ((D, kv, H), (R, None, None)),
+               f"{layer}/attention/value/kernel": ((D, kv, H), (R, None, None)),
+               f"{layer}/attention/out/kernel": ((N, H, D), (None, None, R)),
+               f"{mlp}/gate/kernel": ((D, F), (R, mlp)), f"{mlp}/up/kernel": ((D, F), (R, mlp)),
+               f"{mlp}/down/kernel": ((F, D), (mlp, R))}
+    norm_scales[f"{layer}/attention_norm/scale"] = tuple(
+        f"{layer}/attention/{p}/kernel" for p in ("query", "key", "value"))
+    norm_scales[f"{layer}/mlp_norm/scale"] = (f"{mlp}/gate/kernel", f"{mlp}/up/kernel")
+    sites[f"{layer}/attention"] = spec_lib.AttentionSite(N, H, num_kv_heads=kv, group="rope")
+  axes = {p: a for p, (_, a) in shapes.items()}
+  return (spec_lib.SymmetrySpec(factors, axes, sites, norm_scales),
+          {p: s for p, (s, _) in shapes.items()})
+
+
+def mlp_like():
+  """A three-layer MLP: two hidden permutations, no residual stream."""
+  shapes = {"l0/kernel": ((6, F), (None, "h0")), "l0/bias": ((F,), ("h0",)),
+            "l1/kernel": ((F, F), ("h0", "h1")), "l1/bias": ((F,), ("h1",)),
+            "l2/kernel": ((F, 3), ("h1", None))}
+  factors = {"h0": spec_lib.Factor(F), "h1": spec_lib.Factor(F)}
+  return (spec_lib.SymmetrySpec(factors, {p: a for p, (_, a) in shapes.items()}),
+          {p: s for p, (s, _) in shapes.items()})
+
+
+def _init(shapes, seed):
+  rng = np.random.default_rng(seed)
+  flat = {p: (1 + 0.3 * rng.normal(size=s) if p.endswith("scale")
+              else rng.normal(size=s) / np.sqrt(s[0] if len(s) > 1 else 4)) for p, s in shapes.items()}
+  return spec_lib.unflatten(flat)
+
+
+def _numpy(tree):
+  """Arrays to numpy, integer ones to int32 (as matching returns them: one trace of apply)."""
+  cast = lambda x: np.asarray(x, np.int32) if jnp.issubdtype(x.dtype, jnp.integer) else np.asarray(x)
+  return jax.tree.map(cast, tree)
+
+
+def _random_element(spec, rng):
+  """A random element of the spec's group, from numpy (no compile): uniform permutations,
+  Haar orthogonal maps, and per site a kv-preserving head permutation with well-conditioned
+  GL(H) matrices (on the QK side with RoPE: one nonzero a + ib per frequency pair, in either
+  sign convention the same set H(H))."""
+  def orthogonal(n):
+    q, r = np.linalg.qr(rng.normal(size=(n, n)))
+    return q * np.sign(np.diag(r))
+
+  def gl(k):
+    return np.stack([orthogonal(H) * np.exp(rng.uniform(-0.5, 0.5, H)) @ orthogonal(H)
+                     for _ in range(k)])
+
+  out = {}
+  for name, f in spec.factors.items():
+    out[name] = (rng.permutation(f.size).astype(np.int32) if f.kind == "permutation"
+                 else orthogonal(f.size))
+  for name, site in spec.attention.items():
+    k, g = site.kv_heads, site.num_heads // site.kv_heads
+    perm = (rng.permutation(k)[:, None] * g + np.stack([rng.permutation(g) for _ in range(k)]))
+    qk = gl(k)
+    if site.group == "rope":
+      qk = np.zeros((k, H, H))
+      for i, j in attention.rope_pairs(H, pairing=site.rope_pairing):
+        modulus, angle = np.exp(rng.uniform(-0.5, 0.5, k)), rng.uniform(-np.pi, np.pi, k)
+        a, b = modulus * np.cos(angle), modulus * np.sin(angle)
+        qk[:, i, i] = qk[:, j, j] = a
+        qk[:, i, j], qk[:, j, i] = b, -b
+    out[name] = ga.AttentionElement(perm.reshape(-1).astype(np.int32), qk, gl(k))
+  return out
+
+
+def _planted(spec, shapes, seed, part, apply_part):
+  """(A, B = g A, g) with g random in the group of ``part`` (``spec`` or a restriction of it),
+  applied by ``apply_part``. With norm scales, B = g fold(A)."""
+  a = _init(shapes, seed)
+  g = _random_element(part, np.random.default_rng(seed + 100))
+  return a, _numpy(apply_part(ga.fold_norm_scales(spec, a), g)), g
+
+
+def _jitted_apply(spec):
+  return jax.jit(functools.partial(ga.apply_model, spec))
+
+
+def _max_relative_error(apply, a, b, element):
+  moved = spec_lib.flatten(apply(b, element))
+  return max(np.linalg.norm(moved[p] - x) / np.linalg.norm(x) for p, x in spec_lib.flatten(a).items())
+
+
+# ----------------------------------------------------------------------------- planted recovery
+
+
+@pytest.mark.parametrize("build", [vit_like, llama_like], ids=["vit_like", "llama_like"])
+def test_planted_model_recovery(x64, build):
+  spec, shapes = build()
+  apply = _jitted_apply(spec)
+  a, b, g = _planted(spec, shapes, 0, spec, apply)
+  element, info = matching.align_model(spec, a, b)
+  assert info["folded_norm_scales"] == bool(spec.norm_scales)
+  folded_a = ga.fold_norm_scales(spec, a)
+  assert _max_relative_error(apply, folded_a, b, element) <= 1e-5
+  assert float(info["distance"]["final"]) <= 1e-10 * float(info["distance"]["initial"])
+  for i in range(LAYERS):
+    np.testing.assert_array_equal(element[f"layers_{i}/mlp"], np.argsort(g[f"layers_{i}/mlp"]))
+    np.testing.assert_array_equal(element[f"layers_{i}/attention"].perm,
+                                  np.argsort(g[f"layers_{i}/attention"].perm))
+  inverse = np.argsort(g[R]) if spec.factors[R].kind == "permutation" else g[R].T
+  np.testing.assert_allclose(element[R], inverse, atol=1e-8)
+
+
+def test_scope_aligns_only_inside_it(x64):
+  """B differs from A by the first layer's FFN and attention symmetries only; aligning the
+  scope "layers_0" recovers them and leaves every other factor at identity."""
+  spec, shapes = vit_like()
+  part = spec.restrict(["layers_0/mlp", "layers_0/attention"])
+  a, b, g = _planted(spec, shapes, 1, part, _jitted_apply(part))
+  element, _ = matching.align_model(spec, a, b, scope=["layers_0"])
+  assert _max_relative_error(_jitted_apply(spec), a, b, element) <= 1e-5
+  np.testing.assert_array_equal(element[R], np.arange(D))
+  np.testing.assert_array_equal(element["layers_1/mlp"], np.arange(F))
+  perm, qk, vo = element["layers_1/attention"]
+  np.testing.assert_array_equal(perm, np.arange(N))
+  np.testing.assert_array_equal(qk, np.broadcast_to(np.eye(H), (N, H, H)))
+  np.testing.assert_array_equal(vo, np.broadcast_to(np.eye(H), (N, H, H)))
+  np.testing.assert_array_equal(element["layers_0/mlp"], np.argsort(g["layers_0/mlp"]))
+
+
+@pytest.mark.parametrize("scope,expected", [
+    (None, [R, "layers_0/mlp", "layers_1/mlp", "layers_0/attention", "layers_1/attention"]),
+    ([""], [R, "layers_0/mlp", "layers_1/mlp", "layers_0/attention", "layers_1/attention"]),
+    (["layers_0/attention"], ["layers_0/attention"]),
+    (["layers_0/attention", "layers_1/attention"], ["layers_0/attention", "layers_1/attention"]),
+    (["layers_1"], ["layers_1/mlp", "layers_1/attention"]),
+    (["layers_0/attention/query"], []),  # a site is aligned only as a whole
+])
+def test_scope_selects_factors_and_sites(scope, expected):
+  spec, _ = vit_like()
+  assert sorted(_model.active_names(spec, scope)) == sorted(expected)
+
+
+# ----------------------------------------------------------------------------- Weight Matching
+
+
+def _lap_score(spec, a, b, element, factor):
+  """sum_j M[j, perm_j] for the factor's current value and scipy's optimum, M from numpy."""
+  others = dict(element, **{factor: np.arange(spec.factors[factor].size)})
+  moved = spec_lib.flatten(ga.apply_model(spec, b, others))
+  m = 0
+  for path, axes in spec.axes.items():
+    for axis in [i for i, f in enumerate(axes) if f == factor]:
+      x = np.moveaxis(spec_lib.flatten(a)[path], axis, 0).reshape(len(element[factor]), -1)
+      y = np.moveaxis(np.asarray(moved[path]), axis, 0).reshape(len(element[factor]), -1)
+      m = m + x @ y.T
+  rows, cols = scipy.optimize.linear_sum_assignment(m, maximize=True)
+  return m[np.arange(len(m)), element[factor]].sum(), m[rows, cols].sum()
+
+
+def test_match_ffn_planted_and_coordinatewise_optimal(x64):
+  spec, shapes = mlp_like()
+  a, b, g = _planted(spec, shapes, 2, spec, _jitted_apply(spec))
+  element, info = matching.match_ffn(spec, a, b)
+  for f in spec.factors:
+    np.testing.assert_array_equal(element[f], np.argsort(g[f]))
+  assert float(info["distance"]["final"]) <= 1e-20
+  # Two unrelated networks: no factor's LAP (scipy, given the others) can improve the result.
+  b = _init(shapes, seed=3)
+  element, info = matching.match_ffn(spec, a, b)
+  assert float(info["distance"]["final"]) < float(info["distance"]["initial"])
+  for f in spec.factors:
+    ours, optimum = _lap_score(spec, a, b, _numpy(element), f)
+    np.testing.assert_allclose(ours, optimum, rtol=1e-9)
+
+
+def test_one_trace_for_equal_specs(x64, monkeypatch):
+  counted = jax.jit(chex.assert_max_traces(_model._align_core, n=1),
+                    static_argnames=("spec", "method", "distance", "steps", "max_rounds"))
+  monkeypatch.setattr(_model, "_align_jit", counted)
+  for seed in range(3):  # a new but equal spec object each time
+    spec, shapes = mlp_like()
+    matching.match_ffn(spec, _init(shapes, seed), _init(shapes, seed + 10))
+  spec, shapes = mlp_like()
+  with pytest.raises(AssertionError, match="traced > 1"):  # another scope is another program
+    matching.match_ffn(spec, _init(shapes, 0), _init(shapes, 1), scope=["l0", "l1"])
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _bad(case):
+  spec, shapes = vit_like()
+  a = _init(shapes, 0)
+  b = jax.tree.map(np.copy, a)
+  if case == "shape":
+    b["head"]["bias"] = np.zeros(4)
+    return spec, a, b, None, "head/bias: params_a has float64\\[3\\] but params_b has float64\\[4\\]"
+  if case == "not in spec":
+    b["extra"] = np.zeros(3)
+    return spec, a, b, None, "params_b: .*leaves not in the spec \\['extra'\\]"
+  if case == "nan":
+    b["layers_1"]["mlp"]["wo"]["kernel"][2, 3] = np.nan
+    return spec, a, b, None, "params_b: layers_1/mlp/wo/kernel has NaN or Inf"
+  if case == "heads":
+    sites = {s: spec_lib.AttentionSite(2, 4) for s in spec.attention}
+    return (spec_lib.SymmetrySpec(spec.factors, spec.axes, sites), a, b, None,
+            "layers_0/attention/query/kernel and layers_0/attention/key/kernel have N=4")
+  return spec, a, b, ["layers_9"], "scope prefix 'layers_9' matches no parameter"
+
+
+@pytest.mark.parametrize("case", ["shape", "not in spec", "nan", "heads", "scope"])
+def test_bad_model_input_names_the_leaf(x64, case):
+  spec, a, b, scope, message = _bad(case)
+  with pytest.raises(ValueError, match=message):
+    matching.align_model(spec, a, b, scope=scope)
