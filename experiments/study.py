@@ -71,6 +71,16 @@ def validate_study_config(config: ml_collections.ConfigDict) -> None:
                      f"needs at least 2, got {list(config.reinit.seeds)}")
 
 
+def check_scopes(config: ml_collections.ConfigDict, model) -> None:
+  """Raises ValueError for a re-initialisation scope that no symmetry of the model acts on
+  alone (there would be nothing to align)."""
+  for scope in config.reinit.scopes:
+    paths = model.scope_paths(scope)
+    if not matching.active_names(model.spec, paths):
+      raise ValueError(f"config.reinit.scopes: scope {scope!r} re-initialises {paths}, which no "
+                       "symmetry factor or attention site of the model acts on alone: nothing to align")
+
+
 # ----------------------------------------------------------------------------- caching
 
 
@@ -372,6 +382,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
     log.info("config.reinit.scopes is empty: no study to run")
     return {}
   model = inputs.create_model(config)
+  check_scopes(config, model)
   checkpoints = train.load_checkpoints(config, workdir)
   dataset = config.reinit.dataset or config.dataset.name
   batches = list(inputs.eval_batches(config, dataset))
