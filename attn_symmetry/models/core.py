@@ -9,6 +9,10 @@ Parameter paths (the pure view, "/"-joined):
     layers_i/mlp/{gate,up,down}/{kernel,bias}    gated FFN (SwiGLU)
     final_norm/{scale, bias}                     [D]   (pre-norm models only)
 
+and, for the text families (``TextCore``), embed/embedding [V, D],
+segment_embed/embedding [S, D], pos_embed/embedding [max_len, D] and
+embed_norm (post-norm).
+
 Pre-norm layer:  x <- x + attn(norm_a(x));  x <- x + mlp(norm_m(x)).
 Post-norm layer: x <- norm_a(x + attn(x));  x <- norm_m(x + mlp(x)).
 The attention layer calls ``attention.multi_head_attention`` on its own
@@ -207,6 +211,65 @@ class TransformerCore(nnx.Module):
     return x, inter
 
 
+def check_tokens(cfg: Config, tokens: Any, name: str = "inputs") -> jax.Array:
+  """Validates int tokens [B, T] against the config before any work."""
+  tokens = jnp.asarray(tokens)
+  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{name} must be int tokens [B, T], got {tokens.dtype} {tokens.shape}")
+  if cfg.pos_encoding in ("learned", "sinusoidal") and tokens.shape[1] > cfg.max_len:
+    raise ValueError(f"{name} has {tokens.shape[1]} tokens, more than config.max_len {cfg.max_len}")
+  return tokens
+
+
+def absolute_positions(cfg: Config, pos_embed: Embedding | None, num: int,
+                       dtype: Any) -> jax.Array | float:
+  """The absolute encoding added to the first ``num`` tokens, [num, D], or 0.0."""
+  if cfg.pos_encoding == "learned":
+    return pos_embed.embedding[...][:num]
+  if cfg.pos_encoding == "sinusoidal":
+    return attention.sinusoidal_position_encoding(num, cfg.width, dtype=dtype)
+  return 0.0
+
+
+class TextCore(TransformerCore):
+  """The core with token (+ segment, + position) embeddings in front.
+
+  Parameters: ``embed/embedding`` [V, D], ``segment_embed/embedding`` [S, D]
+  (num_segments > 0), ``pos_embed/embedding`` [max_len, D] ("learned"),
+  ``embed_norm`` (post-norm models, as BERT).
+  """
+
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    super().__init__(cfg, rngs=rngs)
+    d, std = cfg.width, cfg.init_std
+    self.embed = Embedding(cfg.vocab_size, d, init_std=std, rngs=rngs)
+    self.segment_embed = (Embedding(cfg.num_segments, d, init_std=std, rngs=rngs)
+                          if cfg.num_segments else None)
+    self.pos_embed = (Embedding(cfg.max_len, d, init_std=std, rngs=rngs)
+                      if cfg.pos_encoding == "learned" else None)
+    self.embed_norm = make_norm(cfg) if cfg.post_norm else None
+
+  def encode_tokens(self, tokens, *, mask, segments) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """int tokens [B, T] -> (final stream [B, T, D], intermediates of ``encode``)."""
+    cfg = self.cfg
+    tokens = check_tokens(cfg, tokens)
+    if mask is not None and jnp.shape(mask) != tokens.shape:
+      raise ValueError(f"mask must be bool [B, T] = {tokens.shape}, got {jnp.shape(mask)}")
+    if segments is not None:
+      if self.segment_embed is None:
+        raise ValueError("segments given but config.num_segments is 0")
+      segments = check_tokens(cfg, segments, "segments")
+      if segments.shape != tokens.shape:
+        raise ValueError(f"segments must be [B, T] = {tokens.shape}, got {segments.shape}")
+    x = self.embed(tokens)
+    if self.segment_embed is not None:
+      x = x + self.segment_embed(jnp.zeros_like(tokens) if segments is None else segments)
+    x = x + absolute_positions(cfg, self.pos_embed, tokens.shape[1], x.dtype)
+    if self.embed_norm is not None:
+      x = self.embed_norm(x)
+    return self.encode(x, mask=mask)
+
+
 # ----------------------------------------------------------------------------- symmetry spec
 
 
@@ -294,66 +357,6 @@ def assemble_spec(cfg: Config, r: str | None, factors: dict[str, spec_lib.Factor
     factors = {r: residual, **factors}
   norm_scales = readers if residual is not None and residual.kind == "orthogonal" else {}
   return spec_lib.SymmetrySpec(factors, axes, sites, norm_scales)
-
-
-def check_tokens(cfg: Config, tokens: Any, name: str = "inputs") -> jax.Array:
-  """Validates int tokens [B, T] against the config before any work."""
-  tokens = jnp.asarray(tokens)
-  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise ValueError(f"{name} must be int tokens [B, T], got {tokens.dtype} {tokens.shape}")
-  if cfg.pos_encoding in ("learned", "sinusoidal") and tokens.shape[1] > cfg.max_len:
-    raise ValueError(f"{name} has {tokens.shape[1]} tokens, more than config.max_len {cfg.max_len}")
-  return tokens
-
-
-def absolute_positions(cfg: Config, pos_embed: Embedding | None, num: int,
-                       dtype: Any) -> jax.Array | float:
-  """The absolute encoding added to the first ``num`` tokens, [num, D], or 0.0."""
-  if cfg.pos_encoding == "learned":
-    return pos_embed.embedding[...][:num]
-  if cfg.pos_encoding == "sinusoidal":
-    return attention.sinusoidal_position_encoding(num, cfg.width, dtype=dtype)
-  return 0.0
-
-
-
-class TextCore(TransformerCore):
-  """The core with token (+ segment, + position) embeddings in front.
-
-  Parameters: ``embed/embedding`` [V, D], ``segment_embed/embedding`` [S, D]
-  (num_segments > 0), ``pos_embed/embedding`` [max_len, D] ("learned"),
-  ``embed_norm`` (post-norm models, as BERT).
-  """
-
-  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-    super().__init__(cfg, rngs=rngs)
-    d, std = cfg.width, cfg.init_std
-    self.embed = Embedding(cfg.vocab_size, d, init_std=std, rngs=rngs)
-    self.segment_embed = (Embedding(cfg.num_segments, d, init_std=std, rngs=rngs)
-                          if cfg.num_segments else None)
-    self.pos_embed = (Embedding(cfg.max_len, d, init_std=std, rngs=rngs)
-                      if cfg.pos_encoding == "learned" else None)
-    self.embed_norm = make_norm(cfg) if cfg.post_norm else None
-
-  def encode_tokens(self, tokens, *, mask, segments) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """int tokens [B, T] -> (final stream [B, T, D], intermediates of ``encode``)."""
-    cfg = self.cfg
-    tokens = check_tokens(cfg, tokens)
-    if mask is not None and jnp.shape(mask) != tokens.shape:
-      raise ValueError(f"mask must be bool [B, T] = {tokens.shape}, got {jnp.shape(mask)}")
-    if segments is not None:
-      if self.segment_embed is None:
-        raise ValueError("segments given but config.num_segments is 0")
-      segments = check_tokens(cfg, segments, "segments")
-      if segments.shape != tokens.shape:
-        raise ValueError(f"segments must be [B, T] = {tokens.shape}, got {segments.shape}")
-    x = self.embed(tokens)
-    if self.segment_embed is not None:
-      x = x + self.segment_embed(jnp.zeros_like(tokens) if segments is None else segments)
-    x = x + absolute_positions(cfg, self.pos_embed, tokens.shape[1], x.dtype)
-    if self.embed_norm is not None:
-      x = self.embed_norm(x)
-    return self.encode(x, mask=mask)
 
 
 def text_embedding_axes(cfg: Config, r: str | None) -> Axes:
