@@ -29,7 +29,7 @@ def main():
   parser.add_argument("--preset", default="small")
   parser.add_argument("--dataset", default="digits")
   parser.add_argument("--batch_size", type=int, default=256)
-  parser.add_argument("--chunk", type=int, default=25)
+  parser.add_argument("--chunk", type=int, default=1)
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
 
