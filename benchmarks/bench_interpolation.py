@@ -1,6 +1,6 @@
 r"""The 25-point interpolation path against 25 separate plain evaluations.
 
-    python benchmarks/bench_interpolation.py [--preset=small] [--chunk=25] [--repeats=3]
+    python benchmarks/bench_interpolation.py [--preset=small] [--chunk=1] [--repeats=3]
 
 Both sides evaluate the same ViT endpoints on the same digits test split in one
 process: the path side with ``lmc.path_evaluator`` (one compilation, lambda an
