@@ -25,6 +25,7 @@ fingerprint matches and recomputes one whose inputs changed. Reports:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -196,6 +197,8 @@ class ScopeStudy:
     self.reused = 0
     self.computed = 0
     self._alignments: dict[tuple, tuple[Params, Params, dict]] = {}
+    # g.theta compiled once: the ablation applies one element per head permutation.
+    self._apply = jax.jit(functools.partial(group_action.apply_model, model.spec))
 
   def _cached(self, name: str, compute: Callable[[], dict], *, a: int, b: int,
               **depends) -> dict:
@@ -241,7 +244,7 @@ class ScopeStudy:
     info = dict(_jsonable(info), seconds=time.perf_counter() - start)
     if info.get("folded_norm_scales"):
       pa, pb = (group_action.fold_norm_scales(self.model.spec, p) for p in (pa, pb))
-    return pa, group_action.apply_model(self.model.spec, pb, element), info
+    return pa, self._apply(pb, element), info
 
   def pair(self, a: int, b: int) -> dict[str, Any]:
     methods = {}
@@ -277,7 +280,7 @@ class ScopeStudy:
       barriers = []
       for i in range(elements.perm.shape[0]):
         element = dict(identity, **{site: jax.tree.map(lambda v, i=i: v[i], elements)})
-        aligned = group_action.apply_model(self.model.spec, pb, element)
+        aligned = self._apply(pb, element)
         barriers.append(curve_result(self.evaluator(pa, aligned, self.lams), self.lams))
       out = {"chosen": chosen, "num_permutations": len(barriers),
              "perms": np.asarray(info["perms"]).tolist()}
