@@ -5,31 +5,17 @@
 Variants (``--config=experiments/configs/vit_cifar100.py:rope``): "ape" (learned
 absolute positions, the default) or "rope" (axial 2-D RoPE over the patch
 grid); "runlocal". Needs ``python -m attn_symmetry.data.prepare cifar100``
-first. Random crops and flips. The paper's hyper-parameters (its Appendix I)
-are not in our copy; these are ours.
+first. Everything else as ``vit_cifar.py``.
 """
 
 from experiments.configs import default
+from experiments.configs import vit_cifar
 
 
 def get_config(arg=None):
   variants = default.parse_arg(arg, allowed=("ape", "rope"))
-  config = default.get_config()
-  config.model.family = "vit"
-  config.model.preset = "paper"
-  config.model.overrides.patch_size = 4
-  default.set_position_encoding(config, variants, ape="learned", rope="rope2d")
+  config = vit_cifar.get_config(",".join(sorted(variants - {"runlocal"})))
   config.dataset.name = "cifar100"
-  config.dataset.augment = True
-  config.train.num_steps = 30000
-  config.train.batch_size = 128
-  config.train.learning_rate = 1e-3
-  config.train.warmup_steps = 1000
-  config.train.eval_every = 2000
-  config.train.checkpoint_every = 2000
-  config.reinit.scopes = default.SCOPES
-  config.reinit.num_steps = 5000
-  config.reinit.warmup_steps = 500
   if "runlocal" in variants:
     default.runlocal(config)
   return config
