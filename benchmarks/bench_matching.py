@@ -1,0 +1,342 @@
+"""Benchmark: aligning a GPT-2-small-shaped pair, jitted matching against a numpy/scipy reference.
+
+    .venv/bin/python benchmarks/bench_matching.py            # GPT-2 small: 12 layers, D=768
+    .venv/bin/python benchmarks/bench_matching.py --quick    # a small model, for a smoke run
+
+The pair: A is a random GPT-2-shaped model (init std 0.02; 12 layers, 12 heads of
+dim 64, D = 768, FFN 3072, vocabulary 50257, 1024 positions, LayerNorm, biases,
+tied embedding), B = g . A + noise with g a random element of its symmetry group
+(residual permutation, FFN permutations, per-layer head permutation and GL(64)
+matrices) and noise of 10% of each leaf's standard deviation.
+
+Both sides run the same algorithm with the same number of Adam steps:
+``matching.align_model(method="full")`` (one jit: Grams, vmap over heads and
+layers, lax loops, optax's Hungarian) and ``reference_align`` below, a
+straightforward per-head Python loop with numpy and scipy (D x D circuits for
+Stage 1, D x H matrices in every Adam step, ``scipy.optimize.linear_sum_assignment``).
+Both are timed in this process, one after the other. Then the jitted attention
+matching alone is timed for a range of N, H and L.
+
+On CPU, jaxlib's LAPACK kernels (the batched 64 x 64 solves and SVDs of Stage 2)
+run on scipy's OpenBLAS. With its threads on, XLA's concurrent custom calls into
+it crawl or deadlock (a known OpenBLAS hazard), so this script limits that one
+library to a single thread (threadpoolctl); numpy's OpenBLAS, which the
+reference uses, keeps its default threads unless --reference_blas_threads says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.optimize
+import threadpoolctl
+
+from attn_symmetry import group_action as ga
+from attn_symmetry import matching
+from attn_symmetry import spec as spec_lib
+
+R = "residual"
+GPT2_SMALL = dict(layers=12, width=768, heads=12, head_dim=64, ffn=3072, vocab=50257, positions=1024)
+QUICK = dict(layers=2, width=64, heads=4, head_dim=16, ffn=256, vocab=500, positions=64)
+ADAM = dict(b1=0.9, b2=0.999, eps=1e-8)  # optax.adam's defaults
+
+
+# ----------------------------------------------------------------------------- the model pair
+
+
+def gpt2_spec(*, layers, width, heads, head_dim, ffn, vocab, positions):
+  """(spec, leaf shapes) of a GPT-2 (pre-LayerNorm, biases, tied embedding)."""
+  shapes = {"wte": ((vocab, width), (None, R)), "wpe": ((positions, width), (None, R)),
+            "ln_f/scale": ((width,), (R,)), "ln_f/bias": ((width,), (R,))}
+  factors, sites = {R: spec_lib.Factor(width)}, {}
+  for i in range(layers):
+    layer, mlp = f"layers_{i}", f"layers_{i}/mlp"
+    factors[mlp] = spec_lib.Factor(ffn)
+    for norm in ("ln_1", "ln_2"):
+      shapes |= {f"{layer}/{norm}/scale": ((width,), (R,)), f"{layer}/{norm}/bias": ((width,), (R,))}
+    for proj in ("query", "key", "value"):
+      shapes |= {f"{layer}/attention/{proj}/kernel": ((width, heads, head_dim), (R, None, None)),
+                 f"{layer}/attention/{proj}/bias": ((heads, head_dim), (None, None))}
+    shapes |= {f"{layer}/attention/out/kernel": ((heads, head_dim, width), (None, None, R)),
+               f"{layer}/attention/out/bias": ((width,), (R,)),
+               f"{mlp}/wi/kernel": ((width, ffn), (R, mlp)), f"{mlp}/wi/bias": ((ffn,), (mlp,)),
+               f"{mlp}/wo/kernel": ((ffn, width), (mlp, R)), f"{mlp}/wo/bias": ((width,), (R,))}
+    sites[f"{layer}/attention"] = spec_lib.AttentionSite(heads, head_dim)
+  spec = spec_lib.SymmetrySpec(factors, {p: a for p, (_, a) in shapes.items()}, sites)
+  return spec, {p: s for p, (s, _) in shapes.items()}
+
+
+def planted_pair(spec, shapes, *, seed=0, noise=0.1):
+  """(A, B = g A + noise, g) as float32 numpy trees."""
+  rng = np.random.default_rng(seed)
+  flat = {}
+  for path, shape in shapes.items():
+    if path.endswith("scale"):
+      flat[path] = 1 + 0.1 * rng.standard_normal(shape, np.float32)
+    else:
+      flat[path] = 0.02 * rng.standard_normal(shape, np.float32)
+  a = spec_lib.unflatten(flat)
+
+  def orthogonal(n):
+    q, r = np.linalg.qr(rng.standard_normal((n, n)))
+    return q * np.sign(np.diag(r))
+
+  g = {name: rng.permutation(f.size).astype(np.int32) for name, f in spec.factors.items()}
+  for name, site in spec.attention.items():
+    h = site.head_dim
+    gl = lambda: np.stack([orthogonal(h) * np.exp(rng.uniform(-0.5, 0.5, h)) @ orthogonal(h)
+                           for _ in range(site.num_heads)]).astype(np.float32)
+    g[name] = ga.AttentionElement(rng.permutation(site.num_heads).astype(np.int32), gl(), gl())
+  moved = _apply_model(spec, spec_lib.flatten(a), g)
+  b = {p: x + noise * np.std(x) * rng.standard_normal(x.shape, np.float32) for p, x in moved.items()}
+  return a, spec_lib.unflatten(b), g
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def _take(x, perm, axis):
+  return np.take(x, perm, axis=axis)
+
+
+def _apply_attention(layer, element):
+  """group_action.apply for one layer, head by head."""
+  perm, qk, vo = element
+  out = {name: dict(layer[name]) for name in layer}
+  for name, mat, side in (("query", qk, "right"), ("key", qk, "inverse_t"), ("value", vo, "right")):
+    kernel, bias = layer[name]["kernel"][:, perm], layer[name]["bias"][perm]
+    new_k, new_b = np.empty_like(kernel), np.empty_like(bias)
+    for n in range(len(perm)):
+      m = mat[n] if side == "right" else np.linalg.inv(mat[n]).T
+      new_k[:, n], new_b[n] = kernel[:, n] @ m, bias[n] @ m
+    out[name] = {"kernel": new_k, "bias": new_b}
+  kernel = layer["out"]["kernel"][perm]
+  out["out"] = {"kernel": np.stack([np.linalg.inv(vo[n]) @ kernel[n] for n in range(len(perm))]),
+                "bias": layer["out"]["bias"]}
+  return out
+
+
+def _transformed(spec, flat_b, element, path, skip_axis=None):
+  leaf = flat_b[path]
+  for axis, f in enumerate(spec.axes[path]):
+    if f is not None and axis != skip_axis:
+      leaf = _take(leaf, element[f], axis)
+  return leaf
+
+
+def _apply_model(spec, flat, element):
+  """group_action.apply_model in numpy (flat trees)."""
+  moved = dict(flat)
+  for s in spec.attention:
+    layer = spec_lib.unflatten({p[len(s) + 1:]: flat[p] for p in flat if p.startswith(s + "/")})
+    moved.update({f"{s}/{p}": v for p, v in spec_lib.flatten(_apply_attention(layer, element[s])).items()})
+  return {p: _transformed(spec, moved, element, p) for p in moved}
+
+
+def _permutation_step(spec, flat_a, flat_b, element, factor, paths):
+  """Weight Matching: scipy's LAP on sum over leaves of A_(P) B_(P)^T."""
+  n = spec.factors[factor].size
+  m = np.zeros((n, n), np.float64)
+  for path in paths:
+    for axis in [i for i, f in enumerate(spec.axes[path]) if f == factor]:
+      a = np.moveaxis(flat_a[path], axis, 0).reshape(n, -1)
+      b = np.moveaxis(_transformed(spec, flat_b, element, path, axis), axis, 0).reshape(n, -1)
+      m += a @ b.T
+  return scipy.optimize.linear_sum_assignment(m, maximize=True)[1].astype(np.int32)
+
+
+def _objective_and_grad(m, x1, y1, x2, y2):
+  """||X1 M - Y1||^2 + ||X2 M^{-T} - Y2||^2 and its gradient, on the full D x H matrices."""
+  m_inv_t = np.linalg.inv(m).T
+  r1, r2 = x1 @ m - y1, x2 @ m_inv_t - y2
+  g2 = 2 * x2.T @ r2  # gradient in M^{-T}
+  grad = 2 * x1.T @ r1 - m_inv_t @ g2.T @ m_inv_t
+  return np.sum(r1 * r1) + np.sum(r2 * r2), grad
+
+
+def _reference_solve(x1, y1, x2, y2, *, steps, learning_rate):
+  """Procrustes and one-sided least-squares starts, then Adam, keeping the best iterate."""
+  u, _, vt = np.linalg.svd(x1.T @ y1 + x2.T @ y2)
+  starts = [u @ vt, np.linalg.lstsq(x1, y1, rcond=None)[0],
+            np.linalg.inv(np.linalg.lstsq(x2, y2, rcond=None)[0].T)]
+  m = min(starts, key=lambda s: _objective_and_grad(s, x1, y1, x2, y2)[0])
+  mu, nu = np.zeros_like(m), np.zeros_like(m)
+  best, best_value = m, np.inf
+  for t in range(1, steps + 2):
+    value, grad = _objective_and_grad(m, x1, y1, x2, y2)
+    if value < best_value:
+      best, best_value = m, value
+    mu = ADAM["b1"] * mu + (1 - ADAM["b1"]) * grad
+    nu = ADAM["b2"] * nu + (1 - ADAM["b2"]) * grad * grad
+    m = m - learning_rate * (mu / (1 - ADAM["b1"] ** t)) / (
+        np.sqrt(nu / (1 - ADAM["b2"] ** t)) + ADAM["eps"])
+  return best
+
+
+def _reference_attention(layer_a, layer_b, *, steps, learning_rate):
+  """Both stages for one layer, head by head."""
+  aug = lambda layer, name, n: np.concatenate([layer[name]["kernel"][:, n],
+                                               layer[name]["bias"][None, n]])
+  heads = layer_a["query"]["kernel"].shape[1]
+  circuits = lambda layer: [(aug(layer, "query", n) @ aug(layer, "key", n).T,
+                             aug(layer, "value", n) @ layer["out"]["kernel"][n]) for n in range(heads)]
+  ca, cb = circuits(layer_a), circuits(layer_b)
+  cost = np.array([[np.linalg.norm(qa - qb) + np.linalg.norm(va - vb) for qb, vb in cb]
+                   for qa, va in ca])
+  perm = scipy.optimize.linear_sum_assignment(cost)[1].astype(np.int32)
+  qk, vo = [], []
+  for n, m in enumerate(perm):
+    qk.append(_reference_solve(aug(layer_b, "query", m), aug(layer_a, "query", n),
+                               aug(layer_b, "key", m), aug(layer_a, "key", n), steps=steps,
+                               learning_rate=learning_rate))
+    vo.append(_reference_solve(aug(layer_b, "value", m), aug(layer_a, "value", n),
+                               layer_b["out"]["kernel"][m].T, layer_a["out"]["kernel"][n].T,
+                               steps=steps, learning_rate=learning_rate))
+  return ga.AttentionElement(perm, np.stack(qk), np.stack(vo))
+
+
+def reference_align(spec, params_a, params_b, *, steps, learning_rate):
+  """The same schedule as ``align_model`` on this spec, written plainly.
+
+  Round one: the residual permutation from the leaves nothing else acts on
+  (embeddings, LayerNorms), then every FFN permutation, then every attention
+  layer; afterwards the residual permutation from all leaves, and the FFNs and
+  attention layers again whenever it changed.
+  """
+  flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
+  element = {name: np.arange(f.size, dtype=np.int32) for name, f in spec.factors.items()}
+  site_of = {p: s for s in spec.attention for p in flat_a if p.startswith(s + "/")}
+  residual_paths = [p for p, axes in spec.axes.items() if R in axes]
+  anchors = [p for p in residual_paths if set(spec.axes[p]) <= {R, None} and p not in site_of]
+
+  def with_attention():
+    moved = dict(flat_b)
+    for s in spec.attention:
+      layer = spec_lib.unflatten({p[len(s) + 1:]: flat_b[p] for p in flat_b if p.startswith(s + "/")})
+      moved.update({f"{s}/{p}": v
+                    for p, v in spec_lib.flatten(_apply_attention(layer, element[s])).items()})
+    return moved
+
+  def others():
+    for f in spec.factors:
+      if f != R:
+        paths = [p for p, axes in spec.axes.items() if f in axes]
+        element[f] = _permutation_step(spec, flat_a, flat_b, element, f, paths)
+    for s in spec.attention:
+      leaves = [p for p in flat_b if p.startswith(s + "/")]
+      layer_b = spec_lib.unflatten({p[len(s) + 1:]: _transformed(spec, flat_b, element, p)
+                                    for p in leaves})
+      layer_a = spec_lib.unflatten({p[len(s) + 1:]: flat_a[p] for p in leaves})
+      element[s] = _reference_attention(layer_a, layer_b, steps=steps, learning_rate=learning_rate)
+
+  element.update({s: ga.AttentionElement(np.arange(site.num_heads), *[np.broadcast_to(
+      np.eye(site.head_dim), (site.num_heads, site.head_dim, site.head_dim))] * 2)
+                  for s, site in spec.attention.items()})
+  element[R] = _permutation_step(spec, flat_a, flat_b, element, R, anchors)
+  others()
+  while True:
+    residual = _permutation_step(spec, flat_a, with_attention(), element, R, residual_paths)
+    if np.array_equal(residual, element[R]):
+      return element
+    element[R] = residual
+    others()
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _timed(fn):
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  return out, time.perf_counter() - start
+
+
+def _distance(spec, a, b, element):
+  flat_a = spec_lib.flatten(a)
+  element = jax.tree.map(np.asarray, element)
+  moved = _apply_model(spec, spec_lib.flatten(b), element)
+  return sum(float(np.sum((flat_a[p] - x) ** 2, dtype=np.float64)) for p, x in moved.items())
+
+
+def whole_model(shape, *, steps, learning_rate):
+  spec, shapes = gpt2_spec(**shape)
+  a, b, _ = planted_pair(spec, shapes)
+  params = sum(int(np.prod(s)) for s in shapes.values())
+  print(f"model: {shape}, {params / 1e6:.1f}M parameters per model; {steps} Adam steps, "
+        f"learning rate {learning_rate}")
+  a_dev, b_dev = jax.device_put(a), jax.device_put(b)
+  run = lambda: matching.align_model(spec, a_dev, b_dev, steps=steps, learning_rate=learning_rate)
+  (element, info), first = _timed(run)
+  times = [_timed(run)[1] for _ in range(2)]
+  ours = min(times)
+  print(f"  jitted align_model: {ours:.2f} s after compile (best of {len(times)}: "
+        f"{', '.join(f'{t:.2f}' for t in times)}), first call {first:.2f} s, so compile ~ "
+        f"{first - ours:.2f} s; {int(info['rounds'])} rounds")
+  reference, ref_time = _timed(lambda: reference_align(spec, a, b, steps=steps,
+                                                       learning_rate=learning_rate))
+  print(f"  numpy/scipy reference: {ref_time:.2f} s")
+  print(f"  speed-up: {ref_time / ours:.1f}x")
+  initial = float(info["distance"]["initial"])
+  print(f"  squared distance to A: before {initial:.4g}; jitted {float(info['distance']['final']):.4g}; "
+        f"reference {_distance(spec, a, b, reference):.4g}")
+  same = [np.array_equal(np.asarray(element[f]), reference[f]) for f in spec.factors]
+  same += [np.array_equal(np.asarray(element[s].perm), reference[s].perm) for s in spec.attention]
+  print(f"  identical permutations (residual, FFNs, heads): {sum(same)} of {len(same)}")
+
+
+def attention_scaling(base, *, steps, learning_rate):
+  """Jitted match_attention on layer stacks, one of N, H, L varied at a time."""
+  print(f"jitted match_attention (full, {steps} steps), D = {base['width']}: time after compile "
+        "(compile)")
+  rng = np.random.default_rng(1)
+  n0, h0, l0 = base["heads"], base["head_dim"], base["layers"]
+  grid = [(n, h0, l0) for n in (n0 // 2, n0, 2 * n0)] + [(n0, h, l0) for h in (h0 // 2, 2 * h0)]
+  grid += [(n0, h0, l) for l in (max(l0 // 4, 1), l0 // 2)]
+  for n, h, layers in grid:
+    d = base["width"]
+    shapes = {"query": (d, n, h), "key": (d, n, h), "value": (d, n, h), "out": (n, h, d)}
+    make = lambda: {k: {"kernel": 0.02 * rng.standard_normal((layers, *s), np.float32),
+                        "bias": 0.02 * rng.standard_normal((layers, *s[1:]) if k != "out"
+                                                           else (layers, d), np.float32)}
+                    for k, s in shapes.items()}
+    a, b = jax.device_put(make()), jax.device_put(make())
+    run = lambda: matching.match_attention(a, b, steps=steps, learning_rate=learning_rate)
+    _, first = _timed(run)
+    t = min(_timed(run)[1] for _ in range(2))
+    print(f"  N={n:3d} H={h:3d} L={layers:3d}: {t:6.3f} s ({first - t:5.1f} s)")
+
+
+def _blas(library: str) -> threadpoolctl.ThreadpoolController:
+  """The OpenBLAS bundled with ``library`` ("scipy" for jaxlib's LAPACK, or "numpy")."""
+  controller = threadpoolctl.ThreadpoolController()
+  paths = [c.filepath for c in controller.lib_controllers if f"/{library}.libs/" in c.filepath]
+  return controller.select(filepath=paths)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true", help="a small model instead of GPT-2 small")
+  parser.add_argument("--steps", type=int, default=matching.DEFAULT_STEPS)
+  parser.add_argument("--learning_rate", type=float, default=matching.DEFAULT_LEARNING_RATE)
+  parser.add_argument("--skip_scaling", action="store_true")
+  parser.add_argument("--reference_blas_threads", type=int, default=None,
+                      help="threads of numpy's OpenBLAS for the reference (default: its own)")
+  args = parser.parse_args()
+  shape = QUICK if args.quick else GPT2_SMALL
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {jax.device_count()} device(s)")
+  _blas("scipy").limit(limits=1)
+  if args.reference_blas_threads:
+    _blas("numpy").limit(limits=args.reference_blas_threads)
+  print(f"OpenBLAS threads: {[(i['filepath'].split('/')[-2], i['num_threads']) for i in threadpoolctl.threadpool_info()]}")
+  whole_model(shape, steps=args.steps, learning_rate=args.learning_rate)
+  if not args.skip_scaling:
+    attention_scaling(shape, steps=args.steps, learning_rate=args.learning_rate)
+
+
+if __name__ == "__main__":
+  main()
