@@ -282,7 +282,9 @@ def _apply_one(params: Params, e: AttentionElement) -> Params:
   g = e.perm.shape[0] // k
   sigma = kv_permutation(e.perm, k)
   a, b = e.qk, e.vo
-  a_inv, b_inv = jnp.linalg.inv(a), jnp.linalg.inv(b)
+  # One batched inverse: two independent LAPACK calls that XLA runs side by side can deadlock
+  # jaxlib 0.10 on a CPU with few cores (its kernels wait on the pool they run on).
+  a_inv, b_inv = jnp.linalg.inv(jnp.stack([a, b]))
   a_q, b_inv_q = jnp.repeat(a, g, axis=0), jnp.repeat(b_inv, g, axis=0)  # per query head
   maps = {  # leaf -> (head permutation, head axis, einsum applying the matrix)
       "query/kernel": (e.perm, 1, "dnh,nhi->dni", a_q),

@@ -203,8 +203,8 @@ def test_refinement_guard_keeps_matrices_well_conditioned(x64):
 
   @jax.jit
   def start_and_refine(problem):
-    start = _stage2.best_start(problem, None, jnp.eye(H))
-    best = _stage2.refine(start, problem, None, steps=50, learning_rate=jnp.float64(100.0))
+    start = _stage2.best_start(problem, jnp.eye(H), False, None)
+    best = _stage2.refine(start, problem, False, None, steps=50, learning_rate=jnp.float64(100.0))
     return _stage2.objective(start, problem)[0], _stage2.objective(best, problem)
 
   problem = _stage2.Problem(jnp.diag(jnp.array([1.0, 1e-12, 1.0, 1.0])), jnp.eye(H), 4.0,

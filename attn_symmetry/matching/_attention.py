@@ -141,26 +141,17 @@ def element_objective(g: _features.Grams, element: group_action.AttentionElement
   return _values([(element.qk, element.vo)], [_stage2.pair_problems(g, element.perm)])[0]
 
 
-def _over_halves(fn, rope, qk_args: tuple, vo_args: tuple) -> tuple[Any, Any]:
-  """(fn(rope, *qk_args), fn(None, *vo_args)) for functions batched over kv groups.
-
-  When both halves are GL(H) (rope None) this is one call on the concatenated
-  batches, so that the compiled program holds a single copy of ``fn``.
-  """
-  if rope is not None:
-    return fn(rope, *qk_args), fn(None, *vo_args)
-  k = jax.tree.leaves(qk_args)[0].shape[0]
-  both = fn(None, *jax.tree.map(lambda x, y: jnp.concatenate([x, y]), qk_args, vo_args))
-  return jax.tree.map(lambda x: x[:k], both), jax.tree.map(lambda x: x[k:], both)
-
-
 def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, distance: str, *,
-                steps: int, learning_rate: jax.Array) -> tuple[group_action.AttentionElement, dict[str, Any]]:
+                steps: int, learning_rate: jax.Array,
+                current: group_action.AttentionElement | None = None
+                ) -> tuple[group_action.AttentionElement, dict[str, Any]]:
   """Both stages for one layer from its Grams (no leading axes).
 
   Returns:
     (element, info) with info["objective"][stage] for "naive" and every stage
-    up to ``method``, and info["assignment_cost"] (not for "naive").
+    up to ``method``, info["assignment_cost"] (not for "naive"), and
+    info["objective"]["current"] for the element ``current`` when given
+    (evaluated in the same batch).
   """
   rope = site if site.group == "rope" else None
   identity = jnp.arange(site.num_heads, dtype=jnp.int32)
@@ -174,8 +165,12 @@ def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, d
   perm = _assignment.assign_heads(cost, site.kv_heads)
   element, stages = stage2(g, perm, site, method, steps=steps, learning_rate=learning_rate)
   problems = _stage2.pair_problems(g, perm)
-  values = _values([(eye, eye)] + list(stages.values()), [naive] + [problems] * len(stages))
-  return element, {"objective": dict(zip(["naive", *stages], values)),
+  names, matrices, batch = ["naive", *stages], [(eye, eye), *stages.values()], [naive, *[problems] * len(stages)]
+  if current is not None:
+    names.append("current")
+    matrices.append((current.qk, current.vo))
+    batch.append(_stage2.pair_problems(g, current.perm))
+  return element, {"objective": dict(zip(names, _values(matrices, batch))),
                    "assignment_cost": _assignment.assignment_cost(cost, perm)}
 
 
@@ -190,17 +185,20 @@ def stage2(g: _features.Grams, perm: jax.Array, site: spec_lib.AttentionSite, me
   """
   problems = _stage2.pair_problems(g, perm)
   rope = site if site.group == "rope" else None
+  k = site.kv_heads
   eye = jnp.broadcast_to(jnp.eye(site.head_dim, dtype=g.q.dtype), problems[0].s1.shape)
   stages = {"perm": (eye, eye)}
   if method in ("ortho", "full"):
-    procrustes = lambda group, p: jax.vmap(lambda x: _stage2.procrustes(x.c1 + x.c2, group))(p)
-    orthogonal = _over_halves(procrustes, rope, (problems[0],), (problems[1],))
-    stages["ortho"] = (jax.vmap(lambda x: _stage2.to_matrix(x, rope))(orthogonal[0]), orthogonal[1])
-  if method == "full":
-    solve = lambda group, p, start: jax.vmap(lambda x, s: _stage2.solve(
-        x, group, s, steps=steps, learning_rate=learning_rate))(p, start)
-    stages["full"] = _over_halves(solve, rope, (problems[0], orthogonal[0]),
-                                  (problems[1], orthogonal[1]))
+    stages["ortho"] = _stage2.procrustes(problems[0].c1 + problems[0].c2,
+                                         problems[1].c1 + problems[1].c2, rope)
+  if method == "full":  # QK and VO in one batch of 2K problems, after the SVD
+    both = jax.tree.map(lambda x, y: jnp.concatenate([x, y]), *problems)
+    both = _stage2.sequenced(both, stages["ortho"])
+    constrained = jnp.arange(2 * k) < k  # the QK half lies in H(H) under RoPE
+    solve = lambda p, start, c: _stage2.refine(
+        _stage2.best_start(p, start, c, rope), p, c, rope, steps=steps, learning_rate=learning_rate)
+    solved = jax.vmap(solve)(both, jnp.concatenate(stages["ortho"]), constrained)
+    stages["full"] = (solved[:k], solved[k:])
   return group_action.AttentionElement(perm.astype(jnp.int32), *stages[method]), stages
 
 

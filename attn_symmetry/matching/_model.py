@@ -46,6 +46,7 @@ from attn_symmetry import spec as spec_lib
 from attn_symmetry.matching import _assignment
 from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _features
+from attn_symmetry.matching import _stage2
 
 DEFAULT_MAX_ROUNDS = 10
 Params = dict[str, Any]
@@ -212,8 +213,7 @@ def _factor_update(spec: spec_lib.SymmetrySpec, step: _Step, scores: jax.Array,
     gain = _assignment.assignment_cost(m, new) - _assignment.assignment_cost(m, old)
     differs = jnp.any(new != old, axis=-1)
   else:
-    u, _, vt = jnp.linalg.svd(jnp.swapaxes(m, -1, -2))
-    new = u @ vt
+    new = _stage2.polar(jnp.swapaxes(m, -1, -2))
     gain = jnp.sum((new - old) * jnp.swapaxes(m, -1, -2), axis=(-2, -1))
     differs = True
   accept = gain > _tolerance(m.dtype) * scale
@@ -238,11 +238,11 @@ def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, el
   layer_a, layer_b = _stack(layers_a), _stack(layers_b)
   grams = jax.vmap(_features.layer_grams)(layer_a, layer_b)
   site = spec.attention[step.names[0]]
-  solve = lambda g: _attention.solve_layer(g, site, method, distance, steps=steps,
-                                           learning_rate=learning_rate)
-  new, info = jax.vmap(solve)(grams)
+  solve = lambda g, current: _attention.solve_layer(g, site, method, distance, steps=steps,
+                                                    learning_rate=learning_rate, current=current)
   old = _stack([element[s] for s in step.names])
-  old_value = jax.vmap(_attention.element_objective)(grams, old)
+  new, info = jax.vmap(solve)(grams, old)
+  old_value = info["objective"]["current"]
   squares = lambda t: sum(jnp.sum(x * x, axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(t))
   scale = squares(layer_a) + squares(layer_b)
   accept = info["objective"][method] < old_value - _tolerance(scale.dtype) * scale

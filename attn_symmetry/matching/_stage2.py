@@ -25,12 +25,20 @@ Solutions, from cheap to exact (DESIGN.md section 6):
 * Least squares from one side: M = S1^{-1} C1 ignores the second term,
   M^{-T} = S2^{-1} C2 the first; exact on noise-free planted problems.
   Projected onto H(H) with RoPE.
-* Refinement: Adam (optax) on the exact objective from the best start, in the
-  group's own parameters (the matrix for GL(H); the (a_p, b_p) pairs, and the
-  unrotated block, for H(H)), with M^{-T} by a linear solve. Iterates whose
-  objective is not finite or whose condition bound ||M||_F ||M^{-1}||_F exceeds
-  ``max_condition`` are rejected: the iterate returns to the best one so far
-  and the step size halves. The best iterate is returned.
+* Refinement: Adam (optax) on the exact objective from the best start, with
+  M^{-T} by a linear solve and the gradient in closed form. For H(H) the
+  gradient is projected onto its span; Adam then acts on the matrix exactly as
+  it would on the (a_p, b_p) coordinates (the entries of a coordinate receive
+  equal or opposite gradients, hence equal or opposite updates), so the
+  iterates stay in H(H). Iterates whose objective is not finite or whose
+  condition bound ||M||_F ||M^{-1}||_F exceeds ``max_condition`` are rejected:
+  the iterate returns to the best one so far and the step size halves. The best
+  iterate is returned.
+
+QK and VO problems of a layer run as one batch, and the linear solves of a
+stage form one chain: independent batched LAPACK calls that XLA's CPU runtime
+runs concurrently can deadlock in jaxlib 0.10 (triangular solves), so none are
+issued side by side.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from attn_symmetry import attention
@@ -83,8 +92,8 @@ def _matmul(x, y):
 
 
 def _terms(m: jax.Array, p: Problem) -> tuple[jax.Array, ...]:
-  """M^{-T} (one linear solve), S1 M and S2 M^{-T}, shared by the value and the gradient."""
-  m_inv_t = jnp.linalg.solve(m.T, jnp.eye(m.shape[-1], dtype=m.dtype))
+  """M^{-T} (an LU solve), S1 M and S2 M^{-T}, shared by the value and the gradient."""
+  m_inv_t = jnp.linalg.inv(m).T
   return m_inv_t, _matmul(p.s1, m), _matmul(p.s2, m_inv_t)
 
 
@@ -146,80 +155,107 @@ def project(m: jax.Array, rope: spec_lib.AttentionSite | None) -> Any:
   return jax.tree.map(jnp.divide, inner, norms)
 
 
-def _polar(c: jax.Array) -> jax.Array:
+def polar(c: jax.Array) -> jax.Array:
+  """The orthogonal polar factor U V^T of c = U S V^T, batched ([..., n, n])."""
   u, _, vt = jnp.linalg.svd(c)
   return u @ vt
 
 
-def procrustes(c: jax.Array, rope: spec_lib.AttentionSite | None) -> Any:
-  """Orthogonal group parameters maximising tr(M^T c) (module docstring)."""
+def sequenced(x: Any, after: Any) -> Any:
+  """``x``, made to depend on ``after`` (adds 0 times a finite scalar of it).
+
+  jaxlib 0.10's CPU LAPACK kernels block an XLA worker thread while they wait
+  for work they scheduled on the same pool, so two batched LAPACK calls that
+  XLA runs side by side can deadlock a machine with few cores. Every LAPACK
+  call here therefore lies on one chain of data dependencies.
+  """
+  scalar = jax.tree.leaves(after)[0].reshape(-1)[0]
+  zero = 0 * jnp.where(jnp.isfinite(scalar), scalar, 0)
+  return jax.tree.map(lambda y: y + zero.astype(y.dtype), x)
+
+
+def procrustes(c_qk: jax.Array, c_vo: jax.Array,
+               rope: spec_lib.AttentionSite | None) -> tuple[jax.Array, jax.Array]:
+  """Orthogonal QK and VO matrices [K, H, H] maximising tr(M^T c) (module docstring).
+
+  One batched SVD for both halves: under RoPE, the unrotated block of the QK
+  side (partial rotary) is embedded in an identity matrix next to the VO side.
+  """
+  k, h = c_qk.shape[0], c_qk.shape[-1]
   if rope is None:
-    return _polar(c)
-  params = project(c, rope)
+    both = polar(jnp.concatenate([c_qk, c_vo]))
+    return both[:k], both[k:]
+  params = jax.vmap(lambda c: project(c, rope))(c_qk)
   ab = params["ab"]
   radius = jnp.linalg.norm(ab, axis=-1, keepdims=True)
   params["ab"] = jnp.where(radius > 0, ab / jnp.where(radius > 0, radius, 1),
                            jnp.array([1, 0], ab.dtype))
-  if "rest" in params:
-    params["rest"] = _polar(params["rest"])
-  return params
+  if "rest" not in params:
+    return jax.vmap(lambda p: to_matrix(p, rope))(params), polar(c_vo)
+  pairs = attention.rope_pairs(h, pairing=rope.rope_pairing, rotary_fraction=rope.rotary_fraction,
+                               rope_axes=rope.rope_axes)
+  rest = np.setdiff1d(np.arange(h), pairs.reshape(-1))
+  embedded = jnp.broadcast_to(jnp.eye(h, dtype=c_qk.dtype), c_qk.shape)
+  embedded = embedded.at[:, rest[:, None], rest[None, :]].set(params["rest"])
+  both = polar(jnp.concatenate([embedded, c_vo]))
+  params["rest"] = both[:k][:, rest[:, None], rest[None, :]]
+  return jax.vmap(lambda p: to_matrix(p, rope))(params), both[k:]
 
 
-def _evaluate(params: Any, p: Problem, rope: spec_lib.AttentionSite | None) -> tuple[jax.Array, jax.Array]:
+def project_matrix(m: jax.Array, rope: spec_lib.AttentionSite | None) -> jax.Array:
+  """The Frobenius projection [H, H] of ``m`` onto the group's span (``m`` itself for GL(H))."""
+  return m if rope is None else to_matrix(project(m, rope), rope)
+
+
+def _constrain(m: jax.Array, constrained: jax.Array, rope: spec_lib.AttentionSite | None) -> jax.Array:
+  """``m`` projected onto H(H) where ``constrained`` (a QK problem under RoPE), else ``m``."""
+  return m if rope is None else jnp.where(constrained, project_matrix(m, rope), m)
+
+
+def _evaluate(m: jax.Array, p: Problem) -> jax.Array:
   """Objective, +inf where it is not finite or M is near-singular."""
-  value, cond = objective(to_matrix(params, rope), p)
-  ok = jnp.isfinite(value) & (cond <= max_condition(value.dtype))
-  return jnp.where(ok, value, jnp.inf), ok
+  value, cond = objective(m, p)
+  return jnp.where(jnp.isfinite(value) & (cond <= max_condition(value.dtype)), value, jnp.inf)
 
 
-def _tree_where(pred: jax.Array, x: Any, y: Any) -> Any:
-  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), x, y)
-
-
-def best_start(p: Problem, rope: spec_lib.AttentionSite | None, orthogonal: Any) -> Any:
-  """The best of the Procrustes start ``orthogonal`` and the two one-sided least-squares starts."""
+def best_start(p: Problem, orthogonal: jax.Array, constrained: jax.Array,
+               rope: spec_lib.AttentionSite | None) -> jax.Array:
+  """The best of the Procrustes start ``orthogonal`` [H, H] and the two one-sided
+  least-squares starts (projected onto H(H) where ``constrained``)."""
   h = p.s1.shape[-1]
   eye = jnp.eye(h, dtype=p.s1.dtype)
   eps = jnp.finfo(p.s1.dtype).eps
   ridge = lambda s: s + eps * (jnp.trace(s) / h + jnp.finfo(s.dtype).tiny) * eye
-  from_first = jnp.linalg.solve(ridge(p.s1), p.c1)
-  from_second = jnp.linalg.solve(jnp.linalg.solve(ridge(p.s2), p.c2).T, eye)
-  least_squares = jax.vmap(lambda m: project(m, rope))(jnp.stack([from_first, from_second]))
-  candidates = jax.tree.map(lambda x, y: jnp.concatenate([x[None], y]), orthogonal, least_squares)
-  values, _ = jax.vmap(_evaluate, in_axes=(0, None, None))(candidates, p, rope)
-  return jax.tree.map(lambda x: x[jnp.argmin(values)], candidates)
+  first, second_inv_t = jnp.linalg.solve(jnp.stack([ridge(p.s1), ridge(p.s2)]),
+                                         jnp.stack([p.c1, p.c2]))
+  second = jnp.linalg.inv(second_inv_t).T
+  candidates = jnp.stack([orthogonal, _constrain(first, constrained, rope),
+                          _constrain(second, constrained, rope)])
+  values = jax.vmap(_evaluate, in_axes=(0, None))(candidates, p)
+  return candidates[jnp.argmin(values)]
 
 
-def refine(start: Any, p: Problem, rope: spec_lib.AttentionSite | None, *, steps: int,
-           learning_rate: jax.Array) -> Any:
-  """Guarded Adam steps on the exact objective from ``start`` (module docstring).
+def refine(start: jax.Array, p: Problem, constrained: jax.Array,
+           rope: spec_lib.AttentionSite | None, *, steps: int, learning_rate: jax.Array) -> jax.Array:
+  """Guarded Adam steps on the exact objective from ``start`` [H, H] (module docstring).
 
-  Returns the best of ``start`` and the ``steps`` iterates (group parameters).
+  Returns the best of ``start`` and the ``steps`` iterates.
   """
   opt = optax.adam(learning_rate)
   limit = max_condition(p.s1.dtype)
 
   def body(_, state):
-    params, opt_state, best, best_value, scale = state
-    m, to_params = jax.vjp(lambda q: to_matrix(q, rope), params)
-    value, cond, grad_m = objective_and_gradient(m, p)
-    ok = jnp.isfinite(value) & (cond <= limit) & jnp.isfinite(grad_m).all()
+    m, opt_state, best, best_value, scale = state
+    value, cond, grad = objective_and_gradient(m, p)
+    ok = jnp.isfinite(value) & (cond <= limit) & jnp.isfinite(grad).all()
     better = ok & (value < best_value)
-    best, best_value = _tree_where(better, params, best), jnp.where(better, value, best_value)
-    (grad,) = to_params(jnp.where(ok, grad_m, 0))
-    updates, opt_state = opt.update(grad, opt_state, params)
-    moved = jax.tree.map(lambda x, u: x + scale * u, params, updates)
-    return (_tree_where(ok, moved, best), opt_state, best, best_value,
+    best, best_value = jnp.where(better, m, best), jnp.where(better, value, best_value)
+    updates, opt_state = opt.update(jnp.where(ok, _constrain(grad, constrained, rope), 0),
+                                    opt_state, m)
+    return (jnp.where(ok, m + scale * updates, best), opt_state, best, best_value,
             jnp.where(ok, scale, scale / 2))
 
   inf = jnp.full((), jnp.inf, p.s1.dtype)
   state = (start, opt.init(start), start, inf, jnp.ones((), p.s1.dtype))
   # Iteration i evaluates iterate i; the update of the last one is not used.
   return jax.lax.fori_loop(0, steps + 1, body, state)[2]
-
-
-def solve(p: Problem, rope: spec_lib.AttentionSite | None, orthogonal: Any, *, steps: int,
-          learning_rate: jax.Array) -> jax.Array:
-  """The refined matrix [H, H] of one problem: best start (given the Procrustes one), then ``refine``."""
-  start = best_start(p, rope, orthogonal)
-  return to_matrix(refine(start, p, rope, steps=steps, learning_rate=learning_rate), rope)
