@@ -132,7 +132,8 @@ def _values(matrices: list[tuple[jax.Array, jax.Array]],
   qk, vo = (jnp.stack([m[i] for m in matrices]) for i in (0, 1))
   qk_p, vo_p = (jax.tree.map(lambda *x: jnp.stack(x), *[p[i] for p in problems]) for i in (0, 1))
   value = jax.vmap(jax.vmap(lambda m, p: _stage2.objective(m, p)[0]))
-  both = value(jnp.concatenate([qk, vo]), jax.tree.map(lambda x, y: jnp.concatenate([x, y]), qk_p, vo_p))
+  concat = lambda x, y: jnp.concatenate([x, y])
+  both = value(concat(qk, vo), jax.tree.map(concat, qk_p, vo_p))
   return (both[: len(matrices)] + both[len(matrices):]).sum(-1)
 
 
@@ -165,7 +166,8 @@ def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, d
   perm = _assignment.assign_heads(cost, site.kv_heads)
   element, stages = stage2(g, perm, site, method, steps=steps, learning_rate=learning_rate)
   problems = _stage2.pair_problems(g, perm)
-  names, matrices, batch = ["naive", *stages], [(eye, eye), *stages.values()], [naive, *[problems] * len(stages)]
+  names, matrices = ["naive", *stages], [(eye, eye), *stages.values()]
+  batch = [naive, *[problems] * len(stages)]
   if current is not None:
     names.append("current")
     matrices.append((current.qk, current.vo))
@@ -213,7 +215,8 @@ def _restore_lead(tree: Any, lead: tuple[int, ...]) -> Any:
 def _grams(params_a: Params, params_b: Params) -> tuple[_features.Grams, tuple[int, ...]]:
   """Grams of every layer, leading axes flattened to one: ([L, ...], lead shape)."""
   lead = params_a["query"]["kernel"].shape[:-3]
-  grams = jax.vmap(_features.layer_grams)(_flatten_lead(params_a, lead), _flatten_lead(params_b, lead))
+  grams = jax.vmap(_features.layer_grams)(_flatten_lead(params_a, lead),
+                                          _flatten_lead(params_b, lead))
   return grams, lead
 
 
@@ -253,7 +256,8 @@ def _prepare(params_a, params_b, *, group, rope_pairing, rotary_fraction, rope_a
   if group not in spec_lib.ATTENTION_GROUPS:
     raise ValueError(f"group must be one of {spec_lib.ATTENTION_GROUPS}, got {group!r}")
   if group == "rope":
-    attention.rope_pairs(h, pairing=rope_pairing, rotary_fraction=rotary_fraction, rope_axes=rope_axes)
+    attention.rope_pairs(h, pairing=rope_pairing, rotary_fraction=rotary_fraction,
+                         rope_axes=rope_axes)
   site = spec_lib.AttentionSite(n, h, num_kv_heads=k, group=group, rope_pairing=rope_pairing,
                                 rotary_fraction=rotary_fraction, rope_axes=rope_axes)
   dtype = params_a["query"]["kernel"].dtype

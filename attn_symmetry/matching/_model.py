@@ -99,11 +99,10 @@ def _plan(spec: spec_lib.SymmetrySpec, flat: dict[str, Any]) -> list[_Step]:
   touched = {f: frozenset(p for p, axes in spec.axes.items() if f in axes) for f in spec.factors}
   size = lambda f: sum(math.prod(flat[p].shape) for p in touched[f])
   steps: list[_Step] = []
+  kind = lambda f: (spec.factors[f].kind, spec.factors[f].size)
   for f in sorted(spec.factors, key=lambda f: -size(f)):  # the residual stream first
-    kind = (spec.factors[f].kind, spec.factors[f].size)
     for i, step in enumerate(steps):
-      if (not step.attention and kind == (spec.factors[step.names[0]].kind, spec.factors[step.names[0]].size)
-          and not step.leaves & touched[f]):
+      if kind(f) == kind(step.names[0]) and not step.leaves & touched[f]:
         steps[i] = _Step(step.names + (f,), False, step.leaves | touched[f])
         break
     else:
@@ -114,7 +113,8 @@ def _plan(spec: spec_lib.SymmetrySpec, flat: dict[str, Any]) -> list[_Step]:
     key = (site, tuple((p[len(s):], flat[p].shape, flat[p].dtype) for p in leaves))
     groups.setdefault(key, []).append(s)
   for names in groups.values():
-    steps.append(_Step(tuple(names), True, frozenset(p for s in names for p in _site_leaves(spec, s))))
+    leaves = frozenset(p for s in names for p in _site_leaves(spec, s))
+    steps.append(_Step(tuple(names), True, leaves))
   return steps
 
 
@@ -122,7 +122,8 @@ def _site_of(spec: spec_lib.SymmetrySpec) -> dict[str, str]:
   return {p: s for s in spec.attention for p in _site_leaves(spec, s)}
 
 
-def _first_round_leaves(spec: spec_lib.SymmetrySpec, steps: list[_Step]) -> list[frozenset[str] | None]:
+def _first_round_leaves(spec: spec_lib.SymmetrySpec,
+                        steps: list[_Step]) -> list[frozenset[str] | None]:
   """For each factor step, the leaves it reads in round one (None: all of them).
 
   A leaf is read when every other factor and site acting on it belongs to an
@@ -135,8 +136,8 @@ def _first_round_leaves(spec: spec_lib.SymmetrySpec, steps: list[_Step]) -> list
     leaves = set()
     for f in step.names if not step.attention else ():
       own = [p for p in spec.axes if f in spec.axes[p]]
-      known = [p for p in own
-               if {g for g in spec.axes[p] if g not in (None, f)} | {site_of.get(p)} - {None} <= solved]
+      others = lambda p: {g for g in (*spec.axes[p], site_of.get(p)) if g not in (None, f)}
+      known = [p for p in own if others(p) <= solved]
       leaves.update(known or own)
     out.append(None if step.attention or leaves == step.leaves else frozenset(leaves))
     solved.update(step.names)
@@ -246,7 +247,8 @@ def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, el
   squares = lambda t: sum(jnp.sum(x * x, axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(t))
   scale = squares(layer_a) + squares(layer_b)
   accept = info["objective"][method] < old_value - _tolerance(scale.dtype) * scale
-  chosen = jax.tree.map(lambda x, y: jnp.where(accept.reshape(-1, *[1] * (x.ndim - 1)), x, y), new, old)
+  pick = lambda x, y: jnp.where(accept.reshape(-1, *[1] * (x.ndim - 1)), x, y)
+  chosen = jax.tree.map(pick, new, old)
   element = dict(element, **{s: jax.tree.map(lambda x, i=i: x[i], chosen)
                              for i, s in enumerate(step.names)})
   return element, jnp.any(accept)
@@ -261,7 +263,8 @@ def _identity(spec: spec_lib.SymmetrySpec, dtype: Any) -> dict[str, Any]:
     out[name] = (jnp.arange(f.size, dtype=jnp.int32) if f.kind == "permutation"
                  else jnp.eye(f.size, dtype=dtype))
   for name, site in spec.attention.items():
-    eye = jnp.broadcast_to(jnp.eye(site.head_dim, dtype=dtype), (site.kv_heads, site.head_dim, site.head_dim))
+    h = site.head_dim
+    eye = jnp.broadcast_to(jnp.eye(h, dtype=dtype), (site.kv_heads, h, h))
     out[name] = group_action.AttentionElement(jnp.arange(site.num_heads, dtype=jnp.int32), eye, eye)
   return out
 
@@ -278,7 +281,8 @@ class _StaticSpec:
   def __init__(self, spec: spec_lib.SymmetrySpec):
     self.spec = spec
     self._key = (tuple(spec.factors.items()), tuple(spec.axes.items()),
-                 tuple(spec.attention.items()), tuple((k, tuple(v)) for k, v in spec.norm_scales.items()))
+                 tuple(spec.attention.items()),
+                 tuple((k, tuple(v)) for k, v in spec.norm_scales.items()))
 
   def __hash__(self):
     return hash(self._key)
@@ -328,7 +332,8 @@ def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps,
   return element, info
 
 
-_align_jit = jax.jit(_align_core, static_argnames=("spec", "method", "distance", "steps", "max_rounds"))
+_align_jit = jax.jit(_align_core,
+                     static_argnames=("spec", "method", "distance", "steps", "max_rounds"))
 
 
 # ----------------------------------------------------------------------------- public API

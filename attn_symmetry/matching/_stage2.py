@@ -207,7 +207,8 @@ def project_matrix(m: jax.Array, rope: spec_lib.AttentionSite | None) -> jax.Arr
   return m if rope is None else to_matrix(project(m, rope), rope)
 
 
-def _constrain(m: jax.Array, constrained: jax.Array, rope: spec_lib.AttentionSite | None) -> jax.Array:
+def _constrain(m: jax.Array, constrained: jax.Array,
+               rope: spec_lib.AttentionSite | None) -> jax.Array:
   """``m`` projected onto H(H) where ``constrained`` (a QK problem under RoPE), else ``m``."""
   return m if rope is None else jnp.where(constrained, project_matrix(m, rope), m)
 
