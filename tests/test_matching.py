@@ -23,7 +23,7 @@ D, N, H, L = 12, 4, 4, 2
 CASES = {
     "gl": ("gl", None, True, "half", 1.0),
     "gl_no_bias": ("gl", None, False, "half", 1.0),
-    "gl_gqa": ("gl", 2, True, "half", 1.0),  # exhaustive mode only, to save a compile
+    "gl_gqa": ("gl", 2, True, "half", 1.0),
     "rope_half_gqa": ("rope", 2, False, "half", 1.0),
     "rope_interleaved_partial": ("rope", None, True, "interleaved", 0.5),
 }
@@ -155,7 +155,8 @@ def test_head_distances_equal_brute_force_circuits(x64, case):
 # ----------------------------------------------------------------------------- planted recovery
 
 
-@pytest.mark.parametrize("case", ["gl", "gl_no_bias", "rope_half_gqa", "rope_interleaved_partial"])
+@pytest.mark.parametrize("case", ["gl", "gl_no_bias", "gl_gqa", "rope_half_gqa",
+                                  "rope_interleaved_partial"])
 def test_planted_recovery(x64, case):
   a, b, g, options = _planted(case)
   element, info = matching.match_attention(a, b, **options)
