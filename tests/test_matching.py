@@ -90,8 +90,11 @@ def _rotations(offsets, *, pairing, fraction):
 # ----------------------------------------------------------------------------- the LAP
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (5, 5), (3, 9, 9), (17, 17)])
-def test_linear_assignment_matches_scipy(x64, shape):
+@pytest.mark.parametrize("shape,backend", [((1, 1), "cpu"), ((5, 5), "cpu"), ((3, 9, 9), "cpu"),
+                                           ((2, 3, 9, 9), "gpu"), ((17, 17), "cpu")])
+def test_linear_assignment_matches_scipy(x64, monkeypatch, shape, backend):
+  """Batches run one after another on CPU and vmapped elsewhere: both paths, on this machine."""
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
   cost = np.random.default_rng(sum(shape)).normal(size=shape)
   perm = np.asarray(jax.jit(matching.linear_assignment)(cost))
   for c, p in zip(cost.reshape(-1, *shape[-2:]), perm.reshape(-1, shape[-1])):

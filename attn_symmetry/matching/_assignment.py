@@ -13,7 +13,12 @@ import optax
 def linear_assignment(cost: jax.Array) -> jax.Array:
   """The permutation that minimises sum_i cost[i, perm[i]], batched over leading axes.
 
-  Uses ``optax.assignment.hungarian_algorithm`` (jittable, O(n^3)).
+  Uses ``optax.assignment.hungarian_algorithm`` (jittable, O(n^3)). The
+  algorithm is a while loop whose trip count depends on the costs; under
+  ``vmap`` every problem of a batch runs as many iterations as the slowest
+  one. On CPU, where a batch gains no parallelism from vmap, the problems of a
+  batch run one after another (``lax.map``), each for its own trip count; on
+  accelerators they run side by side.
 
   Args:
     cost: [..., n, n] finite costs.
@@ -25,9 +30,12 @@ def linear_assignment(cost: jax.Array) -> jax.Array:
     rows, cols = optax.assignment.hungarian_algorithm(c)
     return jnp.zeros(c.shape[0], jnp.int32).at[rows].set(cols.astype(jnp.int32))
 
-  for _ in range(cost.ndim - 2):
-    one = jax.vmap(one)
-  return one(cost)
+  if cost.ndim == 2:
+    return one(cost)
+  batch, n = cost.shape[:-2], cost.shape[-1]
+  flat = cost.reshape(-1, n, n)
+  perms = jax.lax.map(one, flat) if jax.default_backend() == "cpu" else jax.vmap(one)(flat)
+  return perms.reshape(*batch, n)
 
 
 def assignment_cost(cost: jax.Array, perm: jax.Array) -> jax.Array:
