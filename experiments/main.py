@@ -27,6 +27,10 @@ config_flags.DEFINE_config_file("config", None, "A setting in experiments/config
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory of checkpoints, metrics and reports.")
 flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() first.")
+flags.DEFINE_string(
+    "compilation_cache", os.path.join(tempfile.gettempdir(), "attn_symmetry", "jax_cache"),
+    "JAX's persistent compilation cache: programs compiled once (a model's training step, "
+    "align_model for a scope) load from here in later runs of any setting. '' turns it off.")
 flags.mark_flag_as_required("config")
 FLAGS = flags.FLAGS
 
@@ -65,6 +69,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   if FLAGS.multihost:
     jax.distributed.initialize()
+  if FLAGS.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache)
   workdir = FLAGS.workdir or default_workdir(config_flags.get_config_filename(FLAGS["config"]))
   train.log.info("workdir: %s", workdir)
   study.validate_study_config(FLAGS.config)  # before training, so a bad field costs nothing

@@ -118,12 +118,26 @@ def test_main_runs_the_same_training(quickstart_run, tmp_path, monkeypatch):
   assert main.STAGES[0] is train.train_and_evaluate
   monkeypatch.setattr(main, "STAGES", main.STAGES[:1])  # The study stages are tested elsewhere.
   argv = ["main.py", f"--config={REPO}/experiments/configs/quickstart.py:runlocal",
-          f"--workdir={tmp_path}"]
+          f"--workdir={tmp_path}", "--compilation_cache="]
   with flagsaver.flagsaver():
     main.main(main.parse_flags(argv))
   for name, metrics in results.items():
     with open(tmp_path / name / "final_metrics.json") as f:
       assert json.load(f) == metrics
+
+
+def test_main_turns_on_the_compilation_cache(tmp_path, monkeypatch):
+  seen = []
+  stage = lambda config, workdir: seen.append(jax.config.jax_compilation_cache_dir) or {}
+  monkeypatch.setattr(main, "STAGES", (stage,))
+  argv = ["main.py", f"--config={REPO}/experiments/configs/quickstart.py:runlocal",
+          f"--workdir={tmp_path / 'w'}", f"--compilation_cache={tmp_path / 'cache'}"]
+  try:
+    with flagsaver.flagsaver():
+      main.main(main.parse_flags(argv))
+  finally:
+    jax.config.update("jax_compilation_cache_dir", None)
+  assert seen == [str(tmp_path / "cache")]
 
 
 class _Crash(Exception):
