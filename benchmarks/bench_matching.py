@@ -3,11 +3,13 @@
     .venv/bin/python benchmarks/bench_matching.py            # GPT-2 small: 12 layers, D=768
     .venv/bin/python benchmarks/bench_matching.py --quick    # a small model, for a smoke run
 
-The pair: A is a random GPT-2-shaped model (init std 0.02; 12 layers, 12 heads of
-dim 64, D = 768, FFN 3072, vocabulary 50257, 1024 positions, LayerNorm, biases,
-tied embedding), B = g . A + noise with g a random element of its symmetry group
-(residual permutation, FFN permutations, per-layer head permutation and GL(64)
-matrices) and noise of 10% of each leaf's standard deviation.
+The pair: the leaves and symmetry spec of the library's GPT-2 small
+(``models.build("gpt2", "base")``: 12 layers, 12 heads of dim 64, D = 768, FFN
+3072, vocabulary 50257, 1024 positions, LayerNorm, biases, tied embedding). A
+draws every weight with std 0.02 (norm scales 1 + 0.1 noise); B = g . A + noise
+with g a random element of its symmetry group (residual permutation, FFN
+permutations, per-layer head permutation and GL(64) matrices) and noise of 10%
+of each leaf's standard deviation.
 
 Both sides run the same algorithm with the same number of Adam steps:
 ``matching.align_model(method="full")`` (one jit: Grams, vmap over heads and
@@ -38,37 +40,34 @@ import threadpoolctl
 
 from attn_symmetry import group_action as ga
 from attn_symmetry import matching
+from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
 
-R = "residual"
-GPT2_SMALL = dict(layers=12, width=768, heads=12, head_dim=64, ffn=3072, vocab=50257, positions=1024)
-QUICK = dict(layers=2, width=64, heads=4, head_dim=16, ffn=256, vocab=500, positions=64)
+R = "residual"  # the residual-stream factor of the library's specs
+# The library's GPT-2 at its "base" preset is GPT-2 small; QUICK is a 2-layer one for smoke runs.
+GPT2_SMALL = dict(preset="base")
+QUICK = dict(preset="tiny", width=64, mlp_dim=256, vocab_size=500, max_len=64)
 ADAM = dict(b1=0.9, b2=0.999, eps=1e-8)  # optax.adam's defaults
 
 
 # ----------------------------------------------------------------------------- the model pair
 
 
-def gpt2_spec(*, layers, width, heads, head_dim, ffn, vocab, positions):
-  """(spec, leaf shapes) of a GPT-2 (pre-LayerNorm, biases, tied embedding)."""
-  shapes = {"wte": ((vocab, width), (None, R)), "wpe": ((positions, width), (None, R)),
-            "ln_f/scale": ((width,), (R,)), "ln_f/bias": ((width,), (R,))}
-  factors, sites = {R: spec_lib.Factor(width)}, {}
-  for i in range(layers):
-    layer, mlp = f"layers_{i}", f"layers_{i}/mlp"
-    factors[mlp] = spec_lib.Factor(ffn)
-    for norm in ("ln_1", "ln_2"):
-      shapes |= {f"{layer}/{norm}/scale": ((width,), (R,)), f"{layer}/{norm}/bias": ((width,), (R,))}
-    for proj in ("query", "key", "value"):
-      shapes |= {f"{layer}/attention/{proj}/kernel": ((width, heads, head_dim), (R, None, None)),
-                 f"{layer}/attention/{proj}/bias": ((heads, head_dim), (None, None))}
-    shapes |= {f"{layer}/attention/out/kernel": ((heads, head_dim, width), (None, None, R)),
-               f"{layer}/attention/out/bias": ((width,), (R,)),
-               f"{mlp}/wi/kernel": ((width, ffn), (R, mlp)), f"{mlp}/wi/bias": ((ffn,), (mlp,)),
-               f"{mlp}/wo/kernel": ((ffn, width), (mlp, R)), f"{mlp}/wo/bias": ((width,), (R,))}
-    sites[f"{layer}/attention"] = spec_lib.AttentionSite(heads, head_dim)
-  spec = spec_lib.SymmetrySpec(factors, {p: a for p, (_, a) in shapes.items()}, sites)
-  return spec, {p: s for p, (s, _) in shapes.items()}
+def gpt2(**sizes) -> models.Model:
+  """``models.build("gpt2", ...)``: pre-LayerNorm, biases, tied embedding."""
+  return models.build("gpt2", **sizes)
+
+
+def leaf_shapes(model: models.Model) -> dict[str, tuple[int, ...]]:
+  """Flat path -> shape of the model's parameters (nothing allocated)."""
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
+  return {p: x.shape for p, x in spec_lib.flatten(shapes).items()}
+
+
+def attention_sizes(model: models.Model) -> dict[str, int]:
+  """The sizes of its attention layers, for the layer-stack measurements."""
+  c = model.config
+  return dict(layers=c.depth, width=c.width, heads=c.num_heads, head_dim=c.head_dim)
 
 
 def planted_pair(spec, shapes, *, seed=0, noise=0.1):
@@ -263,11 +262,14 @@ def _distance(spec, a, b, element):
   return sum(float(np.sum((flat_a[p] - x) ** 2, dtype=np.float64)) for p, x in moved.items())
 
 
-def whole_model(shape, *, steps, learning_rate, with_reference=True):
-  spec, shapes = gpt2_spec(**shape)
+def whole_model(model, *, steps, learning_rate, with_reference=True):
+  spec, shapes = model.spec, leaf_shapes(model)
   a, b, _ = planted_pair(spec, shapes)
   params = sum(int(np.prod(s)) for s in shapes.values())
-  print(f"model: {shape}, {params / 1e6:.1f}M parameters per model; {steps} Adam steps, "
+  c = model.config
+  print(f"model: GPT-2, {c.depth} layers, {c.num_heads} heads of {c.head_dim}, D = {c.width}, "
+        f"FFN {c.mlp_dim}, vocabulary {c.vocab_size}, {c.max_len} positions: "
+        f"{params / 1e6:.1f}M parameters per model; {steps} Adam steps, "
         f"learning rate {learning_rate}")
   a_dev, b_dev = jax.device_put(a), jax.device_put(b)
   run = lambda: matching.align_model(spec, a_dev, b_dev, steps=steps, learning_rate=learning_rate)
@@ -291,7 +293,7 @@ def whole_model(shape, *, steps, learning_rate, with_reference=True):
   print(f"  identical permutations (residual, FFNs, heads): {sum(same)} of {len(same)}")
 
 
-def planted_attention(*, layers, width, heads, head_dim, seed=1, noise=0.1, **_):
+def planted_attention(*, layers, width, heads, head_dim, seed=1, noise=0.1):
   """(A, B = g A + noise): stacks of canonical attention layers [L, ...], float32 numpy."""
   rng = np.random.default_rng(seed)
   shapes = {"query": (width, heads, head_dim), "key": (width, heads, head_dim),
@@ -315,9 +317,9 @@ def planted_attention(*, layers, width, heads, head_dim, seed=1, noise=0.1, **_)
   return stack(a), stack(b)
 
 
-def attention_only(shape, *, steps, learning_rate, with_reference=True):
+def attention_only(sizes, *, steps, learning_rate, with_reference=True):
   """Both stages on a stack of L attention layers: jitted against the per-head reference."""
-  a, b = planted_attention(**shape)
+  a, b = planted_attention(**sizes)
   layers = a["query"]["kernel"].shape[0]
   a_dev, b_dev = jax.device_put(a), jax.device_put(b)
   run = lambda: matching.match_attention(a_dev, b_dev, steps=steps, learning_rate=learning_rate)
@@ -383,7 +385,7 @@ def main():
   parser.add_argument("--reference_blas_threads", type=int, default=None,
                       help="threads of numpy's OpenBLAS for the reference (default: its own)")
   args = parser.parse_args()
-  shape = QUICK if args.quick else GPT2_SMALL
+  model = gpt2(**(QUICK if args.quick else GPT2_SMALL))
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {jax.device_count()} device(s)")
   _blas("scipy").limit(limits=1)
   if args.reference_blas_threads:
@@ -392,10 +394,10 @@ def main():
   print(f"OpenBLAS threads: {threads}")
   options = dict(steps=args.steps, learning_rate=args.learning_rate,
                  with_reference=not args.skip_reference)
-  whole_model(shape, **options)
-  attention_only(shape, **options)
+  whole_model(model, **options)
+  attention_only(attention_sizes(model), **options)
   if not args.skip_scaling:
-    attention_scaling(shape, steps=args.steps, learning_rate=args.learning_rate)
+    attention_scaling(attention_sizes(model), steps=args.steps, learning_rate=args.learning_rate)
 
 
 if __name__ == "__main__":
