@@ -128,12 +128,18 @@ def _transformed(spec, flat_b, element, path, skip_axis=None):
   return leaf
 
 
-def _apply_model(spec, flat, element):
-  """group_action.apply_model in numpy (flat trees)."""
+def _with_attention(spec, flat, element):
+  """``flat`` with every site's attention element applied (the factors not yet)."""
   moved = dict(flat)
   for s in spec.attention:
     layer = spec_lib.unflatten({p[len(s) + 1:]: flat[p] for p in flat if p.startswith(s + "/")})
     moved.update({f"{s}/{p}": v for p, v in spec_lib.flatten(_apply_attention(layer, element[s])).items()})
+  return moved
+
+
+def _apply_model(spec, flat, element):
+  """group_action.apply_model in numpy (flat trees)."""
+  moved = _with_attention(spec, flat, element)
   return {p: _transformed(spec, moved, element, p) for p in moved}
 
 
@@ -213,14 +219,6 @@ def reference_align(spec, params_a, params_b, *, steps, learning_rate):
   residual_paths = [p for p, axes in spec.axes.items() if R in axes]
   anchors = [p for p in residual_paths if set(spec.axes[p]) <= {R, None} and p not in site_of]
 
-  def with_attention():
-    moved = dict(flat_b)
-    for s in spec.attention:
-      layer = spec_lib.unflatten({p[len(s) + 1:]: flat_b[p] for p in flat_b if p.startswith(s + "/")})
-      moved.update({f"{s}/{p}": v
-                    for p, v in spec_lib.flatten(_apply_attention(layer, element[s])).items()})
-    return moved
-
   def others():
     for f in spec.factors:
       if f != R:
@@ -239,7 +237,8 @@ def reference_align(spec, params_a, params_b, *, steps, learning_rate):
   element[R] = _permutation_step(spec, flat_a, flat_b, element, R, anchors)
   others()
   while True:
-    residual = _permutation_step(spec, flat_a, with_attention(), element, R, residual_paths)
+    residual = _permutation_step(spec, flat_a, _with_attention(spec, flat_b, element), element, R,
+                                 residual_paths)
     if np.array_equal(residual, element[R]):
       return element
     element[R] = residual
