@@ -38,9 +38,11 @@ def test_evaluate_path_matches_pointwise_evaluation(chunk_size):
   lams = lmc.lambdas(25)
   traced = chex.assert_max_traces(n=1)(_metric)
   sums = lmc.evaluate_path(lmc.path_evaluator(traced), a, b, batches, lams, chunk_size=chunk_size)
-  for i, lam in enumerate(lams):
-    p = lmc.interpolate(a, b, lam)
-    want = sum(float(_metric(p, batch)["loss"]) for batch in batches)
+  for i, lam in enumerate(lams):  # reference: the path and the loss written out in numpy
+    w = (1 - lam) * a["w"].astype(np.float64) + lam * b["w"].astype(np.float64)
+    bias = (1 - lam) * np.float64(a["b"]) + lam * np.float64(b["b"])
+    want = sum(np.sum((batch["x"].astype(np.float64) @ w + bias - batch["y"]) ** 2)
+               for batch in batches)
     assert sums["loss"][i] == pytest.approx(want, rel=1e-5)
   np.testing.assert_array_equal(sums["count"], 24.0)
   chex.clear_trace_counter()
@@ -52,3 +54,14 @@ def test_interpolate_keeps_dtypes_and_endpoints():
   assert lmc.interpolate(a, b, 0.25)["w"].dtype == jnp.bfloat16
   chex.assert_trees_all_close(lmc.interpolate(a, b, 0.0), a)
   chex.assert_trees_all_close(lmc.interpolate(a, b, 1.0), b)
+
+
+@pytest.mark.parametrize("lam", [0.25, 0.5, 0.7])
+def test_interpolate_interior_is_the_straight_line(x64, lam):
+  rng = np.random.default_rng(1)
+  a = {"w": rng.normal(size=(4, 3)), "b": {"c": rng.normal(size=5)}}
+  b = {"w": rng.normal(size=(4, 3)), "b": {"c": rng.normal(size=5)}}
+  got = lmc.interpolate(jax.tree.map(jnp.asarray, a), jax.tree.map(jnp.asarray, b), lam)
+  np.testing.assert_allclose(got["w"], (1 - lam) * a["w"] + lam * b["w"], rtol=1e-14, atol=1e-14)
+  np.testing.assert_allclose(got["b"]["c"], (1 - lam) * a["b"]["c"] + lam * b["b"]["c"],
+                             rtol=1e-14, atol=1e-14)
