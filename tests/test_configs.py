@@ -10,9 +10,9 @@ from ml_collections import config_flags
 
 from attn_symmetry import data
 from attn_symmetry import models
+from experiments import config_checks
 from experiments import inputs
 from experiments import train
-from experiments.configs import default
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = sorted(os.path.basename(p)[:-3]
@@ -33,6 +33,8 @@ PAPER_DATA = {
     "ag_news_subset": dict(num_classes=4),
     "dbpedia": dict(num_classes=14),
 }
+# Every variant name a setting may accept besides "runlocal".
+VARIANTS = ("ape", "rope", "to_fashion", "to_enwik8", "to_wikitext103")
 
 
 def _module(name):
@@ -74,7 +76,7 @@ def test_docstring_holds_the_command(name):
 def test_variants_are_valid(name):
   for arg in _variants(name):
     config = _module(name).get_config(arg)
-    train.validate_config(config)
+    config_checks.validate(config)
     assert config.dataset.name in data.DATASETS
     assert config.reinit.dataset in ("", *data.DATASETS)
     model = _model_config(config)
@@ -89,10 +91,29 @@ def test_variants_are_valid(name):
     _module(name).get_config("no_such_variant")
 
 
+def _accepts(name, variant):
+  try:
+    _module(name).get_config(variant)
+  except ValueError as e:
+    assert "unknown config variant" in str(e)
+    return False
+  return True
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_every_variant_validates(name):
+  """Each variant the setting accepts, alone and with runlocal, passes config_checks."""
+  accepted = [v for v in VARIANTS if _accepts(name, v)]
+  assert name == "default" or {"ape", "rope"} <= set(accepted)
+  for variant in [None, *accepted]:
+    for arg in (variant, ",".join(filter(None, (variant, "runlocal")))):
+      config_checks.validate(_module(name).get_config(arg))
+
+
 @pytest.mark.parametrize("name", PAPER + OFFLINE)
 def test_settings_reinitialise_every_scope(name):
   config = _module(name).get_config()
-  assert tuple(config.reinit.scopes) == default.SCOPES
+  assert tuple(config.reinit.scopes) == models.SCOPES
   assert len(config.reinit.seeds) >= 3
 
 
@@ -111,7 +132,7 @@ def test_transfer_variants(name, arg, dataset):
 @pytest.mark.parametrize("name", OFFLINE)
 def test_offline_settings_read_real_data(name):
   config = _module(name).get_config("runlocal")
-  train.validate_config(config)
+  config_checks.validate(config)
   train.check_data(config)
   model = inputs.create_model(config)
   assert model.config == _model_config(config)

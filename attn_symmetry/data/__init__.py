@@ -39,6 +39,7 @@ from attn_symmetry.data._catalog import DEFAULT_SEQ_LEN
 from attn_symmetry.data._catalog import DatasetInfo
 from attn_symmetry.data._catalog import VOCAB_SIZE
 from attn_symmetry.data._catalog import dataset_info
+from attn_symmetry.data._catalog import dataset_kind
 from attn_symmetry.data._catalog import default_data_dir
 from attn_symmetry.data._catalog import prepare_dataset
 from attn_symmetry.data._catalog import prepare_command
@@ -48,6 +49,6 @@ from attn_symmetry.data._text import tokenize
 
 __all__ = [
     "DATASETS", "DATA_DIR_ENV", "DEFAULT_SEQ_LEN", "DatasetInfo", "FASHION_MNIST_APT",
-    "VOCAB_SIZE", "dataset_info", "default_data_dir", "eval_iterator", "prepare_dataset",
-    "prepare_command", "tokenize", "train_iterator",
+    "VOCAB_SIZE", "dataset_info", "dataset_kind", "default_data_dir", "eval_iterator",
+    "prepare_dataset", "prepare_command", "tokenize", "train_iterator",
 ]

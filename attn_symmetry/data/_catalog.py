@@ -107,6 +107,12 @@ def entry(name: str) -> Entry:
   return CATALOG[name]
 
 
+def dataset_kind(name: str) -> str:
+  """What data set ``name`` holds, known without preparing it: "image", "text" (labelled
+  texts, for classification) or "stream" (a byte stream, for language modelling)."""
+  return entry(name).kind
+
+
 def resolve_data_dir(data_dir: str | None) -> str:
   """The data dir to use. An explicit one must exist; the default one is created."""
   if data_dir is None:

@@ -32,13 +32,17 @@ Fields:
     head order (for at most ``max_exhaustive_heads`` heads), and the input
     ``noise_levels`` of the robustness check (Gaussian std on normalised
     images; token replacement rate on text).
+
+List-valued fields are tuples, so that a flag sets them:
+``--config.study.methods="('naive', 'full')"``. ``experiments/config_checks.py``
+checks every field before a run starts.
 """
 
 from __future__ import annotations
 
 import ml_collections
 
-SCOPES = ("first_attention", "all_attention", "first_layer", "full")
+from attn_symmetry.models import SCOPES  # for the settings that re-initialise every scope
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -85,16 +89,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.reinit.dataset = ""
 
   config.study = ml_collections.ConfigDict()
-  config.study.methods = ["naive", "perm", "ortho", "full"]
+  config.study.methods = ("naive", "perm", "ortho", "full")
   config.study.num_lambdas = 25
   config.study.lambda_chunk = 1  # bench_interpolation.py: 1 beats 5 and 25 on CPU (no copies of the params per lambda)
   config.study.match_steps = 200
   config.study.match_learning_rate = 1e-2
   config.study.distance = "frobenius"
-  config.study.distances = ["frobenius", "squared", "normalised", "cosine"]
+  config.study.distances = ("frobenius", "squared", "normalised", "cosine")
   config.study.permutation_ablation = True
   config.study.max_exhaustive_heads = 6
-  config.study.noise_levels = [0.0, 0.5, 1.0]
+  config.study.noise_levels = (0.0, 0.5, 1.0)
   if "runlocal" in variants:
     runlocal(config)
   return config
@@ -152,8 +156,8 @@ def runlocal(config: ml_collections.ConfigDict) -> None:
   config.reinit.seeds = (1, 2)
   config.study.num_lambdas = 5
   config.study.match_steps = 20
-  config.study.distances = ["frobenius", "cosine"]
-  config.study.noise_levels = [0.0, 0.5]
+  config.study.distances = ("frobenius", "cosine")
+  config.study.noise_levels = (0.0, 0.5)
 
 
 def language_model(variants: set[str], *, family: str, dataset: str, seq_len: int = 256,

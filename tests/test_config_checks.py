@@ -1,0 +1,217 @@
+"""config_checks.validate: each bad field named in one line; list fields set by flags."""
+
+import os
+import re
+import sys
+
+import ml_collections
+import pytest
+from absl.testing import flagsaver
+
+from attn_symmetry import matching
+from attn_symmetry import models
+from experiments import config_checks
+from experiments import main
+from experiments.configs import default
+from experiments.configs import gpt2_wiki_bytes
+from experiments.configs import quickstart
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMAGES = "quickstart"  # digits, every scope re-initialised with seeds (1, 2)
+TEXT = "gpt2_wiki_bytes"  # a byte stream
+SETTINGS = {IMAGES: quickstart, TEXT: gpt2_wiki_bytes}
+
+
+def _config(setting=IMAGES, **changes):
+  """The runlocal setting with ``changes`` ({"train.num_steps": 3}), set on a plain dict so
+  that values of the wrong type get through to ``validate`` too; None deletes a field."""
+  tree = SETTINGS[setting].get_config("runlocal").to_dict()
+  for field, value in changes.items():
+    *parents, last = field.split(".")
+    node = tree
+    for key in parents:
+      node = node[key]
+    if value is None:
+      del node[last]
+    else:
+      node[last] = value
+  return ml_collections.ConfigDict(tree)
+
+
+# (setting, field, bad value, where the message points, what it says)
+BAD = [
+    (IMAGES, "seed", -1, "seed", "must be >= 0, got -1"),
+    (IMAGES, "seed", True, "seed", "must be an integer"),
+    (IMAGES, "model.family", "resnet", "model.family", "unknown model family 'resnet'"),
+    (IMAGES, "model.preset", "huge", "model.preset", "unknown model preset 'huge'"),
+    (IMAGES, "model.overrides", {"widht": 64}, "model.overrides.widht", "not a field of"),
+    (IMAGES, "model.overrides", {"family": "bert"}, "model.overrides.family",
+     "that a setting overrides"),
+    (IMAGES, "model.overrides", ("width", 64), "model.overrides", "must be a mapping"),
+    (IMAGES, "dataset.name", "no_such_data", "dataset.name", "unknown data set"),
+    (IMAGES, "dataset.data_dir", "/no/such/dir", "dataset.data_dir", "not a directory"),
+    (IMAGES, "dataset.seq_len", -1, "dataset.seq_len", "must be >= 0"),
+    (IMAGES, "dataset.seq_len", 32, "dataset.seq_len", "applies to text data sets"),
+    (IMAGES, "dataset.image_size", -8, "dataset.image_size", "must be >= 0"),
+    (TEXT, "dataset.image_size", 32, "dataset.image_size", "applies to image data sets"),
+    (IMAGES, "dataset.augment", "yes", "dataset.augment", "True or False"),
+    (TEXT, "dataset.augment", True, "dataset.augment", "applies to image data sets"),
+    (IMAGES, "dataset.num_workers", -1, "dataset.num_workers", "must be >= 0"),
+    (IMAGES, "train.num_steps", 0, "train.num_steps", "must be >= 1, got 0"),
+    (IMAGES, "train.num_steps", 2.5, "train.num_steps", "must be an integer"),
+    (IMAGES, "train.batch_size", 0, "train.batch_size", "must be >= 1"),
+    (IMAGES, "train.eval_batch_size", -8, "train.eval_batch_size", "must be >= 1"),
+    (IMAGES, "train.learning_rate", -1.0, "train.learning_rate", "must be > 0, got -1.0"),
+    (IMAGES, "train.learning_rate", 0.0, "train.learning_rate", "must be > 0, got 0.0"),
+    (IMAGES, "train.learning_rate", float("nan"), "train.learning_rate", "finite number"),
+    (IMAGES, "train.learning_rate", "1e-3", "train.learning_rate", "finite number"),
+    (IMAGES, "train.warmup_steps", -1, "train.warmup_steps", "must be >= 0"),
+    (IMAGES, "train.warmup_steps", 8, "train.warmup_steps", "must be < train.num_steps = 8"),
+    (IMAGES, "train.final_lr_fraction", 1.5, "train.final_lr_fraction", "in [0, 1]"),
+    (IMAGES, "train.weight_decay", -0.1, "train.weight_decay", "must be >= 0"),
+    (IMAGES, "train.b1", 1.0, "train.b1", "in [0, 1)"),
+    (IMAGES, "train.b2", -0.5, "train.b2", "in [0, 1)"),
+    (IMAGES, "train.grad_clip_norm", 0.0, "train.grad_clip_norm", "must be > 0"),
+    (IMAGES, "train.log_every", 0, "train.log_every", "must be >= 1"),
+    (IMAGES, "train.eval_every", 0, "train.eval_every", "must be >= 1"),
+    (IMAGES, "train.checkpoint_every", -4, "train.checkpoint_every", "must be >= 1"),
+    (IMAGES, "train.keep_checkpoints", 0, "train.keep_checkpoints", "must be >= 1"),
+    (IMAGES, "reinit.scopes", ("first_attention", "second_layer"), "reinit.scopes[1]",
+     "unknown scope 'second_layer'"),
+    (IMAGES, "reinit.scopes", ("full", "full"), "reinit.scopes", "lists 'full' twice"),
+    (IMAGES, "reinit.scopes", "full", "reinit.scopes", "must be a tuple"),
+    (IMAGES, "reinit.seeds", (1, 1), "reinit.seeds", "must be distinct"),
+    (IMAGES, "reinit.seeds", (1,), "reinit.seeds", "needs at least 2 seeds"),
+    (IMAGES, "reinit.seeds", (1, -2), "reinit.seeds[1]", "must be >= 0"),
+    (IMAGES, "reinit.seeds", ("1", "2"), "reinit.seeds[0]", "must be an integer"),
+    (IMAGES, "reinit.num_steps", 0, "reinit.num_steps", "must be >= 1"),
+    (IMAGES, "reinit.learning_rate", -1e-3, "reinit.learning_rate", "must be > 0"),
+    (IMAGES, "reinit.warmup_steps", 4, "reinit.warmup_steps", "must be < reinit.num_steps = 4"),
+    (IMAGES, "reinit.dataset", "no_such_data", "reinit.dataset", "unknown data set"),
+    (IMAGES, "reinit.dataset", "wiki_bytes", "reinit.dataset", "does not fit the model"),
+    (IMAGES, "study.methods", ("naive", "bogus"), "study.methods[1]", "unknown method 'bogus'"),
+    (IMAGES, "study.methods", ("perm", "full"), "study.methods", "must include 'naive'"),
+    (IMAGES, "study.methods", ("naive", "naive"), "study.methods", "lists 'naive' twice"),
+    (IMAGES, "study.methods", ("naive,full",), "study.methods[0]",
+     "on the command line write a tuple as --config.study.methods=\"('a', 'b')\""),
+    (IMAGES, "study.num_lambdas", 2, "study.num_lambdas", "must be >= 3, got 2"),
+    (IMAGES, "study.num_lambdas", 1, "study.num_lambdas", "must be >= 3, got 1"),
+    (IMAGES, "study.lambda_chunk", 0, "study.lambda_chunk", "must be >= 1"),
+    (IMAGES, "study.match_steps", -1, "study.match_steps", "must be >= 0"),
+    (IMAGES, "study.match_learning_rate", 0.0, "study.match_learning_rate", "must be > 0"),
+    (IMAGES, "study.distance", "manhattan", "study.distance", "unknown distance 'manhattan'"),
+    (IMAGES, "study.distances", ("frobenius", "l1"), "study.distances[1]", "unknown distance"),
+    (IMAGES, "study.permutation_ablation", 1, "study.permutation_ablation", "True or False"),
+    (IMAGES, "study.max_exhaustive_heads", 0, "study.max_exhaustive_heads", "must be >= 1"),
+    (IMAGES, "study.noise_levels", (0.0, -0.5), "study.noise_levels[1]", "must be >= 0"),
+    (IMAGES, "study.noise_levels", (float("inf"),), "study.noise_levels[0]", "finite number"),
+    (TEXT, "study.noise_levels", (0.0, 1.5), "study.noise_levels[1]",
+     "token replacement rate on text and must be in [0, 1], got 1.5"),
+    (IMAGES, "study.num_lambdas", None, "study.num_lambdas", "is missing"),
+    (IMAGES, "train.lerning_rate", 1e-3, "train.lerning_rate", "is not a field"),
+]
+
+
+@pytest.mark.parametrize("setting, field, value, where, says", BAD,
+                         ids=[f"{c[1]}={c[2]!r}" for c in BAD])
+def test_bad_field_is_named_in_one_line(setting, field, value, where, says):
+  config = _config(setting, **{field: value})
+  with pytest.raises(ValueError) as raised:
+    config_checks.validate(config)
+  message = str(raised.value)
+  assert message.startswith(f"config.{where} "), message
+  assert says in message and "\n" not in message, message
+
+
+def test_every_field_has_a_rule_and_a_bad_value():
+  assert sorted(config_checks.field_paths(default.get_config())) == sorted(config_checks.RULES)
+  covered = {re.sub(r"\[\d+\]$", "", c[3]) for c in BAD}
+  covered = {"model.overrides" if c.startswith("model.overrides") else c for c in covered}
+  assert set(config_checks.RULES) <= covered
+
+
+@pytest.mark.parametrize("setting, field, value", [
+    (IMAGES, "study.num_lambdas", 3),  # the endpoints and one point between them
+    (IMAGES, "study.noise_levels", (0.0, 1.5, 3.0)),  # a Gaussian std on images may exceed 1
+    (IMAGES, "study.noise_levels", ()),  # no robustness check
+    (IMAGES, "study.distances", ()),  # no distance ablation
+    (IMAGES, "study.match_steps", 0),  # Stage 1 only
+    (IMAGES, "reinit.scopes", ()),  # base model only: one seed is enough
+    (IMAGES, "reinit.seeds", ()),
+    (IMAGES, "dataset.data_dir", REPO),
+    (TEXT, "study.noise_levels", (0.0, 1.0)),
+    (TEXT, "reinit.dataset", "wiki_bytes"),
+])
+def test_edge_values_are_accepted(setting, field, value):
+  changes = {field: value}
+  if field == "reinit.seeds":
+    changes["reinit.scopes"] = ()
+  config_checks.validate(_config(setting, **changes))
+
+
+def test_options_come_from_their_owners(monkeypatch):
+  """A method or scope that its owner adds is accepted: no copy of the lists to update."""
+  assert default.SCOPES is models.SCOPES
+  configs = {"method": _config(**{"study.methods": ("naive", "new_one")}),
+             "scope": _config(**{"reinit.scopes": ("new_one",)})}
+  for noun, config in configs.items():
+    with pytest.raises(ValueError, match=f"unknown {noun} 'new_one'"):
+      config_checks.validate(config)
+  monkeypatch.setattr(matching, "METHODS", (*matching.METHODS, "new_one"))
+  monkeypatch.setattr(models, "SCOPES", (*models.SCOPES, "new_one"))
+  for config in configs.values():
+    config_checks.validate(config)
+
+
+# Each list-valued field of the settings, set on the command line: (flags, field, parsed value).
+OVERRIDES = [
+    (["--config.study.methods=('naive', 'full')"], "study.methods", ("naive", "full")),
+    (["--config.study.methods=naive", "--config.study.methods=ortho"], "study.methods",
+     ("naive", "ortho")),
+    (["--config.study.distances=('cosine',)"], "study.distances", ("cosine",)),
+    (["--config.study.distances=()"], "study.distances", ()),
+    (["--config.study.noise_levels=(0.0, 0.25, 2)"], "study.noise_levels", (0.0, 0.25, 2)),
+    (["--config.reinit.scopes=('first_layer', 'full')"], "reinit.scopes", ("first_layer", "full")),
+    (["--config.reinit.scopes=full"], "reinit.scopes", ("full",)),
+    (["--config.reinit.seeds=(4, 5, 6)"], "reinit.seeds", (4, 5, 6)),
+    (["--config.model.overrides.patch_size=4"], "model.overrides",
+     {"patch_size": 4, "pos_encoding": "rope2d"}),
+    (["--config.model.overrides={'num_kv_heads': 2, 'pos_encoding': 'rope2d'}"],
+     "model.overrides", {"num_kv_heads": 2, "pos_encoding": "rope2d"}),
+]
+
+
+def _main_flags(monkeypatch, overrides, workdir):
+  """main.py's flag parsing of ``overrides`` on quickstart:rope,runlocal (the config flag
+  reads its --config.* overrides from sys.argv)."""
+  argv = ["main.py", f"--config={REPO}/experiments/configs/quickstart.py:rope,runlocal",
+          f"--workdir={workdir}", "--compilation_cache=", *overrides]
+  monkeypatch.setattr(sys, "argv", argv)
+  return main.parse_flags(argv)
+
+
+@pytest.mark.parametrize("overrides, field, expected", OVERRIDES,
+                         ids=[" ".join(o[0]) for o in OVERRIDES])
+def test_list_field_set_on_the_command_line(overrides, field, expected, monkeypatch, tmp_path):
+  with flagsaver.flagsaver():
+    _main_flags(monkeypatch, overrides, tmp_path)
+    config = main.FLAGS.config
+    value = config
+    for key in field.split("."):
+      value = value[key]
+    if isinstance(value, ml_collections.ConfigDict):
+      value = value.to_dict()
+    assert value == expected and type(value) is type(expected)
+    config_checks.validate(config)
+
+
+def test_main_stops_at_a_bad_value_before_any_stage(monkeypatch, tmp_path):
+  ran = []
+  monkeypatch.setattr(main, "STAGES", (lambda config, workdir: ran.append(workdir) or {},))
+  workdir = tmp_path / "w"
+  with flagsaver.flagsaver():
+    argv = _main_flags(monkeypatch, ["--config.study.methods=('naive', 'fulll')"], workdir)
+    with pytest.raises(SystemExit, match=re.escape(
+        "FATAL config.study.methods[1] is an unknown method 'fulll'; choose from")):
+      main.main(argv)
+  assert not ran and not workdir.exists()
