@@ -4,7 +4,9 @@ r"""Runs one setting: training, then the study stages.
 
 A setting file takes a variant argument after a colon and fields are
 overridden with flags, e.g.
-``--config=experiments/configs/vit_cifar.py:rope --config.train.num_steps=100``.
+``--config=experiments/configs/vit_cifar.py:rope --config.train.num_steps=100``;
+a tuple field takes a tuple, ``--config.study.methods="('naive', 'full')"``.
+Every field is checked (``config_checks.validate``) before any stage runs.
 Without ``--workdir`` the run goes to ``$TMPDIR/attn_symmetry/<setting>``.
 Multi-host: start this command once per host with ``--multihost`` (see
 ``train.py``).
@@ -20,6 +22,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from experiments import config_checks
 from experiments import study
 from experiments import train
 
@@ -71,9 +74,12 @@ def main(argv):
     jax.distributed.initialize()
   if FLAGS.compilation_cache:
     jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache)
+  try:  # before training, so a bad field costs nothing
+    config_checks.validate(FLAGS.config)
+  except ValueError as e:
+    sys.exit(f"FATAL {e}")
   workdir = FLAGS.workdir or default_workdir(config_flags.get_config_filename(FLAGS["config"]))
   train.log.info("workdir: %s", workdir)
-  study.validate_study_config(FLAGS.config)  # before training, so a bad field costs nothing
   for stage in STAGES:
     outputs = stage(FLAGS.config, workdir)
   for name, path in outputs.items():  # the study's reports
