@@ -25,7 +25,9 @@ def test_rope_scores_depend_only_on_offset(x64, pairing, fraction):
   # Rotations preserve norms, and position 0 is the identity.
   rq = attention.apply_rope(q, jnp.array([7]), pairing=pairing, rotary_fraction=fraction)
   assert float(jnp.linalg.norm(rq)) == pytest.approx(float(jnp.linalg.norm(q)), rel=1e-12)
-  np.testing.assert_allclose(attention.apply_rope(q, jnp.array([0])), q, atol=1e-15)
+  np.testing.assert_allclose(
+      attention.apply_rope(q, jnp.array([0]), pairing=pairing, rotary_fraction=fraction), q,
+      atol=1e-15)
 
 
 def test_rope_pairings_and_partial_rotary(x64):
@@ -48,6 +50,47 @@ def test_axial_rope_uses_each_coordinate(x64):
   a, b = rot([3.0, 0.0]), rot([0.0, 3.0])
   np.testing.assert_array_equal(a[..., 4:], x[..., 4:])  # second section only moves with y
   np.testing.assert_array_equal(b[..., :4], x[..., :4])
+
+
+def _rope_reference(x, positions, *, pairing, fraction, base):
+  """x [..., T, N, Hd] rotated by positions [..., T, A], written out pair by pair in numpy.
+
+  The first r = Hd * fraction dims are split into A sections of s = r / A dims; section a is
+  a 1-D RoPE of s dims driven by coordinate a: its pair j, (j, j + s/2) ("half") or
+  (2j, 2j + 1) ("interleaved") inside the section, turns by positions[..., a] * base^(-2j/s).
+  """
+  x, positions = np.asarray(x, np.float64), np.asarray(positions, np.float64)
+  num_axes = positions.shape[-1]
+  section = round(x.shape[-1] * fraction) // num_axes
+  out = x.copy()
+  for a in range(num_axes):
+    for j in range(section // 2):
+      if pairing == "half":
+        i, k = a * section + j, a * section + j + section // 2
+      else:
+        i, k = a * section + 2 * j, a * section + 2 * j + 1
+      angle = positions[..., a, None] * base ** (-2.0 * j / section)  # [..., T, 1]: all heads
+      cos, sin = np.cos(angle), np.sin(angle)
+      out[..., i] = x[..., i] * cos - x[..., k] * sin
+      out[..., k] = x[..., i] * sin + x[..., k] * cos
+  return out
+
+
+@pytest.mark.parametrize("pairing", ["half", "interleaved"])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("num_axes", [1, 2])
+def test_rope_matches_a_pair_by_pair_reference(x64, pairing, fraction, num_axes, base=500.0):
+  head_dim = 16  # 0.5 * 16 = 8 rotated dims: two sections of two pairs each when axial
+  x = jax.random.normal(jax.random.key(0), (B, T, N, head_dim), jnp.float64)
+  # Distinct real coordinates per axis, so that swapping or ignoring one shows.
+  positions = np.random.default_rng(1).uniform(-20, 20, size=(B, T, num_axes))
+  want = _rope_reference(x, positions, pairing=pairing, fraction=fraction, base=base)
+  rope = dict(pairing=pairing, rotary_fraction=fraction, base=base)
+  got = attention.apply_rope(x, jnp.asarray(positions if num_axes > 1 else positions[..., 0]), **rope)
+  np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+  if num_axes == 2:  # an unbatched grid [T, A] for an unbatched x [T, N, Hd]
+    got = attention.apply_rope(x[0], jnp.asarray(positions[0]), **rope)
+    np.testing.assert_allclose(got, want[0], rtol=1e-12, atol=1e-12)
 
 
 def test_gqa_equals_mha_with_repeated_kv_heads(x64):
