@@ -58,6 +58,17 @@ def _window_bytes(name, data_dir, split, seq_len):
   return windows, bytes(np.concatenate([w[:-1] for w in windows]).astype(np.uint8))
 
 
+def _padded_windows(image, crop, pad):
+  """[((top, left), mirrored)] of every window of ``image`` zero-padded by ``pad`` equal to
+  ``crop`` or to its mirror image (a reference written here, independent of ``_images``)."""
+  padded = np.pad(image, ((pad, pad), (pad, pad), (0, 0)))
+  height, width = image.shape[:2]
+  return [((top, left), mirror) for top in range(2 * pad + 1) for left in range(2 * pad + 1)
+          for mirror in (False, True)
+          if np.array_equal(padded[top:top + height, left:left + width],
+                            crop[:, ::-1] if mirror else crop)]
+
+
 def test_cifar10_layout_decodes_images_and_augments(tmp_path):
   rng = np.random.default_rng(0)
   images = rng.integers(0, 256, size=(40, 32, 32, 3), dtype=np.uint8)
@@ -72,6 +83,17 @@ def test_cifar10_layout_decodes_images_and_augments(tmp_path):
   batch = next(data.train_iterator("cifar10", batch_size=8, seed=0, augment=True,
                                    data_dir=str(tmp_path), **KW))
   assert batch["image"].shape == (8, 32, 32, 3) and batch["image"].dtype == np.float32
+  # Each augmented image is a 32 x 32 window of its zero-padded (by 4) source, maybe mirrored.
+  label_of = {im.tobytes(): int(lab) for im, lab in zip(images, labels)}
+  moved = 0
+  for out, label in zip(np.round((batch["image"] + 1) * 127.5).astype(np.uint8), batch["label"]):
+    found = [(im, top, left, mirror) for im in images[:30] for (top, left), mirror in
+             _padded_windows(im, out, pad=4)]
+    assert len(found) == 1, f"{len(found)} source windows match an augmented image"
+    im, top, left, mirror = found[0]
+    assert label == label_of[im.tobytes()]
+    moved += (top, left, mirror) != (4, 4, False)
+  assert moved >= 6  # the identity crop has probability 1 / 162
   (test,) = data.eval_iterator("cifar10", batch_size=10, data_dir=str(tmp_path), **KW)
   decoded = np.round((test["image"] + 1) * 127.5).astype(np.uint8)
   expected = {(im.tobytes(), int(lab)) for im, lab in zip(images[30:], labels[30:])}
@@ -270,6 +292,60 @@ def test_crops_have_the_asked_size_and_are_seeded(shape):
   b = _images.random_resized_crop(image, 24, np.random.default_rng(7))
   assert a.shape == (24, 24, shape[2]) and a.dtype == np.uint8
   np.testing.assert_array_equal(a, b)
+
+
+def test_pad_crop_cuts_windows_of_the_zero_padded_image():
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, size=(300, 16, 16, 3), dtype=np.uint8)
+  keys = _images.example_keys(3, np.arange(300))
+  crops = _images.pad_crop(images, keys)
+  assert crops.shape == images.shape and crops.dtype == np.uint8
+  offsets = []
+  for image, crop in zip(images, crops):
+    found = _padded_windows(image, crop, pad=2)  # pad 16 / 8
+    assert len(found) == 1 and not found[0][1], found  # one window, never mirrored
+    offsets.append(found[0][0])
+  assert set(offsets) == {(t, l) for t in range(5) for l in range(5)}  # every offset is drawn
+  # An image's crop depends on its key only, not on the rest of the batch.
+  np.testing.assert_array_equal(_images.pad_crop(images[7:9], keys[7:9]), crops[7:9])
+
+
+def test_random_flip_mirrors_exactly_the_images_whose_key_has_bit_40():
+  images = np.random.default_rng(0).integers(0, 256, size=(64, 5, 7, 2), dtype=np.uint8)
+  keys = _images.example_keys(0, np.arange(64))
+  mirror = ((keys >> np.uint64(40)) & np.uint64(1)).astype(bool)
+  assert 0 < mirror.sum() < 64
+  flipped = _images.random_flip(images, keys)
+  for image, out, m in zip(images, flipped, mirror):
+    np.testing.assert_array_equal(out, image[:, ::-1] if m else image)
+
+
+def test_random_resized_crop_resizes_a_box_of_the_image():
+  """On an image that holds its own coordinates (channel 0 = 4 row, channel 1 = 4 column),
+  the crop's interior pixels read back the box it cut: inside the image, area 8-100 %,
+  aspect 3/4-4/3, and rows still rows."""
+  height, width, size = 40, 60, 24
+  rows, cols = np.meshgrid(np.arange(height), np.arange(width), indexing="ij")
+  image = np.stack([4 * rows, 4 * cols, np.zeros_like(rows)], -1).astype(np.uint8)
+  inner = np.arange(4, size - 4)  # away from the box edges, where the filter is cut off
+  boxes = set()
+  for seed in range(20):
+    crop = _images.random_resized_crop(image, size, np.random.default_rng(seed)).astype(float) / 4
+    row_of, col_of = crop[inner, size // 2, 0], crop[size // 2, inner, 1]
+    np.testing.assert_allclose(crop[inner][:, inner, 0], row_of[:, None] + 0 * inner, atol=0.2)
+    np.testing.assert_allclose(crop[inner][:, inner, 1], col_of[None, :] + 0 * inner[:, None],
+                               atol=0.2)
+    box = []
+    for coord in (row_of, col_of):  # output pixel i samples source top + (i + 1/2) step - 1/2
+      step, start = np.polyfit(inner, coord, 1)
+      np.testing.assert_allclose(coord, start + step * inner, atol=0.3)  # a straight ramp
+      box += [start - step / 2 + 0.5, step * size]  # box start, box extent
+    top, box_h, left, box_w = box
+    assert -0.5 < top and top + box_h < height + 0.5 and -0.5 < left and left + box_w < width + 0.5
+    assert 0.08 * 0.9 < box_h * box_w / (height * width) < 1.0 + 0.05
+    assert 0.75 * 0.93 < box_w / box_h < 4 / 3 / 0.93
+    boxes.add((round(top), round(box_h), round(left), round(box_w)))
+  assert len(boxes) > 10  # the box moves with the seed
 
 
 def test_center_crop_keeps_the_centre():
