@@ -205,23 +205,34 @@ def test_gl_on_rope_model_breaks_it(x64):
 # ----------------------------------------------------------------------------- bad input
 
 
-def _bad_elements():
-  good = _element(0, "gl", 2)
-  n_perm = jnp.array([1, 0, 2, 3])  # swaps heads inside kv group 0: allowed
-  yield "not a permutation", good._replace(perm=jnp.array([0, 0, 2, 3])), "perm is not a permutation"
-  yield "breaks kv groups", good._replace(perm=jnp.array([0, 2, 1, 3])), "breaks kv groups"
-  yield "float perm", good._replace(perm=n_perm.astype(jnp.float64)), "integer"
-  yield "singular qk", good._replace(qk=good.qk.at[0].set(jnp.zeros((H, H)))), "qk is singular"
-  yield "nan vo", good._replace(vo=good.vo.at[1, 0, 0].set(jnp.nan)), "vo has non-finite"
-  yield "wrong head dim", good._replace(qk=good.qk[:, :4, :4], vo=good.vo[:, :4, :4]), "shape"
-  yield "wrong head count", good._replace(perm=jnp.arange(3)), "heads cannot be split"
+# name -> (a bad variant of a valid GQA element g, the error it must give). Built in the test,
+# inside the float64 fixture, so that the matrices are float64 as the layer is.
+BAD_ELEMENTS = {
+    "not a permutation": (lambda g: g._replace(perm=jnp.array([0, 0, 2, 3])),
+                          "perm is not a permutation"),
+    "breaks kv groups": (lambda g: g._replace(perm=jnp.array([0, 2, 1, 3])), "breaks kv groups"),
+    # [1, 0, 2, 3] swaps heads inside kv group 0 (allowed), but as floats.
+    "float perm": (lambda g: g._replace(perm=jnp.array([1.0, 0.0, 2.0, 3.0])),
+                   "perm must be an integer array, got dtype float64"),
+    "singular qk": (lambda g: g._replace(qk=g.qk.at[0].set(jnp.zeros((H, H)))), "qk is singular"),
+    "nan vo": (lambda g: g._replace(vo=g.vo.at[1, 0, 0].set(jnp.nan)), "vo has non-finite"),
+    "wrong head dim": (lambda g: g._replace(qk=g.qk[:, :4, :4], vo=g.vo[:, :4, :4]),
+                       r"query/kernel has shape \(16, 4, 8\), expected \(16, 4, 4\)"),
+    "wrong head count": (lambda g: g._replace(perm=jnp.arange(3)),
+                         "3 heads cannot be split into 2 kv groups"),
+}
 
 
-@pytest.mark.parametrize("case", list(_bad_elements()), ids=lambda c: c[0])
-def test_bad_element_raises(x64, case):
-  _, element, message = case
+@pytest.mark.parametrize("name", list(BAD_ELEMENTS))
+def test_bad_element_raises(x64, name):
+  make_bad, message = BAD_ELEMENTS[name]
+  layer, good = _layer(jax.random.key(0), kv=2), _element(0, "gl", 2)
+  ga.apply(layer, good)  # the unbroken element is accepted
+  bad = make_bad(good)
+  assert {str(m.dtype) for m in (bad.qk, bad.vo)} == {"float64"}
+  assert bad.perm.dtype == (jnp.float64 if name == "float perm" else jnp.int64)
   with pytest.raises(ValueError, match=message):
-    ga.apply(_layer(jax.random.key(0), kv=2), element)
+    ga.apply(layer, bad)
 
 
 def test_bad_params_raise_naming_the_leaf(x64):
