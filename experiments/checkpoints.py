@@ -1,10 +1,18 @@
-"""Checkpoints of one training run, with orbax.
+"""Checkpoints of one training run, with orbax, verified by content hashes.
 
 A run directory holds ``checkpoints/<step>/`` with three items: ``params``
 and ``opt_state`` (array trees) and ``meta`` (JSON: the model's architecture,
-the data position, the run's name). Saves are atomic (orbax writes to a
-temporary directory and renames it when complete), asynchronous, and only the
-last ``keep`` are kept.
+the data position, the run's name, and ``sha256``, the content hash
+``fingerprints.tree_digest`` of the params and of the optimiser state as they
+were saved). Saves are atomic (orbax writes to a temporary directory and
+renames it when complete), asynchronous, and only the last ``keep`` are kept.
+
+Every restore checks the hashes: a checkpoint whose files cannot be read, or
+whose arrays do not hash to what its ``meta`` recorded (a flipped bit, a
+truncated file), raises ``CorruptCheckpointError``, one line naming the
+checkpoint and what was expected. Checkpoints written before hashes were
+recorded cannot be verified and are refused the same way; a rerun of
+training moves such a run aside (``train.py``) and trains it again.
 
 The architecture recorded in ``meta`` is what makes a workdir safe to reuse:
 ``check_architecture`` compares it with the model about to be trained and
@@ -19,10 +27,16 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from attn_symmetry import spec as spec_lib
+from experiments import fingerprints
 
 Params = dict[str, Any]
+
+
+class CorruptCheckpointError(ValueError):
+  """A checkpoint that cannot be read, or whose arrays do not match their recorded hash."""
 
 
 def architecture(family: str, abstract_params: Params) -> dict[str, Any]:
@@ -45,6 +59,12 @@ def architecture_difference(saved: dict[str, Any], expected: dict[str, Any]) -> 
   return diffs
 
 
+def _first_line(error: BaseException, limit: int = 200) -> str:
+  text = (str(error).strip().splitlines() or [""])[0]
+  text = text if len(text) <= limit else text[:limit] + "..."
+  return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 class RunCheckpoints:
   """The checkpoints of one run under ``run_dir/checkpoints``.
 
@@ -55,11 +75,21 @@ class RunCheckpoints:
   """
 
   def __init__(self, run_dir: str, *, keep: int = 2, read_only: bool = False):
-    self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+    self.run_dir = os.path.abspath(run_dir)
+    self.directory = os.path.join(self.run_dir, "checkpoints")
+    self._keep, self._read_only = keep, read_only
+    self._open()
+
+  def _open(self) -> None:
+    ro = self._read_only
+    # cleanup_tmp_directories: a save that a killed process left unfinished is removed.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
-        create=not read_only, read_only=read_only)
+        max_to_keep=None if ro else self._keep, save_interval_steps=0 if ro else 1,
+        create=not ro, read_only=ro, cleanup_tmp_directories=not ro)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -68,30 +98,89 @@ class RunCheckpoints:
     return list(self._manager.all_steps())
 
   def save(self, step: int, params: Params, opt_state: Any, meta: dict[str, Any]) -> None:
-    """Starts an asynchronous, atomic save of ``step``."""
+    """Starts an asynchronous, atomic save of ``step``; ``meta`` gains the content hashes."""
+    meta = dict(meta, sha256={"params": fingerprints.tree_digest(params),
+                              "opt_state": fingerprints.tree_digest(opt_state)})
     self._manager.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
         meta=ocp.args.JsonSave(meta)))
 
+  def _restore(self, step: int, **items) -> Any:
+    """orbax's restore of ``items``, its errors turned into one CorruptCheckpointError line."""
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(**items))
+    except (KeyboardInterrupt, SystemExit):
+      raise
+    except Exception as e:  # orbax, tensorstore and json raise many types for a damaged file.
+      raise CorruptCheckpointError(
+          f"checkpoint {self.step_dir(step)} cannot be read ({_first_line(e)})") from None
+
   def restore_meta(self, step: int) -> dict[str, Any]:
-    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    meta = self._restore(step, meta=ocp.args.JsonRestore()).meta
+    if not isinstance(meta, dict):
+      raise CorruptCheckpointError(f"checkpoint {self.step_dir(step)}: meta is not a JSON object")
+    return meta
+
+  def digest(self, step: int, item: str = "params", meta: dict[str, Any] | None = None) -> str:
+    """The content hash that ``step``'s meta (read unless given) recorded for ``item``;
+    the arrays are not read.
+
+    Raises:
+      CorruptCheckpointError: the meta cannot be read or has no hash (a
+        checkpoint written before hashes were recorded).
+    """
+    recorded = (self.restore_meta(step) if meta is None else meta).get("sha256", {})
+    if item not in recorded:
+      raise CorruptCheckpointError(
+          f"checkpoint {self.step_dir(step)} records no content hash (written before checkpoints "
+          f"were verified), so it cannot be trusted: move {self.run_dir} aside and train it again")
+    return recorded[item]
+
+  def _verified(self, step: int, item: str, tree: Any, meta: dict[str, Any] | None = None) -> Any:
+    expected, found = self.digest(step, item, meta), fingerprints.tree_digest(tree)
+    if found != expected:
+      raise CorruptCheckpointError(
+          f"checkpoint {self.step_dir(step)}: {item} hash to sha256 {found[:12]}, not "
+          f"{expected[:12]} as saved: the files under {os.path.join(self.step_dir(step), item)} "
+          "are damaged")
+    return tree
 
   def restore_params(self, step: int, abstract_params: Params) -> Params:
-    """The params of ``step``, shaped and placed like ``abstract_params``.
+    """The params of ``step``, shaped and placed like ``abstract_params``, verified.
 
     ``abstract_params`` is a tree of ``jax.ShapeDtypeStruct`` (with a
     ``sharding`` to place the arrays).
+
+    Raises:
+      CorruptCheckpointError: unreadable, unverifiable or not as saved.
     """
-    return self._manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_params))).params
+    params = self._restore(step, params=ocp.args.StandardRestore(abstract_params)).params
+    return self._verified(step, "params", params)
 
   def restore(self, step: int, abstract_params: Params, abstract_opt_state: Any):
-    """(params, opt_state, meta) of ``step``."""
-    out = self._manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_params),
-        opt_state=ocp.args.StandardRestore(abstract_opt_state),
-        meta=ocp.args.JsonRestore()))
+    """(params, opt_state, meta) of ``step``, verified as ``restore_params``."""
+    out = self._restore(step, params=ocp.args.StandardRestore(abstract_params),
+                        opt_state=ocp.args.StandardRestore(abstract_opt_state),
+                        meta=ocp.args.JsonRestore())
+    if not isinstance(out.meta, dict):
+      raise CorruptCheckpointError(f"checkpoint {self.step_dir(step)}: meta is not a JSON object")
+    self._verified(step, "params", out.params, out.meta)
+    self._verified(step, "opt_state", out.opt_state, out.meta)
     return out.params, out.opt_state, out.meta
+
+  def move_aside(self, step: int) -> str | None:
+    """Moves checkpoint ``step`` out of the way, to
+    ``run_dir/corrupt_checkpoints/<step>.corrupt-<time>`` (never deleted).
+
+    Returns:
+      the new path (None on processes other than 0, which wait for the move).
+    """
+    self._manager.close()
+    moved = on_process_0(lambda: fingerprints.move_aside(
+        self.step_dir(step), "corrupt", into=os.path.join(self.run_dir, "corrupt_checkpoints")),
+                         f"move_aside {self.step_dir(step)}")
+    self._open()
+    return moved
 
   def wait(self) -> None:
     """Blocks until pending saves are on disk."""
@@ -101,23 +190,36 @@ class RunCheckpoints:
     self._manager.close()
 
 
+def on_process_0(fn, name: str):
+  """``fn()`` on process 0 only (a file operation on the shared workdir), then a barrier
+  so that every process sees its effect; returns its result on process 0, else None."""
+  result = fn() if jax.process_index() == 0 else None
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+  return result
+
+
 def check_architecture(run_dir: str, expected: dict[str, Any]) -> None:
   """Raises ValueError if ``run_dir`` holds checkpoints of another architecture.
 
-  Reads only; a missing or empty directory passes.
+  Reads only; a missing or empty directory passes, and so does one whose
+  checkpoints' meta cannot be read (training and loading report those).
   """
   if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
     return
   ckpts = RunCheckpoints(run_dir, read_only=True)
-  step = ckpts.latest_step()
-  if step is None:
+  for step in sorted(ckpts.all_steps(), reverse=True):
+    try:
+      saved = ckpts.restore_meta(step)["architecture"]
+    except (CorruptCheckpointError, KeyError):
+      continue
+    diffs = architecture_difference(saved, expected)
+    if diffs:
+      shown = "\n  ".join(diffs[:20]) + ("\n  ..." if len(diffs) > 20 else "")
+      raise ValueError(
+          f"{ckpts.directory} holds checkpoints (step {step}) of another architecture than the "
+          f"configured model; use another --workdir or remove them. Differences:\n  {shown}")
     return
-  diffs = architecture_difference(ckpts.restore_meta(step)["architecture"], expected)
-  if diffs:
-    shown = "\n  ".join(diffs[:20]) + ("\n  ..." if len(diffs) > 20 else "")
-    raise ValueError(
-        f"{ckpts.directory} holds checkpoints (step {step}) of another architecture than the "
-        f"configured model; use another --workdir or remove them. Differences:\n  {shown}")
 
 
 def abstract_like(tree: Any, sharding: jax.sharding.Sharding) -> Any:

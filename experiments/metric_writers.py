@@ -6,11 +6,16 @@ same scalars to a TensorBoard event file, written directly (TFRecord framing of
 the tensorboard package is needed to write them; ``tensorboard --logdir DIR``
 reads them. After a resume, log lines past the restored step are dropped, so
 the log reads as one uninterrupted run.
+
+``metrics.jsonl`` is an append log: a process killed while appending can
+leave its last line cut short. ``read_jsonl`` drops such a line (with a
+warning) and the next run rewrites the log without it, atomically.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import socket
@@ -18,6 +23,9 @@ import struct
 import time
 from typing import Mapping
 
+from experiments import atomic_io
+
+log = logging.getLogger(__name__)
 
 _CRC32C_POLY = 0x82F63B78  # Castagnoli, bit-reflected.
 
@@ -104,10 +112,8 @@ class MetricWriter:
     os.makedirs(logdir, exist_ok=True)
     self.json_path = os.path.join(logdir, "metrics.jsonl")
     if os.path.exists(self.json_path):
-      with open(self.json_path) as f:
-        kept = [line for line in f if json.loads(line)["step"] <= resume_step]
-      with open(self.json_path, "w") as f:
-        f.writelines(kept)
+      kept = [e for e in read_jsonl(self.json_path) if e["step"] <= resume_step]
+      atomic_io.write_text(self.json_path, "".join(json.dumps(e) + "\n" for e in kept))
     name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
     self._events = open(os.path.join(logdir, name), "ab")
     self._events.write(_record(_event(0, time.time(), file_version="brain.Event:2")))
@@ -128,9 +134,27 @@ class MetricWriter:
 
 
 def read_jsonl(path: str) -> list[dict]:
-  """The entries of a ``metrics.jsonl`` log."""
-  with open(path) as f:
-    return [json.loads(line) for line in f]
+  """The entries of a ``metrics.jsonl`` log.
+
+  A last line cut short (a writer killed while appending) is dropped with a
+  warning.
+
+  Raises:
+    ValueError: an earlier line does not parse (naming the file and line).
+  """
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().split("\n")
+  entries = []
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      entries.append(json.loads(line))
+    except ValueError as e:
+      if number < len(lines):  # only the piece after the last newline can be cut short
+        raise ValueError(f"{path}, line {number}, does not parse: {e}") from None
+      log.warning("%s: last line is cut short (%r); dropped", path, line[:60])
+  return entries
 
 
 def _duration(seconds: float) -> str:

@@ -7,7 +7,6 @@ into ``results.json``; nothing is typed in.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,6 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+
+from experiments import atomic_io  # noqa: E402
 
 METHOD_LABELS = {"naive": "naive", "perm": "Variant 1 (Stage 1)", "ortho": "Variant 2 (+ ortho init)",
                  "full": "full (+ gradient refinement)"}
@@ -111,7 +112,8 @@ def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any
 
 def plot_curves(path: str, title: str, lambdas: Sequence[float],
                 pairs: Sequence[Mapping[str, Any]], *, loss_name: str = "loss") -> str:
-  """PNG with the loss and accuracy along the path, mean ± std over pairs per method."""
+  """PNG with the loss and accuracy along the path, mean ± std over pairs per method,
+  written atomically (``atomic_io.save_figure``)."""
   lams = np.asarray(lambdas)
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
   for ax, metric, ylabel in ((axes[0], "loss", loss_name), (axes[1], "accuracy", "accuracy")):
@@ -126,9 +128,10 @@ def plot_curves(path: str, title: str, lambdas: Sequence[float],
   axes[0].legend(fontsize=8)
   fig.suptitle(title)
   fig.tight_layout()
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  try:
+    atomic_io.save_figure(fig, path, dpi=120)
+  finally:
+    plt.close(fig)
   return path
 
 

@@ -15,18 +15,23 @@ test split at ``study.num_lambdas`` points by one compiled function. Then:
 * accuracy of the endpoints and of each method's midpoint under input noise
   (the paper's Appendix L).
 
-Each (scope, pair, stage) result is stored under ``workdir/study/<scope>/``
-with a fingerprint of everything it depends on (the study config, both
-checkpoints' parameters, the evaluation data); a rerun reuses a result whose
-fingerprint matches and recomputes one whose inputs changed. Reports:
-``study/<scope>/results.json``, ``study/<scope>/curves.png`` and
-``study/summary.md``.
+Each (scope, pair, stage) result is stored under
+``workdir/study/<scope>/pairs/`` with the fields it depends on
+(``fingerprints.py``: the model, the options the stage uses, the content
+hashes of both checkpoints and of the evaluation data); a rerun reuses a
+result whose fields are unchanged and recomputes one whose fields changed,
+logging once per scope and change which fields did. A stage file that does
+not parse is recomputed with a warning naming it. Reports, each rewritten
+only when the results it is drawn from changed
+(``study/report_fingerprints.json``): ``study/<scope>/results.json``,
+``study/<scope>/curves.png`` and ``study/summary.md``. Every file is written
+atomically (``atomic_io.py``). The study runs on finished, verified
+checkpoints only (``train.load_checkpoints``).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import json
 import logging
@@ -44,7 +49,9 @@ from attn_symmetry import group_action
 from attn_symmetry import lmc
 from attn_symmetry import matching
 from attn_symmetry.spec import subtree
+from experiments import atomic_io
 from experiments import evaluation
+from experiments import fingerprints
 from experiments import inputs
 from experiments import report
 from experiments import train
@@ -85,40 +92,30 @@ def check_scopes(config: ml_collections.ConfigDict, model) -> None:
 # ----------------------------------------------------------------------------- caching
 
 
-def params_digest(params: Params) -> str:
-  """sha256 over every leaf's path, dtype, shape and bytes."""
-  h = hashlib.sha256()
-  for path, leaf in sorted(group_action.spec_lib.flatten(params).items()):
-    leaf = np.asarray(leaf)
-    h.update(f"{path}:{leaf.dtype}:{leaf.shape}".encode())
-    h.update(np.ascontiguousarray(leaf).tobytes())
-  return h.hexdigest()
-
-
-def _fingerprint(**parts: Any) -> str:
-  return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def cached(path: str, fingerprint: str, compute: Callable[[], dict]) -> tuple[dict, bool]:
-  """The JSON result at ``path`` if its fingerprint matches, else ``compute()`` saved there.
+def cached(path: str, fields: Mapping[str, Any], compute: Callable[[], dict]
+           ) -> tuple[dict, str | None]:
+  """The JSON result at ``path`` if it was computed from ``fields``, else ``compute()``
+  saved there (atomically) with them.
 
   Returns:
-    (result, reused). The file is written atomically (temporary file, then
-    rename), so an interrupted run never leaves a half-written result.
+    (result, why): why is None when the saved result was reused, else why it
+    was computed: "new" (nothing usable saved; a file that does not parse
+    warns, naming it) or ``fingerprints.change_line`` of the changed fields.
   """
-  if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f)
-    if saved.get("fingerprint") == fingerprint:
-      return saved["result"], True
-    log.info("inputs of %s changed since it was computed; recomputing", path)
+  fp = fingerprints.key(fields)
+  saved = atomic_io.read_json_or_none(path, "study cache")
+  why = "new"
+  if isinstance(saved, dict) and "result" in saved:
+    if saved.get("fingerprint") == fp:
+      return saved["result"], None
+    old = saved.get("fields")
+    why = (fingerprints.change_line(old, fields) if isinstance(old, dict)
+           else "inputs changed (saved before stages recorded their fields)")
+  elif saved is not None:
+    log.warning("study cache %s holds no result; recomputing it", path)
   result = compute()
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump({"fingerprint": fingerprint, "result": result}, f)
-  os.replace(tmp, path)
-  return result, False
+  atomic_io.write_json(path, {"fingerprint": fp, "fields": dict(fields), "result": result})
+  return result, why
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -174,10 +171,28 @@ def noisy(batches: Iterable[Mapping[str, np.ndarray]], level: float, *, key: jax
 # ----------------------------------------------------------------------------- one scope
 
 
-def _matching_kwargs(config: ml_collections.ConfigDict, **changes) -> dict[str, Any]:
+# align_model's matching options and the config fields that set them.
+_OPTION_FIELDS = {"distance": "study.distance", "steps": "study.match_steps",
+                  "learning_rate": "study.match_learning_rate"}
+# The options each method uses (Stage 1's distance; the "full" refinement's steps and
+# learning rate); a method not listed here is keyed by all of them.
+_OPTIONS_USED = {"naive": (), "perm": ("distance",), "ortho": ("distance",),
+                 "full": ("distance", "steps", "learning_rate")}
+
+
+def _matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
+                     **changes) -> dict[str, Any]:
+  """The keyword arguments of ``matching.align_model`` that ``method`` uses, from
+  ``config.study``, with ``changes`` applied."""
   s = config.study
-  return dict(dict(steps=s.match_steps, learning_rate=s.match_learning_rate, distance=s.distance),
-              **changes)
+  values = dict(distance=s.distance, steps=s.match_steps, learning_rate=s.match_learning_rate)
+  return {k: changes.get(k, values[k]) for k in _OPTIONS_USED.get(method, tuple(values))}
+
+
+def _option_fields(options: Mapping[str, Any], changes: Iterable[str] = ()) -> dict[str, Any]:
+  """Fingerprint fields of matching ``options``: by config field name, or "ablation <name>"
+  for an option an ablation sets."""
+  return {f"ablation {k}" if k in changes else _OPTION_FIELDS[k]: v for k, v in options.items()}
 
 
 class ScopeStudy:
@@ -191,33 +206,46 @@ class ScopeStudy:
     self.scope_paths = model.scope_paths(scope)
     self.seeds = list(config.reinit.seeds)
     self.params = {s: checkpoints[f"reinit/{scope}/seed_{s}"] for s in self.seeds}
-    self.digests = {s: params_digest(p) for s, p in self.params.items()}
+    self.digests = {s: fingerprints.tree_digest(p) for s, p in self.params.items()}
     self.lams = lmc.lambdas(config.study.num_lambdas)
     self.data_fingerprint = data_fingerprint
     self.reused = 0
     self.computed = 0
+    self._announced: set[str] = set()
     self._alignments: dict[tuple, tuple[Params, Params, dict]] = {}
     # g.theta compiled once: the ablation applies one element per head permutation.
     self._apply = jax.jit(functools.partial(group_action.apply_model, model.spec))
 
   def _cached(self, name: str, compute: Callable[[], dict], *, a: int, b: int,
-              **depends) -> dict:
-    """``cached`` result of one stage of pair (a, b); it depends on both checkpoints, the
-    evaluation data and lambdas, and the ``depends`` given (the options it used)."""
-    fp = _fingerprint(scope=self.scope, data=self.data_fingerprint, lams=self.lams.tolist(),
-                      a=self.digests[a], b=self.digests[b], **depends)
+              **fields) -> dict:
+    """``cached`` result of one stage of pair (a, b).
+
+    Its fields (``fingerprints.py``): the scope's parameter paths, the model,
+    the number of lambdas, the content hashes of both checkpoints and of the
+    evaluation data, and the stage's own ``fields`` (the options it uses). The
+    first stage of this scope recomputed for a given change logs it.
+    """
+    fields = {"scope paths": list(self.scope_paths),
+              **fingerprints.config_fields(self.config, ("model", "study.num_lambdas")),
+              fingerprints.INPUT + "evaluation data": self.data_fingerprint,
+              fingerprints.INPUT + f"seed_{a} params": self.digests[a],
+              fingerprints.INPUT + f"seed_{b} params": self.digests[b], **fields}
     start = time.perf_counter()
-    result, reused = cached(os.path.join(self.dir, f"pairs/seed_{a}-seed_{b}", name + ".json"),
-                            fp, compute)
-    if not reused:
+    path = os.path.join(self.dir, f"pairs/seed_{a}-seed_{b}", name + ".json")
+    result, why = cached(path, fields, compute)
+    if why is not None:
+      if why != "new" and why not in self._announced:
+        self._announced.add(why)
+        log.info("study %s: %s; recomputing the stages that depend on it (first: %s)",
+                 self.scope, why, os.path.relpath(path, self.dir))
       log.info("%s seed %d-%d: %s took %.1fs", self.scope, a, b, name,
-                   time.perf_counter() - start)
-    self.reused += reused
-    self.computed += not reused
+               time.perf_counter() - start)
+    self.reused += why is None
+    self.computed += why is not None
     return result
 
   def _matching_options(self, method: str, **overrides) -> dict[str, Any]:
-    return {} if method == "naive" else _matching_kwargs(self.config, **overrides)
+    return _matching_kwargs(self.config, method, **overrides)
 
   def align(self, a: int, b: int, method: str, **overrides) -> tuple[Params, Params, dict]:
     """(theta_A, g.theta_B, matching info): B aligned to A in this scope.
@@ -253,7 +281,7 @@ class ScopeStudy:
         pa, aligned, info = self.align(a, b, method)
         return dict(curve_result(self.evaluator(pa, aligned, self.lams), self.lams), matching=info)
       methods[method] = self._cached(method, compute, a=a, b=b, method=method,
-                                     options=self._matching_options(method))
+                                     **_option_fields(self._matching_options(method)))
       log.info("%s seed %d-%d %-5s loss barrier %.4f accuracy barrier %.4f", self.scope, a, b,
                    method, methods[method]["loss_barrier"], methods[method]["accuracy_barrier"])
     return {"a": f"seed_{a}", "b": f"seed_{b}", "methods": methods}
@@ -274,7 +302,7 @@ class ScopeStudy:
       elements, info = matching.match_attention_exhaustive(
           subtree(pa, site), subtree(pb, site), group=s.group, rope_pairing=s.rope_pairing,
           rotary_fraction=s.rotary_fraction, rope_axes=s.rope_axes, method="full",
-          **_matching_kwargs(self.config))
+          **self._matching_options("full"))
       chosen = int(info["stage1_index"])
       identity = group_action.identity_model(self.model.spec)
       barriers = []
@@ -290,7 +318,7 @@ class ScopeStudy:
         out |= {f"{metric}_barriers": values, f"{metric}_rank": rank, f"{metric}_lhat": lhat}
       return out
     return self._cached("ablation_permutations", compute, a=a, b=b,
-                        options=self._matching_options("full"))
+                        **_option_fields(self._matching_options("full")))
 
   def distance_ablation(self, a: int, b: int) -> dict[str, dict]:
     """The full method under every Stage 1 distance, for the "first_attention" scope
@@ -302,8 +330,9 @@ class ScopeStudy:
       def compute(distance=distance):
         pa, aligned, _ = self.align(a, b, "full", distance=distance)
         return curve_result(self.evaluator(pa, aligned, self.lams), self.lams)
-      out[distance] = self._cached(f"ablation_distance_{distance}", compute, a=a, b=b,
-                                   options=self._matching_options("full", distance=distance))
+      out[distance] = self._cached(
+          f"ablation_distance_{distance}", compute, a=a, b=b,
+          **_option_fields(self._matching_options("full", distance=distance), ["distance"]))
     return out
 
   def robustness(self, a: int, b: int) -> dict[str, list[float]]:
@@ -324,9 +353,12 @@ class ScopeStudy:
             out["A"].append(acc[0])
             out["B"].append(acc[2])
       return out
-    return self._cached("robustness", compute, a=a, b=b, seed=self.config.seed,
-                        noise_levels=list(self.config.study.noise_levels),
-                        options={m: self._matching_options(m) for m in self.config.study.methods})
+    options = {}
+    for m in self.config.study.methods:
+      options.update(_option_fields(self._matching_options(m)))
+    return self._cached("robustness", compute, a=a, b=b, **options,
+                        **fingerprints.config_fields(
+                            self.config, ("seed", "study.noise_levels", "study.methods")))
 
   def run(self) -> dict[str, Any]:
     pairs, ablations, distances, robust = [], [], {d: [] for d in self.config.study.distances}, []
@@ -378,39 +410,75 @@ def _jsonable(tree: Any) -> Any:
 # ----------------------------------------------------------------------------- the whole study
 
 
+class Reports:
+  """The report files under ``study/``, each rewritten only when what it is drawn from changed.
+
+  ``study/report_fingerprints.json`` maps each report (path relative to
+  ``study/``) to the fingerprint of its inputs (the results and title it is
+  drawn from); a report whose file exists with the same fingerprint is kept.
+  """
+
+  def __init__(self, directory: str):
+    self.directory = directory
+    self._path = os.path.join(directory, "report_fingerprints.json")
+    saved = atomic_io.read_json_or_none(self._path, "report fingerprints")
+    self._saved = saved if isinstance(saved, dict) else {}
+    self.written: list[str] = []
+
+  def write(self, name: str, drawn_from: Any, write: Callable[[str], Any]) -> str:
+    """``write(path)`` for report ``name`` unless it is up to date; returns its path."""
+    path = os.path.join(self.directory, name)
+    fp = fingerprints.key({"report": name, "drawn_from": drawn_from})
+    if self._saved.get(name) != fp or not os.path.exists(path):
+      write(path)
+      self._saved[name] = fp
+      atomic_io.write_json(self._path, self._saved, indent=1, sort_keys=True)
+      self.written.append(name)
+    return path
+
+
 def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
-  """Runs (or resumes) the study of every re-initialisation scope; returns the report paths."""
+  """Runs (or resumes) the study of every re-initialisation scope; returns the report paths.
+
+  Raises:
+    ValueError: a bad study config, a scope with nothing to align, or
+      checkpoints that are missing, unfinished or trained with other fields
+      (``train.load_checkpoints``), before any work.
+    checkpoints.CorruptCheckpointError: a damaged endpoint (one line naming it).
+  """
   validate_study_config(config)
   if not config.reinit.scopes:
     log.info("config.reinit.scopes is empty: no study to run")
     return {}
   model = inputs.create_model(config)
   check_scopes(config, model)
-  checkpoints = train.load_checkpoints(config, workdir)
+  checkpoints = train.load_checkpoints(config, workdir, require_complete=True)
   dataset = config.reinit.dataset or config.dataset.name
   batches = list(inputs.eval_batches(config, dataset))
-  data_fp = _fingerprint(dataset=dataset, digests=[params_digest(b) for b in batches])
+  data_fp = fingerprints.key({"dataset": dataset, "batches": fingerprints.tree_digest(batches)})
   evaluator = PathEvaluator(model, batches, chunk_size=config.study.lambda_chunk,
                             bits_per_byte=model.task == "lm" and model.config.vocab_size == 256)
+  reports = Reports(os.path.join(workdir, "study"))
   paths, results = {}, {}
   for scope in config.reinit.scopes:
     study = ScopeStudy(config, model, scope, checkpoints, evaluator, workdir, data_fp)
     start = time.perf_counter()
     res = study.run()
     log.info("study of scope %s: %d stage(s) computed, %d reused, %.1fs", scope, study.computed,
-                 study.reused, time.perf_counter() - start)
+             study.reused, time.perf_counter() - start)
     results[scope] = res
-    out = os.path.join(workdir, "study", scope, "results.json")
-    with open(out + ".tmp", "w") as f:
-      json.dump(res, f, indent=1)
-    os.replace(out + ".tmp", out)
-    paths[f"{scope}/results.json"] = out
-    paths[f"{scope}/curves.png"] = report.plot_curves(
-        os.path.join(workdir, "study", scope, "curves.png"),
-        f"{config.model.family} on {dataset}: re-initialised {scope}", res["lambdas"], res["pairs"],
-        loss_name=f"test loss ({res['loss_unit']})")
-  summary = os.path.join(workdir, "study", "summary.md")
-  with open(summary, "w") as f:
-    f.write(report.markdown_summary(f"LMC study: {config.model.family} on {dataset}", results))
-  paths["summary.md"] = summary
+    paths[f"{scope}/results.json"] = reports.write(
+        f"{scope}/results.json", res, lambda p, res=res: atomic_io.write_json(p, res, indent=1))
+    title = f"{config.model.family} on {dataset}: re-initialised {scope}"
+    loss_name = f"test loss ({res['loss_unit']})"
+    paths[f"{scope}/curves.png"] = reports.write(
+        f"{scope}/curves.png", [title, loss_name, res["lambdas"], res["pairs"]],
+        lambda p, res=res, title=title, loss_name=loss_name: report.plot_curves(
+            p, title, res["lambdas"], res["pairs"], loss_name=loss_name))
+  title = f"LMC study: {config.model.family} on {dataset}"
+  paths["summary.md"] = reports.write(
+      "summary.md", [title, results],
+      lambda p: atomic_io.write_text(p, report.markdown_summary(title, results)))
+  if reports.written:
+    log.info("study reports written: %s", ", ".join(reports.written))
   return paths

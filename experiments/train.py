@@ -1,8 +1,14 @@
 """Training: the base model, then every re-initialised seed (DESIGN.md section 7).
 
 ``train_and_evaluate(config, workdir)`` checks the config and the workdir,
-then trains, in order, the runs that ``runs(config)`` lists; each run resumes
-from its latest checkpoint and is skipped when already complete. Layout:
+then trains, in order, the runs that ``runs(config)`` lists. Each run keeps in
+``fingerprint.json`` the config fields and inputs it depends on
+(``run_fields``; ``fingerprints.py`` says which and why): a run whose fields
+are unchanged is skipped when complete and resumed from its newest intact
+checkpoint when not; one whose fields changed is moved aside to
+``<run dir>.stale-<time>`` (never deleted) and trained again, with one log
+line naming the fields. A fine-tuned run depends on the base model's final
+parameters, so a retrained base retrains it too. Layout:
 
     workdir/base/                       the base model: seed ``config.seed``,
                                         data set ``config.dataset.name``
@@ -13,8 +19,11 @@ from its latest checkpoint and is skipped when already complete. Layout:
                                         ``config.reinit.dataset`` if set
 
 and in every run directory ``checkpoints/<step>/`` (``checkpoints.py``),
-``metrics.jsonl`` and TensorBoard event files (``metric_writers.py``), and
-``final_metrics.json`` (the evaluation of the last step). ``load_checkpoints``
+``metrics.jsonl`` and TensorBoard event files (``metric_writers.py``),
+``fingerprint.json``, and ``final_metrics.json`` (the evaluation of the last
+step, written atomically). Checkpoints are verified on restore
+(``checkpoints.py``): a damaged one is moved to ``corrupt_checkpoints/`` and
+training falls back to the newest intact one, saying so. ``load_checkpoints``
 gives the study every run's final parameters; ``inputs.py`` (model, batches,
 mesh) and ``evaluation.py`` (``batch_metrics``, ``evaluate``) the pieces it
 needs to evaluate them.
@@ -43,7 +52,9 @@ import optax
 from attn_symmetry import data
 from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
+from experiments import atomic_io
 from experiments import checkpoints
+from experiments import fingerprints
 from experiments import inputs
 from experiments import metric_writers
 from experiments import reinit
@@ -108,6 +119,40 @@ def schedule(config: ml_collections.ConfigDict, run: Run) -> Schedule:
     return Schedule(r.num_steps, r.learning_rate, r.warmup_steps)
   t = config.train
   return Schedule(t.num_steps, t.learning_rate, t.warmup_steps)
+
+
+def run_fields(config: ml_collections.ConfigDict, run: Run, base_params: str | None = None
+               ) -> dict[str, Any]:
+  """The config fields and inputs that ``run``'s result depends on (``fingerprints.py``).
+
+  Args:
+    config: the setting.
+    run: one of ``runs(config)``.
+    base_params: the content hash of the base model's final parameters;
+      needed for a run that fine-tunes it.
+
+  Returns:
+    a flat JSON-able dict such as {"train.learning_rate": 0.003, ...,
+    "sha256 of base params": "<hex>"}.
+  """
+  names = fingerprints.TRAINING + fingerprints.EVALUATION + (
+      fingerprints.REINIT_SCHEDULE if run.fine_tunes else fingerprints.TRAIN_SCHEDULE)
+  fields = {"run": run.name, **fingerprints.config_fields(config, names)}
+  if run.scope is None:
+    fields.update({"seed": run.seed, "dataset.name": run.dataset})
+  else:
+    fields.update({"reinit.scope": run.scope, "reinit.seed": run.seed,
+                   "reinit.dataset": run.dataset})
+  if run.fine_tunes:
+    if base_params is None:
+      raise ValueError(f"{run.name} fine-tunes the base model: its fields need the base params hash")
+    fields[fingerprints.INPUT + "base params"] = base_params
+  return fields
+
+
+def _retrains(old: dict[str, Any], new: dict[str, Any]) -> bool:
+  """Whether fields ``new`` need other parameters than ``old`` (not only another evaluation)."""
+  return any(k not in fingerprints.EVALUATION for k in fingerprints.changed(old, new))
 
 
 def create_optimizer(config: ml_collections.ConfigDict, sched: Schedule, trainable: Params
@@ -260,6 +305,63 @@ class Trainer:
     self._replicated = inputs.replicated(self.mesh)
     self._base = None
 
+  def _base_digest(self) -> str:
+    """The content hash of the base model's final parameters (from its checkpoint's meta)."""
+    ckpts = checkpoints.RunCheckpoints(run_dir(self.workdir, runs(self.config)[0]),
+                                       read_only=True)
+    try:
+      return ckpts.digest(ckpts.latest_step())
+    finally:
+      ckpts.close()
+
+  def fields(self, run: Run) -> dict[str, Any]:
+    """``run_fields`` of ``run``; a fine-tuned run's need the base model trained."""
+    return run_fields(self.config, run, self._base_digest() if run.fine_tunes else None)
+
+  def _check_fingerprint(self, run: Run, directory: str, fields: dict[str, Any]) -> bool:
+    """Makes ``directory`` hold only state computed from ``fields``.
+
+    Fresh or unchanged: records the fields. Changed fields that alter the
+    parameters, or state without a readable record (a run from before
+    fingerprints): moves the directory aside, logging one line that names the
+    changes, and records the fields. Changed evaluation fields only: logs it;
+    the record is rewritten after the new final evaluation.
+
+    Returns:
+      whether the final evaluation is stale (only evaluation fields changed).
+    """
+    old = fingerprints.read_record(directory)
+    if old == fields:
+      return False
+    if old is not None and not _retrains(old, fields):
+      log.info("%s: %s; re-evaluating the final checkpoint", run.name,
+               fingerprints.change_line(old, fields))
+      return True
+    if os.path.isdir(directory) and os.listdir(directory):
+      reason = (fingerprints.change_line(old, fields) if old is not None else
+                f"no readable {fingerprints.RECORD} (trained before runs recorded their config)")
+      moved = checkpoints.on_process_0(lambda: fingerprints.move_aside(directory),
+                                       f"move_aside {directory}")
+      log.info("%s: %s; retraining, old state moved to %s", run.name, reason, moved)
+    checkpoints.on_process_0(lambda: fingerprints.write_record(directory, fields),
+                             f"record {directory}")
+    return False
+
+  def _newest_intact(self, run: Run, ckpts: checkpoints.RunCheckpoints, restore):
+    """(step, restore(step)) for the newest checkpoint that restores intact, or None.
+
+    Each damaged newer checkpoint is moved to ``corrupt_checkpoints/`` with a
+    warning, so that training falls back to the one before.
+    """
+    for step in sorted(ckpts.all_steps(), reverse=True):
+      try:
+        return step, restore(step)
+      except checkpoints.CorruptCheckpointError as e:
+        moved = ckpts.move_aside(step)
+        log.warning("%s: %s; moved it to %s and falling back to the previous checkpoint",
+                    run.name, e, moved)
+    return None
+
   def _initial_params(self, run: Run):
     """(params, trainable mask, host copy of the base params or None) before training."""
     fresh = self.model.init(jax.random.key(run.seed))
@@ -271,6 +373,7 @@ class Trainer:
       # A host copy: device arrays given to the training step are donated.
       self._base = inputs.to_host(base_ckpts.restore_params(
           base_ckpts.latest_step(), checkpoints.abstract_like(fresh, self._replicated)))
+      base_ckpts.close()
     trainable = reinit.trainable_mask(self._base, self.model.scope_paths(run.scope))
     base = jax.device_put(self._base, self._replicated)
     return reinit.reinitialise(base, fresh, trainable), trainable, self._base
@@ -285,27 +388,45 @@ class Trainer:
         trainer is broken; checked after every fine-tuning).
     """
     directory = run_dir(self.workdir, run)
+    fields = self.fields(run)
+    reevaluate = self._check_fingerprint(run, directory, fields)
+    ckpts = checkpoints.RunCheckpoints(directory, keep=self.config.train.keep_checkpoints)
+    try:
+      final = self._train(run, directory, ckpts, reevaluate)
+    finally:
+      ckpts.close()
+    if reevaluate:
+      checkpoints.on_process_0(lambda: fingerprints.write_record(directory, fields),
+                               f"record {directory}")
+    return final
+
+  def _train(self, run, directory, ckpts, reevaluate) -> dict[str, float]:
     final_path = os.path.join(directory, "final_metrics.json")
     num_steps = schedule(self.config, run).num_steps
-    ckpts = checkpoints.RunCheckpoints(directory, keep=self.config.train.keep_checkpoints)
-    start = ckpts.latest_step() or 0
-    if start >= num_steps and os.path.exists(final_path):
-      log.info("%s: complete (step %d), skipped", run.name, start)
-      ckpts.close()
-      with open(final_path) as f:
-        return json.load(f)
+    saved = None if reevaluate else atomic_io.read_json_or_none(final_path, "final evaluation")
+    latest = ckpts.latest_step()
+    if saved is not None and latest is not None and latest >= num_steps:
+      abstract = checkpoints.abstract_like(jax.eval_shape(self.model.init, jax.random.key(0)),
+                                           self._replicated)
+      intact = self._newest_intact(run, ckpts, lambda s: ckpts.restore_params(s, abstract))
+      if intact is not None and intact[0] == latest:
+        log.info("%s: complete (step %d), skipped", run.name, latest)
+        return saved
     params, trainable, base = self._initial_params(run)
     optimizer, lr, train_step = _optimizer_and_step(self.config, self.model,
                                                     schedule(self.config, run), trainable,
                                                     self.mesh)
     state = {"params": params, "opt_state": optimizer.init(params)}
     batches = inputs.train_batches(self.config, run.dataset, seed=run.seed)
-    if start:
-      abstract = checkpoints.abstract_like(state, self._replicated)
-      state["params"], state["opt_state"], meta = ckpts.restore(
-          start, abstract["params"], abstract["opt_state"])
+    abstract = checkpoints.abstract_like(state, self._replicated)
+    intact = self._newest_intact(
+        run, ckpts, lambda s: ckpts.restore(s, abstract["params"], abstract["opt_state"]))
+    start = 0
+    if intact is not None:
+      start, (state["params"], state["opt_state"], meta) = intact
       batches.set_state(meta["data_state"])
-      log.info("%s: resuming from step %d in %s", run.name, start, ckpts.directory)
+      if start < num_steps:
+        log.info("%s: resuming from step %d in %s", run.name, start, ckpts.directory)
     else:
       state = jax.device_put(state, self._replicated)
     arch = checkpoints.architecture(self.model.config.family, jax.eval_shape(lambda: params))
@@ -316,15 +437,12 @@ class Trainer:
                                 writer, {"run": run.name, "architecture": arch})
     finally:
       ckpts.wait()
-      ckpts.close()
       writer.close()
     if base is not None:
       changed = reinit.changed_frozen(base, state["params"], trainable)
       if changed:
         raise RuntimeError(f"{run.name}: frozen parameters changed during fine-tuning: {changed}")
-    if jax.process_index() == 0:
-      with open(final_path, "w") as f:
-        json.dump(final, f)
+    checkpoints.on_process_0(lambda: atomic_io.write_json(final_path, final), f"final {directory}")
     return final
 
   def _evaluate(self, run: Run, params: Params) -> dict[str, float]:
@@ -404,21 +522,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   return results
 
 
-def load_checkpoints(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Params]:
+def load_checkpoints(config: ml_collections.ConfigDict, workdir: str, *,
+                     require_complete: bool = False) -> dict[str, Params]:
   """The parameters of the latest checkpoint of every run of ``config``, by run name.
 
   Names are those of ``runs(config)``: "base", "reinit/<scope>/seed_<s>".
-  Arrays are replicated over all devices.
+  Arrays are replicated over all devices, and verified against the content
+  hash saved with them.
+
+  Args:
+    config: the setting.
+    workdir: where it was trained.
+    require_complete: refuse a run that stopped before its last step.
 
   Raises:
-    ValueError: a run has no checkpoint (not trained yet), or checkpoints of
-      another architecture than ``config``'s model (naming the parameters).
+    ValueError: a run has no checkpoint (not trained yet), checkpoints of
+      another architecture than ``config``'s model (naming the parameters), or
+      was trained with other config fields or inputs than ``config`` gives
+      (naming them), or (``require_complete``) is not finished.
+    checkpoints.CorruptCheckpointError: a checkpoint is damaged or cannot be
+      verified (one line naming it).
   """
   model = inputs.create_model(config)
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   arch = checkpoints.architecture(model.config.family, shapes)
   abstract = checkpoints.abstract_like(shapes, inputs.replicated(inputs.create_mesh()))
-  out = {}
+  out, base_digest = {}, None
   for run in runs(config):
     directory = run_dir(workdir, run)
     checkpoints.check_architecture(directory, arch)
@@ -426,5 +555,21 @@ def load_checkpoints(config: ml_collections.ConfigDict, workdir: str) -> dict[st
     step = ckpts.latest_step()
     if step is None:
       raise ValueError(f"run {run.name!r} has no checkpoint in {ckpts.directory}; train it first")
+    fields = run_fields(config, run, base_digest if run.fine_tunes else None)
+    old = fingerprints.read_record(directory)
+    if old is None:
+      raise ValueError(f"run {run.name!r} in {directory} has no readable {fingerprints.RECORD} "
+                       "(trained before runs recorded their config); rerun training, which "
+                       "moves it aside and trains it again")
+    if _retrains(old, fields):
+      raise ValueError(f"run {run.name!r} in {directory} was trained with other fields: "
+                       f"{fingerprints.change_line(old, fields)}; rerun training first")
+    num_steps = schedule(config, run).num_steps
+    if require_complete and step < num_steps:
+      raise ValueError(f"run {run.name!r} stopped at step {step} of {num_steps} "
+                       f"({ckpts.directory}); rerun training to finish it")
     out[run.name] = ckpts.restore_params(step, abstract)
+    if run.name == "base":
+      base_digest = ckpts.digest(step)
+    ckpts.close()
   return out

@@ -1,0 +1,204 @@
+"""Fingerprints: what each stage of a run depends on, and which of it changed.
+
+A stage's inputs are a flat dict of named fields ("train.learning_rate":
+0.003, "base params": "<sha256>", ...), stored as JSON next to the stage's
+state; its fingerprint is the sha256 of that dict. A rerun compares the
+stored dict with the current one: a finished stage whose fields are equal is
+skipped; one whose fields differ is recomputed, with one log line naming the
+fields (``describe_changes``: ``train.learning_rate 0.003 -> 0.001``), and so
+is everything downstream, because the downstream stages hold the upstream
+content hashes among their fields.
+
+Stages and their fields:
+
+* base run (``train.py``, ``workdir/base/fingerprint.json``): ``seed``,
+  ``dataset.name``, ``TRAINING`` (the model's family, preset and every
+  override; the reader options; batch size and optimiser) and
+  ``TRAIN_SCHEDULE``; plus ``EVALUATION`` (fields of the final evaluation
+  only: a change there re-evaluates the final checkpoint, it does not retrain).
+* re-initialised run ``reinit/<scope>/seed_<s>``: its scope and seed, the data
+  set it trains on (``reinit.dataset``, or ``dataset.name`` when empty),
+  ``TRAINING``, its schedule (``REINIT_SCHEDULE`` when fine-tuning a scope,
+  ``TRAIN_SCHEDULE`` for the "full" scope, which trains from scratch),
+  ``EVALUATION``, and, for every scope but "full", ``base params``: the
+  content hash of the base model's final parameters.
+* study stage (``study.py``, one JSON per pair and stage under
+  ``study/<scope>/pairs/``): the scope's parameter paths, the model fields,
+  the content hash of the evaluation batches, ``study.num_lambdas``, the
+  content hashes of both endpoints, and the options the stage uses
+  (``study.distance`` for Stage 1, ``study.match_steps`` and
+  ``study.match_learning_rate`` for the "full" refinement; ``seed``,
+  ``study.noise_levels`` and ``study.methods`` for the robustness check).
+* report (``study/report_fingerprints.json``): the content hash of the
+  results it is drawn from.
+
+Fields deliberately left out, because they cannot change a stored result:
+
+* ``train.log_every``, ``train.eval_every``: when the loss is averaged and
+  logged and when the model is evaluated on the way; neither touches the
+  parameters, the data order or the random state, and the final evaluation is
+  always at the last step. They change ``metrics.jsonl`` only.
+* ``train.checkpoint_every``, ``train.keep_checkpoints``: which steps are
+  saved and kept, not the values (a resumed run is bit-identical).
+* ``dataset.num_workers``: reader processes; batch k is the same examples.
+* ``study.lambda_chunk``: how many interpolation points one call evaluates.
+* ``reinit.scopes``, ``reinit.seeds``, ``study.methods``, ``study.distances``,
+  ``study.permutation_ablation``, ``study.max_exhaustive_heads``: which runs
+  and stages exist; each run and stage is keyed by its own scope, seed,
+  method or distance, so adding one adds its stages and keeps the rest.
+* the number of devices and the library versions: they change the last bits
+  of sums, not what was asked for.
+
+``NOT_KEYED`` lists these; a test checks that every field of every setting is
+either keyed or listed there, so a new config field has to be classified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from experiments import atomic_io
+
+log = logging.getLogger(__name__)
+
+# Fields of every training run: the model, the data reader, the batch and the optimiser.
+TRAINING = ("model", "dataset.data_dir", "dataset.seq_len", "dataset.image_size",
+            "dataset.augment", "train.batch_size", "train.final_lr_fraction",
+            "train.weight_decay", "train.b1", "train.b2", "train.grad_clip_norm")
+# The schedule of the base run and of the "full" scope.
+TRAIN_SCHEDULE = ("train.num_steps", "train.learning_rate", "train.warmup_steps")
+# The schedule of a fine-tuned scope.
+REINIT_SCHEDULE = ("reinit.num_steps", "reinit.learning_rate", "reinit.warmup_steps")
+# Fields of a run's final evaluation only: a change re-evaluates, it does not retrain.
+EVALUATION = ("train.eval_batch_size",)
+# Options of the study's stages (each stage keys the ones it uses).
+STUDY = ("study.num_lambdas", "study.distance", "study.match_steps", "study.match_learning_rate",
+         "study.noise_levels")
+# Keyed per run or stage, by the value that run or stage uses (see the module docstring).
+PER_RUN = ("seed", "dataset.name", "reinit.dataset")
+NOT_KEYED = ("train.log_every", "train.eval_every", "train.checkpoint_every",
+             "train.keep_checkpoints", "dataset.num_workers", "study.lambda_chunk",
+             "reinit.scopes", "reinit.seeds", "study.methods", "study.distances",
+             "study.permutation_ablation", "study.max_exhaustive_heads")
+
+RECORD = "fingerprint.json"
+# Fields that hold the content hash of an input (an upstream checkpoint, the evaluation
+# data) rather than a config value are named "sha256 of <input>".
+INPUT = "sha256 of "
+
+
+def tree_digest(tree: Any) -> str:
+  """sha256 over every leaf's path, dtype, shape and bytes (the content hash of a tree).
+
+  Works for host and device arrays (a replicated jax.Array is read from this
+  process's copy) and any pytree (parameters, optimiser states, batches).
+  """
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if isinstance(leaf, jax.Array):
+      leaf = leaf.addressable_data(0)
+    leaf = np.ascontiguousarray(np.asarray(leaf))
+    h.update(f"{jax.tree_util.keystr(path)}:{leaf.dtype.name}:{leaf.shape};".encode())
+    h.update(leaf.tobytes())
+  return h.hexdigest()
+
+
+def _flat(prefix: str, value: Any) -> dict[str, Any]:
+  if isinstance(value, Mapping):
+    out = {}
+    for k, v in value.items():
+      out.update(_flat(f"{prefix}.{k}", v))
+    return out
+  return {prefix: value}
+
+
+def config_fields(config: ml_collections.ConfigDict, names: Iterable[str]) -> dict[str, Any]:
+  """{"train.learning_rate": 0.003, "model.overrides.width": 64, ...}: the named
+  fields of ``config``, a sub-config given by name flattened into its leaves,
+  as JSON reads them back (tuples become lists)."""
+  out = {}
+  for name in names:
+    node = config
+    for part in name.split("."):
+      node = node[part]
+    if isinstance(node, ml_collections.ConfigDict):
+      node = node.to_dict()
+    out.update(_flat(name, node))
+  return json.loads(json.dumps(out))
+
+
+def key(fields: Mapping[str, Any]) -> str:
+  """The fingerprint: sha256 of the fields as sorted JSON."""
+  return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def _show(name: str, value: Any) -> str:
+  if value is None:
+    return "(none)"
+  if name.startswith(INPUT) and isinstance(value, str):
+    return value[:12]
+  return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+  """The names of the fields that differ (present in one only, or unequal), sorted."""
+  return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def describe_changes(old: Mapping[str, Any], new: Mapping[str, Any], most: int = 4) -> str:
+  """E.g. "train.learning_rate 0.003 -> 0.001, train.num_steps 8 -> 12"."""
+  names = changed(old, new)
+  parts = [f"{k} {_show(k, old.get(k))} -> {_show(k, new.get(k))}" for k in names[:most]]
+  if len(names) > most:
+    parts.append(f"and {len(names) - most} more")
+  return ", ".join(parts)
+
+
+def change_line(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+  """"config changed (<describe_changes>)", or "inputs changed (...)" when an upstream
+  content hash is among the changed fields."""
+  upstream = any(k.startswith(INPUT) for k in changed(old, new))
+  return f"{'inputs' if upstream else 'config'} changed ({describe_changes(old, new)})"
+
+
+def read_record(directory: str) -> dict[str, Any] | None:
+  """The fields stored in ``directory/fingerprint.json``; None if missing or damaged
+  (a damaged record warns, naming the file)."""
+  record = atomic_io.read_json_or_none(os.path.join(directory, RECORD), "fingerprint record")
+  if isinstance(record, dict) and isinstance(record.get("fields"), dict):
+    return record["fields"]
+  if record is not None:
+    log.warning("fingerprint record %s has no fields; treated as missing",
+                os.path.join(directory, RECORD))
+  return None
+
+
+def write_record(directory: str, fields: Mapping[str, Any]) -> None:
+  """Stores ``fields`` (and their fingerprint) in ``directory/fingerprint.json``, atomically."""
+  atomic_io.write_json(os.path.join(directory, RECORD),
+                       {"fingerprint": key(fields), "fields": dict(fields)}, indent=1,
+                       sort_keys=True)
+
+
+def move_aside(path: str, label: str = "stale", into: str | None = None) -> str:
+  """Renames ``path`` to ``<into>/<name>.<label>-<YYYYmmdd-HHMMSS>[-n]`` (``into``: the
+  folder of ``path`` by default); never deletes. Returns the new path."""
+  stem = os.path.join(into or os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+  stamp = time.strftime("%Y%m%d-%H%M%S")
+  target, n = f"{stem}.{label}-{stamp}", 1
+  while os.path.exists(target):
+    target, n = f"{stem}.{label}-{stamp}-{n}", n + 1
+  if into:
+    os.makedirs(into, exist_ok=True)
+  os.rename(path, target)
+  return target
