@@ -1,4 +1,11 @@
-"""Hugging Face converters: logits parity (float32, <= 1e-4), round trips, bad checkpoints."""
+"""Hugging Face converters: logits parity (float32, <= 1e-4), round trips, bad checkpoints.
+
+Only the parity tests need PyTorch (``_torch``). The config and bad-checkpoint
+tests need ``transformers``' config classes only, and run with ``torch``
+hidden (``no_torch``): a converter path that imports it fails them.
+"""
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,23 +16,36 @@ from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.models import convert
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
 B, T, TOL = 2, 7, 1e-4
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
+GPT2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16)
+
+
+def _torch():
+  """(torch, transformers) for a parity test; skips it where PyTorch is not installed."""
+  return pytest.importorskip("torch"), pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def no_torch(monkeypatch):
+  """``transformers`` with ``import torch`` failing for the length of the test."""
+  transformers = pytest.importorskip("transformers")
+  for name in ("GPT2Config", "LlamaConfig", "BertConfig", "ViTConfig", "T5Config"):
+    getattr(transformers, name)  # loaded first: where torch is installed, transformers uses it
+  monkeypatch.setitem(sys.modules, "torch", None)  # also fails "import torch.nn"
+  return transformers
 
 
 def _hf(name):
   """A small random HF model with every parameter perturbed (biases, norm scales included)."""
+  torch, transformers = _torch()
   torch.manual_seed(0)
-  gpt2 = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16)
   llama = dict(SMALL, vocab_size=64, num_key_value_heads=2, max_position_embeddings=32,
                rope_parameters={"rope_type": "default", "rope_theta": 500.0})
   bert = dict(SMALL, vocab_size=64, max_position_embeddings=16, num_labels=3)
   vit = dict(SMALL, image_size=8, patch_size=4, num_channels=3, num_labels=5)
   model = {
-      "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2)),
+      "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)),
       "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama)),
       "llama-tied": lambda: transformers.LlamaForCausalLM(
           transformers.LlamaConfig(**llama, tie_word_embeddings=True)),
@@ -51,6 +71,7 @@ def _inputs(family, vocab=64):
 
 
 def _hf_logits(hf_model, family, x):
+  torch, _ = _torch()
   with torch.no_grad():
     if family == "vit":
       return hf_model(pixel_values=torch.from_numpy(x["images"].transpose(0, 3, 1, 2))).logits.numpy()
@@ -72,6 +93,7 @@ def _our_logits(apply_fn, params, family, x):
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "llama-tied", "bert", "bert-mlm", "vit"])
 def test_logits_match_hf(name):
+  _torch()
   family = name.split("-")[0]
   hf_model = _hf(name)
   apply_fn, params = convert.from_hf(hf_model)
@@ -83,6 +105,7 @@ def test_logits_match_hf(name):
 
 
 def test_state_dict_and_config_input():
+  _torch()
   hf_model = _hf("llama")
   model, params = convert.load_hf(dict(hf_model.state_dict()), hf_model.config)
   assert model.config.kv_heads == 2 and model.config.rope_base == 500.0
@@ -97,6 +120,7 @@ def test_state_dict_and_config_input():
     ("bert", dict(head="mlm", tied_embeddings=False)),
 ])
 def test_to_hf_round_trip(family, overrides):
+  _torch()
   model = models.build(family, "tiny", **overrides)
   key = jax.random.key(0)
   params = jax.tree.map(lambda p: p + 0.2 * jax.random.normal(key, p.shape), model.init(key))
@@ -111,25 +135,59 @@ def test_to_hf_round_trip(family, overrides):
                                   err_msg=path)
 
 
-def test_bad_checkpoint_names_the_parameters():
-  hf_model = _hf("gpt2")
-  state = dict(hf_model.state_dict())
+def _gpt2_state_shapes(c):
+  """Key -> shape of the state dict of HF's GPT2LMHeadModel for config ``c``, written out from
+  its layout (Conv1D weights [in, out], c_attn holding q, k, v side by side, lm_head tied)."""
+  d, inner = c.n_embd, c.n_inner or 4 * c.n_embd
+  shapes = {"transformer.wte.weight": (c.vocab_size, d),
+            "transformer.wpe.weight": (c.n_positions, d), "transformer.ln_f.weight": (d,),
+            "transformer.ln_f.bias": (d,), "lm_head.weight": (c.vocab_size, d)}
+  for i in range(c.n_layer):
+    h = f"transformer.h.{i}"
+    shapes |= {f"{h}.ln_1.weight": (d,), f"{h}.ln_1.bias": (d,), f"{h}.ln_2.weight": (d,),
+               f"{h}.ln_2.bias": (d,), f"{h}.attn.c_attn.weight": (d, 3 * d),
+               f"{h}.attn.c_attn.bias": (3 * d,), f"{h}.attn.c_proj.weight": (d, d),
+               f"{h}.attn.c_proj.bias": (d,), f"{h}.mlp.c_fc.weight": (d, inner),
+               f"{h}.mlp.c_fc.bias": (inner,), f"{h}.mlp.c_proj.weight": (inner, d),
+               f"{h}.mlp.c_proj.bias": (d,)}
+  return shapes
+
+
+def test_gpt2_state_shapes_match_hf():
+  _, transformers = _torch()
+  config = transformers.GPT2Config(**GPT2)
+  cfg = convert.config_from_hf(config, "lm")
+  assert convert._template(cfg, config) == _gpt2_state_shapes(config)
+
+
+def test_bad_checkpoint_names_the_parameters(no_torch, monkeypatch):
+  """A numpy state dict against HF's GPT-2 layout (``_gpt2_state_shapes``, checked against the
+  meta-device model where PyTorch is installed): the checkpoint check itself needs no torch."""
+  config = no_torch.GPT2Config(**GPT2)
+  monkeypatch.setattr(convert, "_template", lambda cfg, hf_cfg: _gpt2_state_shapes(hf_cfg))
+  rng = np.random.default_rng(0)
+  good = {k: rng.normal(size=s).astype(np.float32) for k, s in _gpt2_state_shapes(config).items()}
+  good["lm_head.weight"] = good["transformer.wte.weight"]
+  _, params = convert.load_hf(good, config)  # the intact checkpoint loads
+  np.testing.assert_array_equal(params["layers_1"]["mlp"]["wi"]["bias"],
+                                good["transformer.h.1.mlp.c_fc.bias"])
+  state = dict(good)
   del state["transformer.h.1.mlp.c_fc.bias"]
-  state["transformer.h.0.attn.extra"] = torch.zeros(3)
-  state["transformer.wpe.weight"] = torch.zeros(15, 32)
+  state["transformer.h.0.attn.extra"] = np.zeros(3)
+  state["transformer.wpe.weight"] = np.zeros((15, 32))
   with pytest.raises(ValueError, match=r"missing \['transformer.h.1.mlp.c_fc.bias'\]; extra "
                      r"\['transformer.h.0.attn.extra'\]; misshapen \['transformer.wpe.weight: "
                      r"\(15, 32\) instead of \(16, 32\)'\]"):
-    convert.from_hf(state, hf_model.config)
-  state = dict(hf_model.state_dict())
-  state["lm_head.weight"] = state["lm_head.weight"] + 1.0
+    convert.from_hf(state, config)
+  state = dict(good, **{"lm_head.weight": good["lm_head.weight"] + 1.0})
   with pytest.raises(ValueError, match=r"tied parameters \['lm_head.weight'\] differ"):
-    convert.from_hf(state, hf_model.config)
+    convert.from_hf(state, config)
   with pytest.raises(ValueError, match="needs hf_config"):
     convert.from_hf(state)
 
 
-def test_unsupported_configs_raise():
+def test_unsupported_configs_raise(no_torch):
+  transformers = no_torch
   llama = transformers.LlamaConfig(**SMALL, vocab_size=64, rope_parameters={
       "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
   with pytest.raises(ValueError, match="rope type 'linear'"):
