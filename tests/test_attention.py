@@ -86,7 +86,8 @@ def test_rope_matches_a_pair_by_pair_reference(x64, pairing, fraction, num_axes,
   positions = np.random.default_rng(1).uniform(-20, 20, size=(B, T, num_axes))
   want = _rope_reference(x, positions, pairing=pairing, fraction=fraction, base=base)
   rope = dict(pairing=pairing, rotary_fraction=fraction, base=base)
-  got = attention.apply_rope(x, jnp.asarray(positions if num_axes > 1 else positions[..., 0]), **rope)
+  axial = positions if num_axes > 1 else positions[..., 0]  # [B, T, A] or plain [B, T]
+  got = attention.apply_rope(x, jnp.asarray(axial), **rope)
   np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
   if num_axes == 2:  # an unbatched grid [T, A] for an unbatched x [T, N, Hd]
     got = attention.apply_rope(x[0], jnp.asarray(positions[0]), **rope)
