@@ -23,8 +23,14 @@ METHOD_LABELS = {"naive": "naive", "perm": "Variant 1 (Stage 1)", "ortho": "Vari
 _COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green"}
 
 
-def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
-  v = np.asarray([x for x in values if x is not None and math.isfinite(x)], np.float64)
+def _finite(values: Sequence[float | None]) -> np.ndarray:
+  """The values that are numbers (None, NaN and infinities left out)."""
+  return np.asarray([x for x in values if x is not None and math.isfinite(x)], np.float64)
+
+
+def _mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None]:
+  """Mean and (population) std of the finite values; (None, None) if there are none."""
+  v = _finite(values)
   if not len(v):
     return None, None
   return float(v.mean()), float(v.std())
@@ -38,13 +44,18 @@ def ratio_pct(value: float, naive: float, eps: float = 1e-12) -> float | None:
 def summarise_methods(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
   """Mean and std over pairs of every method's barriers and barrier ratios to naive.
 
+  A pair whose barrier is not finite (a diverged path) is left out of that
+  barrier's mean, std and ratio, and ``<metric>_num_finite`` says how many
+  pairs are left; a ratio also leaves out pairs whose naive barrier is zero.
+
   Args:
     pairs: entries {"methods": {method: {"loss_barrier", "accuracy_barrier"}}}.
 
   Returns:
     {method: {"loss_barrier_mean", "loss_barrier_std", "accuracy_barrier_mean",
     "accuracy_barrier_std", "loss_barrier_ratio_pct", "loss_barrier_ratio_pct_std",
-    "accuracy_barrier_ratio_pct", "accuracy_barrier_ratio_pct_std", "num_pairs"}}.
+    "accuracy_barrier_ratio_pct", "accuracy_barrier_ratio_pct_std", "num_pairs",
+    "loss_barrier_num_finite", "accuracy_barrier_num_finite"}}.
   """
   methods = list(pairs[0]["methods"]) if pairs else []
   out = {}
@@ -53,6 +64,7 @@ def summarise_methods(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str,
     for metric in ("loss_barrier", "accuracy_barrier"):
       values = [p["methods"][m][metric] for p in pairs]
       row[f"{metric}_mean"], row[f"{metric}_std"] = _mean_std(values)
+      row[f"{metric}_num_finite"] = len(_finite(values))
       ratios = [ratio_pct(p["methods"][m][metric], p["methods"]["naive"][metric]) for p in pairs]
       row[f"{metric}_ratio_pct"], row[f"{metric}_ratio_pct_std"] = _mean_std(ratios)
     out[m] = row
@@ -63,6 +75,13 @@ def _fmt(mean: float | None, std: float | None, digits: int = 4) -> str:
   if mean is None:
     return "n/a"
   return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _fmt_barrier(row: Mapping[str, Any], metric: str) -> str:
+  """Mean ± std of a barrier, with the number of finite pairs when some were not."""
+  text = _fmt(row[f"{metric}_mean"], row[f"{metric}_std"])
+  finite, total = row.get(f"{metric}_num_finite", row["num_pairs"]), row["num_pairs"]
+  return text if finite == total else f"{text} (finite in {finite} of {total} pairs)"
 
 
 def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any]]) -> str:
@@ -77,8 +96,8 @@ def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any
               "| method | loss barrier | accuracy barrier | loss barrier / naive (%) | "
               "accuracy barrier / naive (%) |", "|---|---|---|---|---|"]
     for m, row in res["methods"].items():
-      lines.append(f"| {METHOD_LABELS.get(m, m)} | {_fmt(row['loss_barrier_mean'], row['loss_barrier_std'])} | "
-                   f"{_fmt(row['accuracy_barrier_mean'], row['accuracy_barrier_std'])} | "
+      lines.append(f"| {METHOD_LABELS.get(m, m)} | {_fmt_barrier(row, 'loss_barrier')} | "
+                   f"{_fmt_barrier(row, 'accuracy_barrier')} | "
                    f"{_fmt(row['loss_barrier_ratio_pct'], row['loss_barrier_ratio_pct_std'], 1)} | "
                    f"{_fmt(row['accuracy_barrier_ratio_pct'], row['accuracy_barrier_ratio_pct_std'], 1)} |")
     lines.append("")
@@ -96,7 +115,7 @@ def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any
       lines += ["### Stage 1 head distance (full method)", "",
                 "| distance | loss barrier | loss barrier / naive (%) |", "|---|---|---|"]
       for d, row in abl["distances"].items():
-        lines.append(f"| {d} | {_fmt(row['loss_barrier_mean'], row['loss_barrier_std'])} | "
+        lines.append(f"| {d} | {_fmt_barrier(row, 'loss_barrier')} | "
                      f"{_fmt(row['loss_barrier_ratio_pct'], row['loss_barrier_ratio_pct_std'], 1)} |")
       lines.append("")
     rob = res.get("robustness")

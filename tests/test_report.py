@@ -1,0 +1,125 @@
+"""Study reports: summaries over pairs, ranks and L-hat, summary.md, the curves figure."""
+
+import math
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from experiments import report
+
+NAN = float("nan")
+
+
+def _pair(loss, accuracy):
+  """A pair entry with the given {method: barrier} for loss and accuracy."""
+  return {"methods": {m: {"loss_barrier": loss[m], "accuracy_barrier": accuracy[m]} for m in loss}}
+
+
+# Three pairs; the full method's loss barrier of pair 3 is NaN (a diverged path).
+PAIRS = [_pair({"naive": 0.4, "full": 0.1}, {"naive": 0.2, "full": 0.05}),
+         _pair({"naive": 0.2, "full": 0.1}, {"naive": 0.1, "full": 0.0}),
+         _pair({"naive": 0.3, "full": NAN}, {"naive": 0.3, "full": 0.03})]
+
+
+def test_ratio_pct():
+  assert report.ratio_pct(0.5, 2.0) == pytest.approx(25.0)
+  assert report.ratio_pct(3.0, 3.0) == pytest.approx(100.0)
+  assert report.ratio_pct(0.1, 0.0) is None  # a zero naive barrier: nothing to reduce
+  assert report.ratio_pct(0.1, 1e-13) is None
+
+
+def test_summarise_methods_means_stds_and_ratios():
+  rows = report.summarise_methods(PAIRS[:2])
+  naive, full = rows["naive"], rows["full"]
+  assert naive["num_pairs"] == full["num_pairs"] == 2
+  assert naive["loss_barrier_mean"] == pytest.approx(0.3)
+  assert naive["loss_barrier_std"] == pytest.approx(0.1)  # population std of 0.4, 0.2
+  assert naive["loss_barrier_ratio_pct"] == pytest.approx(100.0)
+  assert naive["loss_barrier_ratio_pct_std"] == pytest.approx(0.0)
+  # Ratios are taken per pair, then averaged: 25 % and 50 %, not 0.1 / 0.3.
+  assert full["loss_barrier_ratio_pct"] == pytest.approx(37.5)
+  assert full["loss_barrier_ratio_pct_std"] == pytest.approx(12.5)
+  assert full["accuracy_barrier_mean"] == pytest.approx(0.025)
+  assert full["accuracy_barrier_ratio_pct"] == pytest.approx(12.5)  # 25 % and 0 %
+  assert full["loss_barrier_num_finite"] == full["accuracy_barrier_num_finite"] == 2
+
+
+def test_a_nan_barrier_is_left_out_and_counted():
+  full = report.summarise_methods(PAIRS)["full"]
+  assert full["num_pairs"] == 3 and full["loss_barrier_num_finite"] == 2
+  assert full["loss_barrier_mean"] == pytest.approx(0.1) and full["loss_barrier_std"] == 0.0
+  assert full["loss_barrier_ratio_pct"] == pytest.approx(37.5)  # pairs 1 and 2 only
+  assert full["accuracy_barrier_num_finite"] == 3  # its accuracy barriers are all finite
+  assert full["accuracy_barrier_mean"] == pytest.approx(0.08 / 3)
+  naive_nan = [_pair({"naive": NAN, "full": 0.1}, {"naive": NAN, "full": 0.0})]
+  row = report.summarise_methods(naive_nan)["full"]
+  assert row["loss_barrier_mean"] == pytest.approx(0.1)
+  assert row["loss_barrier_ratio_pct"] is None and row["loss_barrier_ratio_pct_std"] is None
+  assert report.summarise_methods(naive_nan)["naive"]["loss_barrier_num_finite"] == 0
+
+
+def test_rank_and_lhat():
+  barriers = [0.3, 0.1, 0.2, 0.1 + 1e-13, 0.5, 0.2]
+  assert report.rank_and_lhat(0.2, barriers, naive=0.5) == (3, pytest.approx(25.0))  # ties share
+  assert report.rank_and_lhat(0.1 + 1e-13, barriers, naive=0.5) == (1, pytest.approx(0, abs=1e-9))
+  assert report.rank_and_lhat(0.5, barriers, naive=0.5) == (6, pytest.approx(100.0))
+  assert report.rank_and_lhat(0.2, barriers, naive=0.1) == (3, None)  # naive is the best
+
+
+def test_summarise_permutation_ablation():
+  per_pair = [{"loss_rank": 1, "loss_lhat": 0.0, "accuracy_rank": 2, "accuracy_lhat": None},
+              {"loss_rank": 3, "loss_lhat": 20.0, "accuracy_rank": 4, "accuracy_lhat": 10.0}]
+  s = report.summarise_permutation_ablation(per_pair)
+  assert (s["loss_rank_mean"], s["loss_rank_std"]) == (2.0, 1.0)
+  assert (s["loss_lhat_mean"], s["loss_lhat_std"]) == (10.0, 10.0)
+  assert (s["accuracy_rank_mean"], s["accuracy_rank_std"]) == (3.0, 1.0)
+  assert (s["accuracy_lhat_mean"], s["accuracy_lhat_std"]) == (10.0, 0.0)  # None left out
+
+
+def _results():
+  methods = report.summarise_methods(PAIRS)
+  return {"lambdas": [0.0, 0.5, 1.0], "eval_split": "test", "pairs": PAIRS,
+          "endpoints": {"seed_1": {"loss": 1.25, "accuracy": 0.5},
+                        "seed_2": {"loss": 1.5, "accuracy": 0.625}},
+          "methods": methods,
+          "ablation": {"permutations": {"num_permutations": 24, "summary": {
+              "loss_rank_mean": 1.5, "loss_rank_std": 0.5, "loss_lhat_mean": 2.25,
+              "loss_lhat_std": 0.75, "accuracy_rank_mean": 3.0, "accuracy_rank_std": 0.0,
+              "accuracy_lhat_mean": None, "accuracy_lhat_std": None}},
+                       "distances": {"cosine": methods["full"]}},
+          "robustness": {"noise_levels": [0.0, 0.5], "models": ["A", "B"],
+                         "accuracy": {"A": [0.9, 0.5], "B": [0.8, 0.25]}}}
+
+
+def test_markdown_summary_holds_the_numbers():
+  text = report.markdown_summary("LMC study", {"first_attention": _results()})
+  lines = text.splitlines()
+  assert lines[0] == "# LMC study"
+  assert "## Re-initialisation scope: first_attention" in lines
+  assert ("3 checkpoint pair(s), 3 interpolation points on the test split. Endpoint metrics: "
+          "seed_1 loss 1.2500 acc 0.5000, seed_2 loss 1.5000 acc 0.6250") in lines
+  assert ("| naive | 0.3000 ± 0.0816 | 0.2000 ± 0.0816 | 100.0 ± 0.0 | 100.0 ± 0.0 |") in lines
+  assert ("| full (+ gradient refinement) | 0.1000 ± 0.0000 (finite in 2 of 3 pairs) | "
+          "0.0267 ± 0.0205 | 37.5 ± 12.5 | 11.7 ± 10.3 |") in lines
+  assert "| Stage 1 | 1.50 ± 0.50 | 2.2 ± 0.8 | 3.00 ± 0.00 | n/a |" in lines
+  assert "| cosine | 0.1000 ± 0.0000 (finite in 2 of 3 pairs) | 37.5 ± 12.5 |" in lines
+  assert "| noise | A | B |" in lines
+  assert "| 0.5 | 0.5000 | 0.2500 |" in lines
+
+
+@pytest.mark.parametrize("with_nan", [False, True])
+def test_plot_curves_writes_a_png(tmp_path, with_nan):
+  lams = np.linspace(0, 1, 5)
+  pairs = [{"methods": {m: {"loss": (1 + s * lams * (1 - lams)).tolist(),
+                            "accuracy": (0.9 - 0.1 * s * lams * (1 - lams)).tolist()}
+                        for m, s in (("naive", 4.0), ("full", 0.5))}} for _ in range(3)]
+  if with_nan:
+    pairs[2]["methods"]["full"]["loss"][2] = NAN
+  path = tmp_path / "fig" / "curves.png"  # the folder does not exist yet
+  assert report.plot_curves(str(path), "title", lams, pairs) == str(path)
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  image = matplotlib.image.imread(path)
+  assert image.shape[:2] == (456, 1200)  # 10 x 3.8 inches at 120 dpi
+  assert image[..., :3].std() > 0.05  # something is drawn
+  assert not math.isnan(float(image.mean()))
