@@ -2,6 +2,7 @@
 
     apply_fn, params = convert.from_hf(hf_model)            # a PyTorch HF model
     apply_fn, params = convert.from_hf(state_dict, hf_config)
+    cfg = convert.config_from_hf(json.load(open("config.json")), head)  # torch-free
     model, params = convert.load_hf(hf_model)                # with the Model
     hf_model = convert.to_hf(model, params)                  # back to PyTorch
 
@@ -19,7 +20,12 @@ the layout of the HF tensor:
   out/kernel [N, H, D]); HF splits heads head-major, like the canonical layout;
 * "conv": ViT's patch convolution [D, C, p, p] -> patch_embed/kernel [p, p, C, D];
 * ``part`` i of 3: GPT-2's fused ``c_attn`` [D, 3D] holds query, key, value
-  side by side along its last axis.
+  side by side along its last axis;
+* ``lead``: the HF tensor has that many leading axes of size 1 more (ViT's
+  ``cls_token`` [1, 1, D]).
+
+``hf_shape`` gives the HF tensor's shape from our leaf's without building the
+HF model, for readers of checkpoint files (``safetensors_io``).
 
 The checkpoint is compared key by key and shape by shape with an HF model
 built (on PyTorch's meta device, so nothing is allocated) from the same
@@ -27,12 +33,15 @@ config, so a missing, extra or misshapen parameter is reported by name before
 anything is converted. HF config options that the zoo cannot express (rope
 scaling, GPT-2's per-layer attention scaling, a ViT without qkv biases, ...)
 are refused with a ValueError naming the option. ``torch`` and
-``transformers`` are imported only when a converter is called.
+``transformers`` are imported only when a converter is called; ``config_from_hf``
+also takes a ``config.json`` dict (absent fields take the HF class defaults),
+and it, ``param_table`` and ``hf_shape`` never import them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,6 +52,7 @@ from attn_symmetry import spec as spec_lib
 from attn_symmetry.models import config as config_lib
 from attn_symmetry.models.model import Model
 
+MODEL_TYPES = ("gpt2", "llama", "bert", "vit")  # the HF ``model_type`` values supported
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                 "relu": "relu", "silu": "silu", "swish": "silu"}
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
@@ -57,9 +67,43 @@ class Source:
   key: str
   layout: str = "same"
   part: int | None = None
+  lead: int = 0
 
 
 # ----------------------------------------------------------------------------- configs
+
+# The HF config classes' defaults of the fields read below: a config.json may leave out any field
+# that has its class default (tests/test_align_checkpoints.py compares them with transformers).
+_HF_DEFAULTS = {
+    "gpt2": dict(n_embd=768, n_layer=12, n_head=12, n_inner=None, n_positions=1024,
+                 vocab_size=50257, layer_norm_epsilon=1e-5, activation_function="gelu_new",
+                 scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                 tie_word_embeddings=True),
+    "llama": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                  intermediate_size=11008, max_position_embeddings=2048, vocab_size=32000,
+                  rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                  tie_word_embeddings=False, rope_theta=10000.0),
+    "bert": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                 intermediate_size=3072, max_position_embeddings=512, vocab_size=30522,
+                 type_vocab_size=2, layer_norm_eps=1e-12, hidden_act="gelu", is_decoder=False,
+                 tie_word_embeddings=True),
+    "vit": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                intermediate_size=3072, image_size=224, patch_size=16, num_channels=3,
+                layer_norm_eps=1e-12, hidden_act="gelu", qkv_bias=True),
+}
+
+
+class _ConfigDict:
+  """Attribute view of a ``config.json`` dict: absent fields take the HF class default (None
+  where the class computes one), ``num_labels`` counts ``id2label`` as HF does."""
+
+  def __init__(self, fields: Mapping[str, Any]):
+    self._fields = {**_HF_DEFAULTS.get(fields.get("model_type"), {}), **fields}
+    if "num_labels" not in fields:
+      self._fields["num_labels"] = len(fields.get("id2label") or {}) or 2
+
+  def __getattr__(self, name: str) -> Any:
+    return self._fields.get(name)
 
 
 def _require(hf_config: Any, name: str, ok: Callable[[Any], bool], what: str) -> None:
@@ -84,11 +128,13 @@ def _rope_theta(hf_config: Any) -> float:
 
 
 def config_from_hf(hf_config: Any, head: str) -> config_lib.Config:
-  """Our ``Config`` for an HF config (``head`` as in ``Config.head``).
+  """Our ``Config`` for an HF config object or ``config.json`` dict (``head`` as in ``Config.head``).
 
   Raises:
     ValueError: the model type or an option that the zoo cannot express.
   """
+  if isinstance(hf_config, Mapping):
+    hf_config = _ConfigDict(hf_config)
   kind = getattr(hf_config, "model_type", None)
   c = hf_config
   if kind == "gpt2":
@@ -128,7 +174,7 @@ def config_from_hf(hf_config: Any, head: str) -> config_lib.Config:
         mlp_dim=c.intermediate_size, image_size=c.image_size, patch_size=c.patch_size,
         num_channels=c.num_channels, norm_eps=c.layer_norm_eps,
         activation=_activation(c.hidden_act), num_classes=c.num_labels)
-  raise ValueError(f"unsupported HF model type {kind!r}; supported: gpt2, llama, bert, vit")
+  raise ValueError(f"unsupported HF model type {kind!r}; supported: {', '.join(MODEL_TYPES)}")
 
 
 def hf_config(cfg: config_lib.Config) -> Any:
@@ -263,7 +309,8 @@ def _bert_table(cfg):
 
 def _vit_table(cfg):
   e = "vit.embeddings"
-  t = {"cls_token": Source(f"{e}.cls_token"), "pos_embed/embedding": Source(f"{e}.position_embeddings")}
+  t = {"cls_token": Source(f"{e}.cls_token", lead=2),
+       "pos_embed/embedding": Source(f"{e}.position_embeddings", lead=1)}
   t |= _dense("patch_embed", f"{e}.patch_embeddings.projection", True, "conv")
   for i in range(cfg.depth):
     hf, lp = f"vit.layers.{i}", f"layers_{i}"
@@ -284,6 +331,28 @@ def param_table(cfg: config_lib.Config) -> tuple[dict[str, Source], dict[str, st
   return _TABLES[cfg.family](cfg)
 
 
+def hf_shape(path: str, shape: tuple[int, ...], src: Source) -> tuple[int, ...]:
+  """The shape of the HF tensor ``src.key`` that holds our leaf ``path`` of ``shape``.
+
+  HF keeps the heads of an attention projection in one axis: query/key/value
+  [D, N, H] -> [D, N * H], their biases [N, H] -> [N * H], out [N, H, D] ->
+  [N * H, D]; then the layout's transposition, the three parts of a fused
+  tensor and ``lead`` leading ones.
+  """
+  *parents, name, kind = ["", *path.split("/")]  # "cls_token" has no parent
+  if "attention" in parents and name in ("query", "key", "value"):
+    shape = (*shape[:-2], math.prod(shape[-2:]))
+  elif "attention" in parents and (name, kind) == ("out", "kernel"):
+    shape = (math.prod(shape[:2]), *shape[2:])
+  if src.layout == "linear":
+    shape = shape[::-1]
+  elif src.layout == "conv":
+    shape = (shape[3], shape[2], shape[0], shape[1])
+  if src.part is not None:
+    shape = (*shape[:-1], 3 * shape[-1])
+  return (1,) * src.lead + tuple(shape)
+
+
 # ----------------------------------------------------------------------------- conversion
 
 
@@ -294,7 +363,8 @@ def _to_numpy(x: Any) -> np.ndarray:
   return np.asarray(x, np.float32)
 
 
-def _read(x: np.ndarray, src: Source, shape: tuple[int, ...]) -> np.ndarray:
+def leaf_from_hf(x: np.ndarray, src: Source, shape: tuple[int, ...]) -> np.ndarray:
+  """Our leaf of ``shape`` from the HF tensor ``x`` that ``src`` names (a view where it can)."""
   if src.part is not None:
     x = np.split(x, 3, axis=-1)[src.part]
   if src.layout == "linear":
@@ -304,8 +374,8 @@ def _read(x: np.ndarray, src: Source, shape: tuple[int, ...]) -> np.ndarray:
   return x.reshape(shape)
 
 
-def _write(x: np.ndarray, src: Source, hf_shape: tuple[int, ...]) -> np.ndarray:
-  """Inverse of ``_read``: our leaf -> the HF tensor (or its part), shape ``hf_shape``."""
+def leaf_to_hf(x: np.ndarray, src: Source, hf_shape: tuple[int, ...]) -> np.ndarray:
+  """Inverse of ``leaf_from_hf``: our leaf -> the HF tensor (or its part), shape ``hf_shape``."""
   if src.part is not None:
     hf_shape = (*hf_shape[:-1], hf_shape[-1] // 3)
   if src.layout == "linear":
@@ -315,7 +385,8 @@ def _write(x: np.ndarray, src: Source, hf_shape: tuple[int, ...]) -> np.ndarray:
   return x.reshape(hf_shape)
 
 
-def _head_of(family: str, keys: set[str]) -> str:
+def head_of(family: str, keys: set[str]) -> str:
+  """``Config.head`` of a checkpoint of ``family`` with HF state-dict ``keys``."""
   if family in ("gpt2", "llama"):
     return "lm"
   if family == "vit" or "classifier.weight" in keys:
@@ -375,7 +446,7 @@ def load_hf(hf_model: Any, hf_config: Any = None) -> tuple[Model, dict[str, Any]
   family = getattr(hf_config, "model_type", None)
   if family not in _TABLES:
     raise ValueError(f"unsupported HF model type {family!r}; supported: {sorted(_TABLES)}")
-  cfg = config_from_hf(hf_config, _head_of(family, set(state)))
+  cfg = config_from_hf(hf_config, head_of(family, set(state)))
   model = Model(cfg)
   table, aliases = param_table(cfg)
   template = _template(cfg, hf_config)
@@ -383,7 +454,7 @@ def load_hf(hf_model: Any, hf_config: Any = None) -> tuple[Model, dict[str, Any]
   unused = sorted(set(template) - {s.key for s in table.values()} - set(aliases))
   if unused:
     raise ValueError(f"HF parameters {unused} have no counterpart in the zoo's {family} model")
-  flat = {path: jnp.asarray(_read(state[src.key], src, model.param_shapes[path]))
+  flat = {path: jnp.asarray(leaf_from_hf(state[src.key], src, model.param_shapes[path]))
           for path, src in table.items()}
   params = spec_lib.unflatten(flat)
   model.check_params(params)
@@ -419,7 +490,7 @@ def to_hf(model: Model, params: Mapping[str, Any]) -> Any:
   flat = spec_lib.flatten(params)
   parts: dict[str, dict[int | None, np.ndarray]] = {}
   for path, src in table.items():
-    value = _write(np.asarray(flat[path], np.float32), src, template[src.key])
+    value = leaf_to_hf(np.asarray(flat[path], np.float32), src, template[src.key])
     parts.setdefault(src.key, {})[src.part] = value
   state = {key: torch.from_numpy(np.array(
       np.concatenate([p[i] for i in range(3)], -1) if None not in p else p[None]))

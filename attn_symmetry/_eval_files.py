@@ -1,0 +1,202 @@
+"""Evaluation batches for ``align`` from a text file or an image folder, and their metric.
+
+Text (``--eval-text FILE``), read with the model folder's ``tokenizer.json``
+through the ``tokenizers`` package (imported here only):
+
+* language models (GPT-2, Llama): the file's tokens cut into rows of
+  ``seq_len + 1``; the loss is next-token cross-entropy;
+* BERT with its masked-LM head: every non-empty line one sequence (cut to
+  ``seq_len``), 15 % of its ordinary tokens (at least one) replaced by
+  ``[MASK]`` at positions drawn with a fixed seed; the loss is on those;
+* BERT with a classifier: lines ``LABEL<TAB>text``, LABEL a name of
+  ``config.json``'s label2id or a class index.
+
+Images (``--eval-images DIR``, ViT): ``DIR/LABEL/*.png`` (or jpg, bmp, ...),
+LABEL as above, resized to the model's image size, scaled to [0, 1] and
+normalised by ``preprocessor_config.json``'s image_mean and image_std (0.5
+where absent, as transformers' ViTImageProcessor).
+
+A batch is a dict of numpy arrays: "inputs" int32 tokens [B, T] or float32
+images [B, S, S, C]; "mask" bool [B, T] (BERT); "labels" int32 [B, T] or [B];
+"weights" float32 like "labels", 0 where nothing is predicted. The last batch
+is padded to the batch size with weight 0, so one compiled evaluation serves
+every batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from attn_symmetry.models.model import Model
+
+Batch = dict[str, np.ndarray]
+MASK_FRACTION = 0.15
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+
+
+def metric_fn(model: Model) -> Callable[[Any, Mapping[str, jax.Array]], dict[str, jax.Array]]:
+  """Pure ``(params, batch) -> {"loss", "correct", "count"}``: weighted sums of the
+  cross-entropy, of correct argmax predictions and of the weights."""
+  def metrics(params, batch):
+    logits, _ = model.apply(params, batch["inputs"], mask=batch.get("mask"))
+    logits = logits.astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    correct = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
+    w = batch["weights"]
+    return {"loss": jnp.sum(losses * w), "correct": jnp.sum(correct * w), "count": jnp.sum(w)}
+  return metrics
+
+
+def _batches(columns: dict[str, np.ndarray], batch_size: int) -> list[Batch]:
+  """Rows of ``columns`` in batches of ``batch_size``, the last padded with weight 0."""
+  n = len(columns["weights"])
+  pad = -n % batch_size
+  padded = {k: np.concatenate([v, np.zeros((pad, *v.shape[1:]), v.dtype)]) for k, v in columns.items()}
+  return [{k: v[i:i + batch_size] for k, v in padded.items()} for i in range(0, n + pad, batch_size)]
+
+
+def _label_id(name: str, hf_config: Mapping[str, Any], num_classes: int, where: str) -> int:
+  label2id = hf_config.get("label2id") or {}
+  if name in label2id:
+    return int(label2id[name])
+  if name.isdigit() and int(name) < num_classes:
+    return int(name)
+  raise ValueError(f"{where}: label {name!r} is neither a name of config.json's label2id "
+                   f"({sorted(label2id)[:8]}) nor a class index below {num_classes}")
+
+
+def _tokenizer(folder: str):
+  path = os.path.join(folder, "tokenizer.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"{folder}: no tokenizer.json, which --eval-text needs to read the text")
+  try:
+    import tokenizers  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ValueError("--eval-text needs the tokenizers package (pip install tokenizers)") from None
+  return tokenizers.Tokenizer.from_file(path)
+
+
+def _read_lines(path: str) -> list[str]:
+  if not os.path.isfile(path):
+    raise ValueError(f"--eval-text {path}: no such file")
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = [line.rstrip("\n") for line in f]
+  except (OSError, UnicodeDecodeError) as e:
+    raise ValueError(f"--eval-text {path}: unreadable ({e})") from None
+  lines = [line for line in lines if line.strip()]
+  if not lines:
+    raise ValueError(f"--eval-text {path}: no text")
+  return lines
+
+
+def _check_ids(ids: np.ndarray, vocab_size: int, path: str) -> None:
+  if ids.size and ids.max() >= vocab_size:
+    raise ValueError(f"--eval-text {path}: the tokenizer gives token id {int(ids.max())}, beyond "
+                     f"the model's vocab_size {vocab_size}")
+
+
+def text_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, Any], *,
+                 batch_size: int, seq_len: int, max_batches: int) -> list[Batch]:
+  """Batches of the text file ``path`` for ``model`` (module docstring), at most
+  ``max_batches``, tokenised with ``folder``'s tokenizer.json."""
+  cfg = model.config
+  if cfg.family == "vit":
+    raise ValueError("--eval-text needs a text model; this checkpoint is a ViT (use --eval-images)")
+  seq_len = min(seq_len, cfg.max_len)
+  lines, tok = _read_lines(path), _tokenizer(folder)
+  rows = batch_size * max_batches
+  if model.task == "lm":
+    ids: list[int] = []
+    for line in lines:
+      ids += tok.encode(line + "\n", add_special_tokens=False).ids
+      if len(ids) >= rows * (seq_len + 1):
+        break
+    n = min(len(ids) // (seq_len + 1), rows)
+    if n == 0:
+      raise ValueError(f"--eval-text {path}: {len(ids)} tokens, fewer than one sequence of "
+                       f"{seq_len + 1}")
+    tokens = np.asarray(ids[: n * (seq_len + 1)], np.int32).reshape(n, seq_len + 1)
+    _check_ids(tokens, cfg.vocab_size, path)
+    return _batches({"inputs": tokens[:, :-1], "labels": tokens[:, 1:],
+                     "weights": np.ones((n, seq_len), np.float32)}, batch_size)
+  labels = []
+  if model.task == "classification":
+    for i, line in enumerate(lines[:rows]):
+      if "\t" not in line:
+        raise ValueError(f"--eval-text {path}: line {i + 1} is not LABEL<TAB>text, as a "
+                         "classifier's evaluation needs")
+      name, line = line.split("\t", 1)
+      labels.append(_label_id(name.strip(), hf_config, cfg.num_classes, f"--eval-text {path}"))
+      lines[i] = line
+  encodings = [tok.encode(line) for line in lines[:rows]]
+  pad = tok.token_to_id("[PAD]")
+  if pad is None:
+    pad = hf_config.get("pad_token_id") or 0
+  inputs = np.full((len(encodings), seq_len), pad, np.int32)
+  mask = np.zeros((len(encodings), seq_len), bool)
+  for i, e in enumerate(encodings):
+    inputs[i, : len(e.ids[:seq_len])] = e.ids[:seq_len]
+    mask[i, : len(e.ids[:seq_len])] = True
+  _check_ids(inputs, cfg.vocab_size, path)
+  if model.task == "classification":
+    return _batches({"inputs": inputs, "mask": mask, "labels": np.asarray(labels, np.int32),
+                     "weights": np.ones(len(labels), np.float32)}, batch_size)
+  mask_id = tok.token_to_id("[MASK]")
+  if mask_id is None:
+    raise ValueError(f"{folder}: the tokenizer has no [MASK] token for the masked-LM evaluation")
+  rng = np.random.default_rng(0)
+  weights = np.zeros(inputs.shape, np.float32)
+  for i, e in enumerate(encodings):
+    ordinary = np.flatnonzero(~np.asarray(e.special_tokens_mask[:seq_len], bool))
+    if ordinary.size:
+      chosen = rng.choice(ordinary, max(1, round(MASK_FRACTION * ordinary.size)), replace=False)
+      weights[i, chosen] = 1.0
+  masked = np.where(weights > 0, mask_id, inputs).astype(np.int32)
+  return _batches({"inputs": masked, "mask": mask, "labels": inputs, "weights": weights},
+                  batch_size)
+
+
+def image_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, Any], *,
+                  batch_size: int, max_batches: int) -> list[Batch]:
+  """Batches of the image folder ``path`` (``path/LABEL/*.png``) for a ViT ``model``."""
+  cfg = model.config
+  if cfg.family != "vit":
+    raise ValueError(f"--eval-images needs a ViT; this checkpoint is {cfg.family} (use --eval-text)")
+  if not os.path.isdir(path):
+    raise ValueError(f"--eval-images {path}: no such folder")
+  files = [(label, os.path.join(path, label, f)) for label in sorted(os.listdir(path))
+           if os.path.isdir(os.path.join(path, label))
+           for f in sorted(os.listdir(os.path.join(path, label))) if f.lower().endswith(IMAGE_SUFFIXES)]
+  if not files:
+    raise ValueError(f"--eval-images {path}: no images in label folders ({path}/LABEL/*.png)")
+  files = files[: batch_size * max_batches]
+  labels = [_label_id(label, hf_config, cfg.num_classes, f"--eval-images {path}")
+            for label, _ in files]
+  processor = {}
+  if os.path.isfile(os.path.join(folder, "preprocessor_config.json")):
+    with open(os.path.join(folder, "preprocessor_config.json"), encoding="utf-8") as f:
+      processor = json.load(f)
+  mean = np.asarray(processor.get("image_mean", 0.5), np.float32)
+  std = np.asarray(processor.get("image_std", 0.5), np.float32)
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+
+  size, mode = cfg.image_size, "RGB" if cfg.num_channels == 3 else "L"
+  images = np.zeros((len(files), size, size, cfg.num_channels), np.float32)
+  for i, (_, file) in enumerate(files):
+    try:
+      with Image.open(file) as img:
+        pixels = np.asarray(img.convert(mode).resize((size, size), Image.BILINEAR), np.float32)
+    except OSError as e:
+      raise ValueError(f"--eval-images {file}: unreadable image ({e})") from None
+    images[i] = ((pixels.reshape(size, size, -1) / 255.0) - mean) / std
+  return _batches({"inputs": images, "labels": np.asarray(labels, np.int32),
+                   "weights": np.ones(len(files), np.float32)}, batch_size)

@@ -1,0 +1,505 @@
+"""``attn-symmetry align`` on tiny Hugging Face checkpoints made here with transformers.
+
+Planted pairs: B is A with, in every attention layer, the heads permuted and a
+random matrix per kv head applied to the QK pair (GL(H), or H(H) under RoPE)
+and to the VO pair, written by ``_plant`` straight on the HF tensors in numpy
+(independent of the library's group actions and converters). Aligning B to A
+must give A back (norm scales folded where an RMSNorm model aligns an
+orthogonal residual), B's function, and files that transformers loads.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from attn_symmetry import align
+from attn_symmetry.models import convert
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+TOL = 1e-4
+H = 8  # head dim of every tiny model: width 32, 4 heads
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
+CONFIGS = {
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0,
+        eos_token_id=0)),
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SMALL, vocab_size=64, num_key_value_heads=2, max_position_embeddings=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, bos_token_id=0,
+        eos_token_id=0)),
+    "bert": lambda: transformers.BertForSequenceClassification(transformers.BertConfig(
+        **SMALL, vocab_size=64, max_position_embeddings=16, num_labels=3)),
+    "vit": lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
+        **SMALL, image_size=8, patch_size=4, num_channels=3, num_labels=5)),
+}
+# HF file names of one layer's attention projections: (query, key, value, out), the layout of
+# the weights ("linear": [out, in]; "conv": GPT-2's [in, out]) and whether q, k, v are fused.
+ATTENTION = {
+    "gpt2": ("transformer.h.{i}.attn.c_attn", None, None, "transformer.h.{i}.attn.c_proj", "conv"),
+    "llama": (*(f"model.layers.{{i}}.self_attn.{p}_proj" for p in "qkvo"), "linear"),
+    "bert": (*(f"bert.encoder.layer.{{i}}.attention.self.{p}" for p in ("query", "key", "value")),
+             "bert.encoder.layer.{i}.attention.output.dense", "linear"),
+    "vit": (*(f"vit.encoder.layer.{{i}}.attention.attention.{p}" for p in ("query", "key", "value")),
+            "vit.encoder.layer.{i}.attention.output.dense", "linear"),
+}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _save_model(family, folder, dtype=None, **save_kwargs):
+  """A tiny random HF model of ``family`` (every parameter perturbed) saved to ``folder``."""
+  torch.manual_seed(0)
+  model = CONFIGS[family]()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.2 * torch.randn_like(p))
+  if dtype is not None:
+    model = model.to(dtype)
+  model.save_pretrained(folder, **save_kwargs)
+  return folder
+
+
+def _read_folder(folder):
+  """{name: array} and {name: file} of every safetensors file in ``folder``, and metadata."""
+  tensors, files, meta = {}, {}, None
+  for file in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+    with safe_open(os.path.join(folder, file), framework="numpy") as f:
+      meta = f.metadata()
+      for k in f.keys():
+        tensors[k], files[k] = f.get_tensor(k), file
+  return tensors, files, meta
+
+
+def _orthogonal(rng, n):
+  q, r = np.linalg.qr(rng.normal(size=(n, n)))
+  return q * np.sign(np.diag(r))
+
+
+def _gl(rng):
+  return _orthogonal(rng, H) * np.exp(rng.uniform(-0.5, 0.5, H)) @ _orthogonal(rng, H)
+
+
+def _rope_commutant(rng):
+  """An element of H(H) for the half-split pairing: a + ib on coordinates (j, j + H/2)."""
+  m, h = np.zeros((H, H)), H // 2
+  for j in range(h):
+    r, phi = np.exp(rng.uniform(-0.5, 0.5)), rng.uniform(-np.pi, np.pi)
+    m[j, j] = m[j + h, j + h] = r * np.cos(phi)
+    m[j, j + h], m[j + h, j] = -r * np.sin(phi), r * np.sin(phi)
+  return m
+
+
+def _move_in(w, b, perm, mats, conv):
+  """Input projection: head n's x W_n (+ b_n) becomes x W_perm[n] M_n (+ b_perm[n] M_n).
+  w: [N H, D] (linear) or [D, N H] (conv); b: [N H] or None; mats: [N, H, H]."""
+  cols = w if conv else w.T
+  heads = np.einsum("dnh,nhk->dnk", cols.reshape(cols.shape[0], -1, H)[:, perm], mats)
+  cols = heads.reshape(cols.shape[0], -1)
+  if b is not None:
+    b = np.einsum("nh,nhk->nk", b.reshape(-1, H)[perm], mats).reshape(-1)
+  return (cols if conv else cols.T), b
+
+
+def _move_out(w, perm, mats):
+  """Output projection: head n's W^O_n [H, D] becomes M_n W^O_perm[n].
+  w: [D, N H] (linear) or [N H, D] (conv, when ``w`` is given transposed by the caller)."""
+  rows = w.T
+  heads = np.einsum("nhk,nkd->nhd", mats, rows.reshape(-1, H, rows.shape[-1])[perm])
+  return heads.reshape(-1, rows.shape[-1]).T
+
+
+def _plant(family, folder_a, folder_b, *, seed=0):
+  """Writes B = g . A to ``folder_b``: per layer a head permutation that keeps kv groups, and per
+  kv head k a QK matrix C_k (H(H) for Llama's RoPE, else GL(H)) and a VO matrix E_k in GL(H)."""
+  rng = np.random.default_rng(seed)
+  config = json.load(open(os.path.join(folder_a, "config.json")))
+  tensors, files, meta = _read_folder(folder_a)
+  out = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+  q_name, k_name, v_name, o_name, layout = ATTENTION[family]
+  n = config.get("num_attention_heads", config.get("n_head"))
+  kv = config.get("num_key_value_heads") or n
+  g = n // kv
+  conv = layout == "conv"
+  for i in range(config.get("num_hidden_layers", config.get("n_layer"))):
+    sigma = rng.permutation(kv)
+    tau = (sigma[:, None] * g + np.stack([rng.permutation(g) for _ in range(kv)])).reshape(-1)
+    c = np.stack([_rope_commutant(rng) if family == "llama" else _gl(rng) for _ in range(kv)])
+    e = np.stack([_gl(rng) for _ in range(kv)])
+    group = np.arange(n) // g
+    moves = [(c[group], tau), (np.linalg.inv(c).transpose(0, 2, 1), sigma), (e, sigma)]
+    if conv:  # GPT-2: query, key and value side by side in one [D, 3D] weight and [3D] bias
+      w, b = out[q_name.format(i=i) + ".weight"], out[q_name.format(i=i) + ".bias"]
+      parts = [_move_in(wp, bp, p, m, True) for wp, bp, (m, p) in
+               zip(np.split(w, 3, -1), np.split(b, 3), moves)]
+      out[q_name.format(i=i) + ".weight"] = np.concatenate([p[0] for p in parts], -1)
+      out[q_name.format(i=i) + ".bias"] = np.concatenate([p[1] for p in parts])
+    else:
+      for name, (m, p) in zip((q_name, k_name, v_name), moves):
+        w, b = out[name.format(i=i) + ".weight"], out.get(name.format(i=i) + ".bias")
+        out[name.format(i=i) + ".weight"], moved_b = _move_in(w, b, p, m, False)
+        if b is not None:
+          out[name.format(i=i) + ".bias"] = moved_b
+    o = o_name.format(i=i) + ".weight"
+    inv_e = np.linalg.inv(e)[group]
+    out[o] = _move_out(out[o].T, tau, inv_e).T if conv else _move_out(out[o], tau, inv_e)
+  os.makedirs(folder_b)
+  for file in sorted(set(files.values())):
+    save_file({k: np.ascontiguousarray(out[k], tensors[k].dtype) for k in tensors if files[k] == file},
+              os.path.join(folder_b, file), metadata=meta)
+  for side in os.listdir(folder_a):
+    if not side.endswith(".safetensors"):
+      with open(os.path.join(folder_a, side), "rb") as src, open(os.path.join(folder_b, side), "wb") as dst:
+        dst.write(src.read())
+  return folder_b
+
+
+def _folded(family, tensors):
+  """A with RMSNorm scales moved into the weights that read them (Llama's orthogonal residual)."""
+  if family != "llama":
+    return tensors
+  out = dict(tensors)
+  readers = {"model.norm.weight": ["lm_head.weight"]}
+  for i in range(len([k for k in tensors if k.endswith("input_layernorm.weight")])):
+    p = f"model.layers.{i}."
+    readers[p + "input_layernorm.weight"] = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+    readers[p + "post_attention_layernorm.weight"] = [p + f"mlp.{x}_proj.weight" for x in ("gate", "up")]
+  for scale, names in readers.items():
+    for name in names:
+      out[name] = tensors[name] * tensors[scale][None, :]
+    out[scale] = np.ones_like(tensors[scale])
+  return out
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def _inputs(family, batch=2, length=7):
+  rng = np.random.default_rng(1)
+  if family == "vit":
+    return {"pixel_values": torch.from_numpy(rng.normal(size=(batch, 3, 8, 8)).astype(np.float32))}
+  return {"input_ids": torch.from_numpy(rng.integers(0, 64, (batch, length)))}
+
+
+def _logits(folder, family):
+  model = type(CONFIGS[family]()).from_pretrained(folder).eval().float()
+  with torch.no_grad():
+    return model(**_inputs(family)).logits.numpy()
+
+
+def _snapshot(*folders):
+  """Every file under ``folders`` with its content hash (to see that nothing was written)."""
+  out = {}
+  for folder in folders:
+    for root, _, names in os.walk(folder):
+      for name in names:
+        with open(os.path.join(root, name), "rb") as f:
+          out[os.path.join(root, name)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+def _check_recovered(family, folder_a, aligned):
+  """Every tensor of ``aligned`` equals A's (folded) to TOL relative."""
+  want, _, _ = _read_folder(folder_a)
+  want = _folded(family, {k: np.asarray(v, np.float64) for k, v in want.items()})
+  got, _, _ = _read_folder(aligned)
+  assert set(got) == set(want)
+  for k, x in want.items():
+    err = np.linalg.norm(np.asarray(got[k], np.float64) - x) / np.linalg.norm(x)
+    assert err <= TOL, (k, err)
+
+
+def _tokenizer(folder, words):
+  """A word-level tokenizer.json (no torch): ids 0..len(words) with [UNK] at 0."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+
+  vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.save(os.path.join(folder, "tokenizer.json"))
+
+
+WORDS = ("the cat sat on a mat and saw one dog run far away while birds sang in tall green trees "
+         "near old stone walls").split()
+# Stage 2 at its least-squares start, exact on a noise-free pair, with no Adam steps after it: at
+# the default learning rate Adam's last steps leave ~1e-4 of noise in float32 (the README test
+# runs the default method and checks the whole model to 1e-4).
+EXACT = dict(init="best", steps=0)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_readme_command_runs_without_torch(tmp_path):
+  """The README's command, run as written on a planted GPT-2 pair in a process where torch and
+  transformers cannot be imported: A back to 1e-4 relative (the default method), B's function,
+  a merged model, the interpolation curve and the report; MODEL_A and MODEL_B untouched."""
+  with open(README, encoding="utf-8") as f:
+    section = f.read().split("## Align two checkpoints", 1)[1].split("\n## ", 1)[0]
+  command = next(line for line in section.splitlines() if line.startswith("attn-symmetry align"))
+  args = shlex.split(command)[1:]
+  assert args[0] == "align" and "--merge" in args and "--eval-text" in args and "--out" in args
+  with open(os.path.join(os.path.dirname(README), "pyproject.toml"), "rb") as f:
+    assert tomllib.load(f)["project"]["scripts"]["attn-symmetry"] == "attn_symmetry.align:cli"
+  a = _save_model("gpt2", str(tmp_path / "a"))
+  _tokenizer(a, WORDS)
+  b = _plant("gpt2", a, str(tmp_path / "b"))
+  text = tmp_path / "text.txt"
+  rng = np.random.default_rng(0)
+  text.write_text("\n".join(" ".join(rng.choice(WORDS, 12)) for _ in range(20)))
+  out = str(tmp_path / "out")
+  args[1:3] = [a, b]
+  args[args.index("--out") + 1] = out
+  args[args.index("--eval-text") + 1] = str(text)
+  before = _snapshot(a, b)
+  blocked = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None; "
+             "from attn_symmetry import align; sys.exit(align.cli(sys.argv[1:]))")
+  run = subprocess.run([sys.executable, "-c", blocked, *args], capture_output=True, text=True,
+                       timeout=600)
+  assert run.returncode == 0, run.stderr
+  stages = [re.match(r"\[align\] (\w+):", line) for line in run.stderr.splitlines()]
+  assert [m.group(1) for m in stages if m] == ["check", "load", "align", "evaluate", "save"]
+  assert _snapshot(a, b) == before
+
+  want, _, _ = _read_folder(a)
+  got, _, _ = _read_folder(os.path.join(out, "aligned_b"))
+  error = np.sqrt(sum(np.sum((got[k] - want[k]) ** 2) for k in want))
+  assert error / np.sqrt(sum(np.sum(x ** 2) for x in want.values())) <= TOL
+  np.testing.assert_allclose(_logits(os.path.join(out, "aligned_b"), "gpt2"), _logits(b, "gpt2"),
+                             atol=TOL, rtol=0)
+  np.testing.assert_allclose(_logits(os.path.join(out, "merged"), "gpt2"), _logits(a, "gpt2"),
+                             atol=1e-3, rtol=0)
+  report = json.load(open(os.path.join(out, "report.json")))
+  assert report["method"] == "full" and report["merge"] == 0.5
+  assert report["distance"]["after"]["relative"] <= TOL < report["distance"]["before"]["relative"]
+  assert set(report["distance"]["after"]["per_layer"]) == {"embed", "pos_embed", "layers_0",
+                                                           "layers_1", "final_norm"}
+  assert set(report["time_s"]) == {"check", "load", "align", "evaluate", "save"}
+  curves = json.load(open(os.path.join(out, "interpolation.json")))
+  assert len(curves["lambdas"]) == len(curves["after"]["accuracy"]) == 11  # the default
+  assert report["barrier"]["after"]["loss"] <= 1e-4
+  assert report["barrier"]["before"] == curves["before"]["barrier"]
+  assert os.path.getsize(os.path.join(out, "interpolation.png")) > 1000
+
+
+@pytest.mark.parametrize("family", ["llama", "bert", "vit"])
+def test_planted_pair_is_recovered(family, tmp_path):
+  """Llama (GQA, RoPE: H(H) on the QK side; norm scales folded), BERT saved in shards, ViT with
+  an image folder: A back to 1e-4 relative per tensor; transformers loads aligned_b with B's
+  logits and the merged model."""
+  shards = dict(max_shard_size="20KB") if family == "bert" else {}
+  a = _save_model(family, str(tmp_path / "a"), **shards)
+  b = _plant(family, a, str(tmp_path / "b"), seed=1)
+  images = None
+  if family == "vit":
+    images = tmp_path / "images"
+    rng = np.random.default_rng(0)
+    from PIL import Image  # pylint: disable=g-import-not-at-top
+    for i in range(6):
+      os.makedirs(images / str(i % 3), exist_ok=True)
+      Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(images / str(i % 3) / f"{i}.png")
+  out = str(tmp_path / "out")
+  result = align.align_checkpoints(a, b, out=out, merge=0.25, eval_images=images, num_lambdas=5,
+                                   **EXACT)
+  aligned = os.path.join(out, "aligned_b")
+  _check_recovered(family, a, aligned)
+  if family == "bert":
+    assert sorted(os.listdir(aligned)) == sorted(os.listdir(b))  # the same shards and index
+  np.testing.assert_allclose(_logits(aligned, family), _logits(b, family), atol=TOL, rtol=0)
+  np.testing.assert_allclose(_logits(os.path.join(out, "merged"), family), _logits(a, family),
+                             atol=1e-3, rtol=0)
+  assert result.report["folded_norm_scales"] == (family == "llama")
+  assert result.report["distance"]["after"]["relative"] <= TOL
+  if family == "vit":
+    assert result.report["barrier"]["after"]["loss"] <= 1e-4
+    assert os.path.exists(os.path.join(out, "interpolation.png"))
+
+
+def test_bfloat16_stays_bfloat16(tmp_path):
+  """A bfloat16 pair is aligned in float32 and written back in bfloat16, which transformers
+  loads as such; B's function is kept to bfloat16 rounding."""
+  a = _save_model("llama", str(tmp_path / "a"), dtype=torch.bfloat16)
+  b = _plant("llama", a, str(tmp_path / "b"), seed=2)
+  out = tmp_path / "out"  # earlier outputs of the tool are replaced, other files kept
+  os.makedirs(out / "aligned_b")
+  (out / "aligned_b" / "stale.safetensors").write_text("old")
+  (out / "interpolation.json").write_text("{}")
+  (out / "notes.txt").write_text("mine")
+  result = align.align_checkpoints(a, b, out=out, merge=0.5, overwrite=True, **EXACT)
+  assert sorted(os.listdir(out)) == ["aligned_b", "merged", "notes.txt", "report.json"]
+  assert "stale.safetensors" not in os.listdir(out / "aligned_b")
+  for folder in ("aligned_b", "merged"):
+    with safe_open(os.path.join(out, folder, "model.safetensors"), framework="numpy") as f:
+      assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.load(open(os.path.join(out, folder, "config.json")))["dtype"] == "bfloat16"
+  loaded = transformers.LlamaForCausalLM.from_pretrained(os.path.join(out, "aligned_b"))
+  assert loaded.dtype == torch.bfloat16
+  np.testing.assert_allclose(_logits(os.path.join(out, "aligned_b"), "llama"), _logits(b, "llama"),
+                             atol=0.05, rtol=0.05)
+  assert result.report["stored_dtypes"] == {"a": ["bfloat16"], "b": ["bfloat16"]}
+  assert result.report["distance"]["after"]["relative"] < 0.01 * result.report["distance"]["before"]["relative"]
+
+
+def _refusal(capsys, *args):
+  """The one line that ``attn-symmetry align ARGS`` prints when it refuses (exit status 2),
+  besides progress lines of the stages it passed."""
+  capsys.readouterr()
+  status = align.cli(["align", *args])
+  lines = [l for l in capsys.readouterr().err.strip().splitlines() if not l.startswith("[align]")]
+  assert status == 2 and len(lines) == 1 and lines[0].startswith("attn-symmetry align: error: ")
+  return lines[0]
+
+
+def _edit_tensors(folder, edit):
+  tensors, _, meta = _read_folder(folder)
+  edit(tensors)
+  save_file(tensors, os.path.join(folder, "model.safetensors"), metadata=meta)
+
+
+def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
+  a = _save_model("gpt2", str(tmp_path / "a"))
+  folders = {}
+
+  def variant(name, edit=None, source=a):
+    folder = str(tmp_path / name)
+    subprocess.run(["cp", "-r", source, folder], check=True)
+    if edit is not None:
+      edit(folder)
+    folders[name] = folder
+    return folder
+
+  def config(folder, **changes):
+    path = os.path.join(folder, "config.json")
+    fields = json.load(open(path))
+    fields.update(changes)
+    json.dump(fields, open(path, "w"))
+
+  b = variant("b")
+  wide = str(tmp_path / "wide")
+  transformers.GPT2LMHeadModel(transformers.GPT2Config(
+      n_embd=48, n_layer=2, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0,
+      eos_token_id=0)).save_pretrained(wide)
+  sharded = _save_model("gpt2", str(tmp_path / "sharded"), max_shard_size="30KB")
+  shard = sorted(f for f in os.listdir(sharded) if f.endswith(".safetensors"))[-1]
+  os.remove(os.path.join(sharded, shard))
+  cases = [
+      ([a, wide], r"MODEL_A and MODEL_B have different architectures: config.json's n_embd is 32 "
+                  r"in MODEL_A .* but 48 in MODEL_B"),
+      ([a, variant("shape", lambda f: _edit_tensors(f, lambda t: t.update(
+          {"transformer.wpe.weight": t["transformer.wpe.weight"][:15]})))],
+       r"MODEL_B .*shape: the tensors do not fit config.json: misshapen transformer.wpe.weight "
+       r"\(15, 32\) instead of \(16, 32\)$"),
+      ([a, variant("dropped", lambda f: _edit_tensors(f, lambda t: t.pop(
+          "transformer.h.1.mlp.c_fc.bias")))], r"missing transformer.h.1.mlp.c_fc.bias$"),
+      ([a, variant("t5", lambda f: config(f, model_type="t5"))],
+       r"MODEL_B .*t5: unsupported HF model type 't5' in config.json; supported: gpt2, llama, "
+       r"bert, vit$"),
+      ([a, variant("rope", lambda f: config(f, model_type="llama", rope_scaling={"rope_type": "yarn"}))],
+       r"rope type 'yarn'"),
+      ([variant("noconfig", lambda f: os.remove(os.path.join(f, "config.json"))), b],
+       r"MODEL_A .*noconfig: no config.json$"),
+      ([a, variant("badjson", lambda f: open(os.path.join(f, "config.json"), "w").write("{"))],
+       r"MODEL_B .*badjson: config.json is unreadable"),
+      ([a, variant("noweights", lambda f: os.remove(os.path.join(f, "model.safetensors")))],
+       r"noweights: no model.safetensors or model.safetensors.index.json$"),
+      ([a, variant("garbage", lambda f: open(os.path.join(f, "model.safetensors"), "wb").write(
+          b"\x08" + b"\0" * 7 + b"not json"))],
+       r"garbage: model.safetensors is not a readable safetensors file"),
+      ([a, str(tmp_path / "nowhere")], r"MODEL_B .*nowhere: no such folder$"),
+      ([a, sharded], rf"sharded: weight file {shard} is missing \(listed in "
+                     r"model.safetensors.index.json\)$"),
+      ([a, variant("nan", lambda f: _edit_tensors(f, lambda t: t["transformer.h.1.attn.c_proj.weight"]
+                                                  .__setitem__((0, 3), np.nan)))],
+       r"MODEL_B .*nan: tensor transformer.h.1.attn.c_proj.weight holds NaN or Inf$"),
+      ([a, b, "--method", "learned"], r"--method learned is not available"),
+      ([a, b, "--method", "best"], r"--method must be one of"),
+      ([a, b, "--scope", "layers_9"], r"--scope: scope prefix 'layers_9' matches no parameter"),
+      ([a, b, "--merge", "1.5"], r"--merge must lie in \[0, 1\], got 1.5"),
+      ([a, b, "--out", os.path.join(a, "aligned")], r"--out .* overlaps MODEL_A"),
+      ([a, b, "--out", str(tmp_path)], r"--out .* overlaps MODEL_A"),
+  ]
+  full = str(tmp_path / "full")
+  os.makedirs(full)
+  open(os.path.join(full, "notes.txt"), "w").write("mine")
+  cases.append(([a, b, "--out", full], r"--out .*full already holds 1 entries; pass --overwrite"))
+  before = _snapshot(tmp_path)
+  for args, message in cases:
+    if "learned" in args and "learned" in align.matching.METHODS:
+      continue
+    if "--out" not in args:
+      args = [*args, "--out", str(tmp_path / "out")]
+    assert re.search(message, _refusal(capsys, *args)), (args, message)
+  assert _snapshot(tmp_path) == before  # nothing written, nothing created
+  assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_config_json_defaults_are_the_transformers_defaults(family):
+  """A config.json that leaves every field out means the HF class defaults."""
+  head = {"gpt2": "lm", "llama": "lm"}.get(family, "classifier")
+  hf_class = type(CONFIGS[family]().config)
+  assert (convert.config_from_hf({"model_type": family}, head)
+          == convert.config_from_hf(hf_class(), head))
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_hf_shape_is_the_state_dict_shape(family):
+  model = CONFIGS[family]()
+  cfg = convert.config_from_hf(model.config.to_dict(), "lm" if family in ("gpt2", "llama")
+                               else "classifier")
+  shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+  table, _ = convert.param_table(cfg)
+  from attn_symmetry.models import Model  # pylint: disable=g-import-not-at-top
+  ours = Model(cfg).param_shapes
+  for path, src in table.items():
+    assert convert.hf_shape(path, ours[path], src) == shapes[src.key], path
+
+
+def test_bert_text_batches(tmp_path):
+  """Masked-LM batches mask ordinary tokens only, at least one per line; a classifier reads
+  LABEL<TAB>text lines."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from attn_symmetry import _eval_files  # pylint: disable=g-import-not-at-top
+  from attn_symmetry import models  # pylint: disable=g-import-not-at-top
+
+  special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+  vocab = {w: i for i, w in enumerate(special + list(WORDS))}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.post_processor = tokenizers.processors.TemplateProcessing(
+      single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+  tok.save(str(tmp_path / "tokenizer.json"))
+  text = tmp_path / "text.txt"
+  text.write_text("the cat sat\n\na dog ran far away while birds sang in tall green trees\n")
+  mlm = models.build("bert", "tiny", head="mlm", vocab_size=64, max_len=16)
+  (batch,) = _eval_files.text_batches(str(text), str(tmp_path), mlm, {}, batch_size=4, seq_len=8,
+                                      max_batches=2)
+  assert batch["inputs"].shape == (4, 8) and batch["weights"][2:].sum() == 0
+  assert (batch["weights"][:2].sum(1) >= 1).all()
+  masked = batch["weights"] > 0
+  assert (batch["inputs"][masked] == 4).all() and (batch["labels"][masked] > 4).all()
+  np.testing.assert_array_equal(batch["inputs"][~masked], batch["labels"][~masked])
+  assert batch["labels"][0, :5].tolist() == [2, vocab["the"], vocab["cat"], vocab["sat"], 3]
+  np.testing.assert_array_equal(batch["mask"][0], np.arange(8) < 5)
+  text.write_text("1\tthe cat sat\n0\ta dog\n")
+  classifier = models.build("bert", "tiny", vocab_size=64, max_len=16, num_classes=2)
+  (batch,) = _eval_files.text_batches(str(text), str(tmp_path), classifier, {}, batch_size=2,
+                                      seq_len=8, max_batches=1)
+  assert batch["labels"].tolist() == [1, 0]
+  text.write_text("the cat sat\n")
+  with pytest.raises(ValueError, match="line 1 is not LABEL<TAB>text"):
+    _eval_files.text_batches(str(text), str(tmp_path), classifier, {}, batch_size=2, seq_len=8,
+                             max_batches=1)
