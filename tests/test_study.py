@@ -1,4 +1,10 @@
-"""The LMC study end to end on the quickstart at runlocal size, its caching and its errors."""
+"""The LMC study end to end on the quickstart at runlocal size, its caching and its errors.
+
+Three seeds give three pairs, so that spreads over pairs are not zero. The
+reports are checked on their values: barriers recomputed from the curves in
+results.json, summaries recomputed from the barriers, summary.md against
+results.json, and the path ends against the seeds' own evaluations.
+"""
 
 import glob
 import json
@@ -7,6 +13,7 @@ import os
 import numpy as np
 import pytest
 
+from experiments import report
 from experiments import study
 from experiments import train
 from experiments.configs import quickstart
@@ -21,7 +28,7 @@ def _config(**study_changes):
   config.train.checkpoint_every = 150
   config.train.learning_rate = 3e-3
   config.reinit.num_steps = 60
-  config.reinit.seeds = [1, 2]
+  config.reinit.seeds = [1, 2, 3]
   for k, v in study_changes.items():
     config.study[k] = v
   return config
@@ -31,9 +38,9 @@ def _config(**study_changes):
 def finished(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("study"))
   config = _config()
-  train.train_and_evaluate(config, workdir)
+  trained = train.train_and_evaluate(config, workdir)
   paths = study.run_study(config, workdir)
-  return config, workdir, paths
+  return config, workdir, paths, trained
 
 
 def _stage_files(workdir):
@@ -41,12 +48,12 @@ def _stage_files(workdir):
 
 
 def test_reports_are_written(finished):
-  config, workdir, paths = finished
+  config, _, paths, _ = finished
   assert set(paths) == {"first_attention/results.json", "first_attention/curves.png", "summary.md"}
   for p in paths.values():
     assert os.path.getsize(p) > 0
   res = json.load(open(paths["first_attention/results.json"]))
-  assert len(res["lambdas"]) == config.study.num_lambdas and len(res["pairs"]) == 1
+  assert len(res["lambdas"]) == config.study.num_lambdas and len(res["pairs"]) == 3
   for m in study.METHODS:
     row = res["methods"][m]
     for key in ("loss_barrier_mean", "accuracy_barrier_mean", "loss_barrier_ratio_pct",
@@ -63,15 +70,133 @@ def test_reports_are_written(finished):
   assert "| full (+ gradient refinement) |" in summary and "Rank (loss)" in summary
 
 
+def _results(finished):
+  return json.load(open(finished[2]["first_attention/results.json"]))
+
+
+def _barrier(lams, values, higher_is_better=False):
+  """Largest gap between a path and its chord (never negative), written out here."""
+  lams, values = np.asarray(lams), np.asarray(values)
+  gap = values - ((1 - lams) * values[0] + lams * values[-1])
+  return max(0.0, float((-gap if higher_is_better else gap).max()))
+
+
+def test_barriers_and_their_summary_are_recomputed_from_the_curves(finished):
+  res = _results(finished)
+  lams = np.asarray(res["lambdas"])
+  np.testing.assert_allclose(lams, np.linspace(0, 1, len(lams)))
+  assert [(p["a"], p["b"]) for p in res["pairs"]] == [
+      ("seed_1", "seed_2"), ("seed_1", "seed_3"), ("seed_2", "seed_3")]
+  for metric, higher in (("loss", False), ("accuracy", True)):
+    naive = [p["methods"]["naive"][f"{metric}_barrier"] for p in res["pairs"]]
+    for m in study.METHODS:
+      barriers = []
+      for p in res["pairs"]:
+        curve = p["methods"][m]
+        assert curve[f"{metric}_barrier"] == pytest.approx(
+            _barrier(lams, curve[metric], higher), abs=1e-12), (m, p["a"], p["b"])
+        barriers.append(curve[f"{metric}_barrier"])
+      row = res["methods"][m]
+      assert row["num_pairs"] == 3 and row[f"{metric}_barrier_num_finite"] == 3
+      assert row[f"{metric}_barrier_mean"] == pytest.approx(np.mean(barriers), abs=1e-12)
+      assert row[f"{metric}_barrier_std"] == pytest.approx(np.std(barriers), abs=1e-12)
+      ratios = [100 * b / n for b, n in zip(barriers, naive) if n > 1e-12]
+      assert row[f"{metric}_barrier_ratio_pct"] == pytest.approx(np.mean(ratios))
+      assert row[f"{metric}_barrier_ratio_pct_std"] == pytest.approx(np.std(ratios), abs=1e-9)
+  naive_row = res["methods"]["naive"]
+  assert naive_row["loss_barrier_ratio_pct"] == pytest.approx(100.0)
+  assert naive_row["loss_barrier_ratio_pct_std"] == pytest.approx(0.0, abs=1e-9)
+  assert naive_row["loss_barrier_std"] > 0  # three different pairs
+
+
+def test_path_ends_are_the_seeds_own_evaluations(finished):
+  config, _, _, trained = finished
+  res = _results(finished)
+  ends = res["endpoints"]
+  for seed in config.reinit.seeds:  # as train_and_evaluate evaluated the fine-tuned seed
+    final = trained[f"reinit/first_attention/seed_{seed}"]
+    assert ends[f"seed_{seed}"]["loss"] == pytest.approx(final["loss"], rel=1e-6)
+    assert ends[f"seed_{seed}"]["accuracy"] == pytest.approx(final["accuracy"], abs=1e-9)
+  one_example = 1.0 / 300  # the digits test split has more examples than that
+  for p in res["pairs"]:
+    a, b = ends[p["a"]], ends[p["b"]]
+    for m, curve in p["methods"].items():
+      # A is never moved; the aligned B computes B's function (up to float32 rounding).
+      assert curve["loss"][0] == pytest.approx(a["loss"], rel=1e-6), m
+      assert curve["accuracy"][0] == pytest.approx(a["accuracy"], abs=1e-9), m
+      assert curve["loss"][-1] == pytest.approx(b["loss"], rel=1e-4), m
+      assert curve["accuracy"][-1] == pytest.approx(b["accuracy"], abs=one_example), m
+
+
+def test_ablations_and_robustness_are_recomputed(finished):
+  config, _, _, _ = finished
+  res = _results(finished)
+  perm = res["ablation"]["permutations"]
+  assert len(perm["per_pair"]) == 3
+  for p, abl in zip(res["pairs"], perm["per_pair"]):
+    for metric in ("loss", "accuracy"):
+      barriers = np.asarray(abl[f"{metric}_barriers"])
+      chosen, best = barriers[abl["chosen"]], barriers.min()
+      assert len(barriers) == 24
+      assert abl[f"{metric}_rank"] == 1 + np.sum(barriers < chosen - 1e-12)
+      naive = p["methods"]["naive"][f"{metric}_barrier"]
+      lhat = 100 * (chosen - best) / (naive - best) if naive - best > 1e-12 else None
+      assert abl[f"{metric}_lhat"] == (None if lhat is None else pytest.approx(lhat))
+  ranks = [abl["loss_rank"] for abl in perm["per_pair"]]
+  assert perm["summary"]["loss_rank_mean"] == pytest.approx(np.mean(ranks))
+  assert perm["summary"]["loss_rank_std"] == pytest.approx(np.std(ranks))
+  # The study's own distance is the full method's: the same barriers.
+  same = res["ablation"]["distances"][config.study.distance]
+  assert same["loss_barrier_mean"] == pytest.approx(res["methods"]["full"]["loss_barrier_mean"])
+  assert same["loss_barrier_std"] == pytest.approx(res["methods"]["full"]["loss_barrier_std"])
+  # Without noise, the accuracies are the path's: A at 0, B at 1, a midpoint at 1/2.
+  rob, mid = res["robustness"], res["lambdas"].index(0.5)
+  assert rob["noise_levels"][0] == 0.0
+  def mean_at(method, i):
+    return np.mean([p["methods"][method]["accuracy"][i] for p in res["pairs"]])
+  assert rob["accuracy"]["A"][0] == pytest.approx(mean_at("naive", 0))
+  assert rob["accuracy"]["B"][0] == pytest.approx(mean_at("naive", -1))
+  for m in config.study.methods:
+    assert rob["accuracy"][f"midpoint ({m})"][0] == pytest.approx(mean_at(m, mid)), m
+
+
+def _fmt(mean, std, digits):
+  return "n/a" if mean is None else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def test_summary_md_holds_the_numbers_of_results_json(finished):
+  res = _results(finished)
+  lines = open(finished[2]["summary.md"]).read().splitlines()
+  assert any(line.startswith("3 checkpoint pair(s), 5 interpolation points") for line in lines)
+  for m, row in res["methods"].items():
+    kinds = ("loss_barrier", "accuracy_barrier")
+    cells = [_fmt(row[f"{k}_mean"], row[f"{k}_std"], 4) for k in kinds]
+    cells += [_fmt(row[f"{k}_ratio_pct"], row[f"{k}_ratio_pct_std"], 1) for k in kinds]
+    assert f"| {report.METHOD_LABELS[m]} | " + " | ".join(cells) + " |" in lines, m
+  s = res["ablation"]["permutations"]["summary"]
+  assert (f"| Stage 1 | {_fmt(s['loss_rank_mean'], s['loss_rank_std'], 2)} | "
+          f"{_fmt(s['loss_lhat_mean'], s['loss_lhat_std'], 1)} | "
+          f"{_fmt(s['accuracy_rank_mean'], s['accuracy_rank_std'], 2)} | "
+          f"{_fmt(s['accuracy_lhat_mean'], s['accuracy_lhat_std'], 1)} |") in lines
+  for d, row in res["ablation"]["distances"].items():
+    barrier = _fmt(row["loss_barrier_mean"], row["loss_barrier_std"], 4)
+    ratio = _fmt(row["loss_barrier_ratio_pct"], row["loss_barrier_ratio_pct_std"], 1)
+    assert f"| {d} | {barrier} | {ratio} |" in lines
+  rob = res["robustness"]
+  for i, sigma in enumerate(rob["noise_levels"]):
+    assert (f"| {sigma:g} | " + " | ".join(f"{rob['accuracy'][m][i]:.4f}" for m in rob["models"])
+            + " |") in lines
+
+
 def test_full_method_beats_naive(finished):
-  _, _, paths = finished
+  _, _, paths, _ = finished
   methods = json.load(open(paths["first_attention/results.json"]))["methods"]
   assert methods["naive"]["loss_barrier_mean"] > 0.0
   assert methods["full"]["loss_barrier_mean"] < methods["naive"]["loss_barrier_mean"]
 
 
 def test_checkpoint_with_itself_has_no_barrier(finished):
-  config, workdir, _ = finished
+  config, workdir, _, _ = finished
   from experiments import inputs
   model = inputs.create_model(config)
   checkpoints = train.load_checkpoints(config, workdir)
@@ -85,7 +210,7 @@ def test_checkpoint_with_itself_has_no_barrier(finished):
 
 
 def test_rerun_skips_finished_stages_and_detects_changes(finished):
-  config, workdir, _ = finished
+  config, workdir, _, _ = finished
   before = _stage_files(workdir)
   assert before
   study.run_study(config, workdir)
@@ -98,7 +223,7 @@ def test_rerun_skips_finished_stages_and_detects_changes(finished):
 
 
 def test_bad_input_raises_before_work(finished, tmp_path):
-  config, workdir, _ = finished
+  config, workdir, _, _ = finished
   other = _config()
   other.model.overrides.width = 48  # another architecture than the checkpoints
   with pytest.raises(ValueError, match="architecture|shape"):
