@@ -21,7 +21,9 @@ refuses, naming the parameters that differ, before anything is written.
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from typing import Any
 
 import jax
@@ -60,9 +62,21 @@ def architecture_difference(saved: dict[str, Any], expected: dict[str, Any]) -> 
 
 
 def _first_line(error: BaseException, limit: int = 200) -> str:
-  text = (str(error).strip().splitlines() or [""])[0]
+  """"<type>: <the first line of its message>", without TensorStore's spec dump."""
+  text = (str(error).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
   text = text if len(text) <= limit else text[:limit] + "..."
   return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _collect_quietly() -> None:
+  """Collects the coroutines that a failed orbax restore leaves behind, without printing
+  an "Exception ignored in <coroutine>" traceback for each (the error is reported once)."""
+  hook = sys.unraisablehook
+  sys.unraisablehook = lambda unraisable: None
+  try:
+    gc.collect()
+  finally:
+    sys.unraisablehook = hook
 
 
 class RunCheckpoints:
@@ -82,10 +96,12 @@ class RunCheckpoints:
 
   def _open(self) -> None:
     ro = self._read_only
-    # cleanup_tmp_directories: a save that a killed process left unfinished is removed.
+    # Read-only is enforced here (nothing created, kept or cleaned up, ``save`` refused)
+    # rather than with orbax's read_only, which logs a warning every time. When writing,
+    # cleanup_tmp_directories removes a save that a killed process left uncommitted.
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None if ro else self._keep, save_interval_steps=0 if ro else 1,
-        create=not ro, read_only=ro, cleanup_tmp_directories=not ro)
+        create=not ro, cleanup_tmp_directories=not ro)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def step_dir(self, step: int) -> str:
@@ -99,6 +115,8 @@ class RunCheckpoints:
 
   def save(self, step: int, params: Params, opt_state: Any, meta: dict[str, Any]) -> None:
     """Starts an asynchronous, atomic save of ``step``; ``meta`` gains the content hashes."""
+    if self._read_only:
+      raise ValueError(f"{self.directory} was opened read-only")
     meta = dict(meta, sha256={"params": fingerprints.tree_digest(params),
                               "opt_state": fingerprints.tree_digest(opt_state)})
     self._manager.save(step, args=ocp.args.Composite(
@@ -109,11 +127,10 @@ class RunCheckpoints:
     """orbax's restore of ``items``, its errors turned into one CorruptCheckpointError line."""
     try:
       return self._manager.restore(step, args=ocp.args.Composite(**items))
-    except (KeyboardInterrupt, SystemExit):
-      raise
     except Exception as e:  # orbax, tensorstore and json raise many types for a damaged file.
-      raise CorruptCheckpointError(
-          f"checkpoint {self.step_dir(step)} cannot be read ({_first_line(e)})") from None
+      message = f"checkpoint {self.step_dir(step)} cannot be read ({_first_line(e)})"
+    _collect_quietly()  # outside the except clause, so that the traceback is released
+    raise CorruptCheckpointError(message)
 
   def restore_meta(self, step: int) -> dict[str, Any]:
     meta = self._restore(step, meta=ocp.args.JsonRestore()).meta

@@ -24,11 +24,13 @@ Stages and their fields:
   content hash of the base model's final parameters.
 * study stage (``study.py``, one JSON per pair and stage under
   ``study/<scope>/pairs/``): the scope's parameter paths, the model fields,
-  the content hash of the evaluation batches, ``study.num_lambdas``, the
-  content hashes of both endpoints, and the options the stage uses
-  (``study.distance`` for Stage 1, ``study.match_steps`` and
-  ``study.match_learning_rate`` for the "full" refinement; ``seed``,
-  ``study.noise_levels`` and ``study.methods`` for the robustness check).
+  the content hash of the evaluation batches (through which the data set,
+  its reader options and ``train.eval_batch_size`` enter),
+  ``study.num_lambdas``, the content hashes of both endpoints, and the
+  options the stage uses (``study.distance`` for Stage 1 of every method but
+  "naive", ``study.match_steps`` and ``study.match_learning_rate`` for the
+  "full" refinement; ``seed``, ``study.noise_levels`` and ``study.methods``
+  for the robustness check).
 * report (``study/report_fingerprints.json``): the content hash of the
   results it is drawn from.
 

@@ -121,6 +121,20 @@ def cached(path: str, fields: Mapping[str, Any], compute: Callable[[], dict]
 # ----------------------------------------------------------------------------- evaluation
 
 
+_COMPILED: dict[Any, tuple[Callable, Callable]] = {}
+
+
+def _compiled(model) -> tuple[Callable, Callable]:
+  """(``lmc.path_evaluator`` of the model's metrics, jitted ``apply_model`` of its spec),
+  made once per model config in this process, so that a study run again in the same
+  process (a notebook, the tests) reuses their compilations."""
+  if model.config not in _COMPILED:
+    _COMPILED[model.config] = (
+        lmc.path_evaluator(lambda p, b: evaluation.batch_metrics(model, p, b)),
+        jax.jit(functools.partial(group_action.apply_model, model.spec)))
+  return _COMPILED[model.config]
+
+
 class PathEvaluator:
   """Loss and accuracy along interpolation paths on a fixed evaluation set."""
 
@@ -130,7 +144,7 @@ class PathEvaluator:
     self.batches = batches
     self.chunk_size = chunk_size
     self.bits_per_byte = bits_per_byte
-    self._evaluator = lmc.path_evaluator(lambda p, b: evaluation.batch_metrics(model, p, b))
+    self._evaluator = _compiled(model)[0]
     mesh = inputs.create_mesh()
     self._put = lambda b: inputs.shard_batch(b, mesh)
 
@@ -214,7 +228,7 @@ class ScopeStudy:
     self._announced: set[str] = set()
     self._alignments: dict[tuple, tuple[Params, Params, dict]] = {}
     # g.theta compiled once: the ablation applies one element per head permutation.
-    self._apply = jax.jit(functools.partial(group_action.apply_model, model.spec))
+    self._apply = _compiled(model)[1]
 
   def _cached(self, name: str, compute: Callable[[], dict], *, a: int, b: int,
               **fields) -> dict:

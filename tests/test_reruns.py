@@ -1,0 +1,284 @@
+"""Reruns into a used workdir: a changed field recomputes exactly the stages that depend on
+it, with the results of a fresh workdir; a SIGKILL at any point, then a rerun, gives the
+results of an uninterrupted run.
+
+One workdir (the quickstart at runlocal size, one fine-tuned scope, two seeds, three
+methods) is trained and studied once per module, then copied for every case.
+"""
+
+import glob
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from experiments import checkpoints
+from experiments import fingerprints
+from experiments import study
+from experiments import train
+from experiments.configs import quickstart
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCOPE = "all_attention"
+RUNS = ("base", f"reinit/{SCOPE}/seed_1", f"reinit/{SCOPE}/seed_2")
+STAGES = ("naive", "perm", "full", "robustness")
+
+
+def make_config(**changes):
+  """The workdir's config with ``changes`` ({"train.learning_rate": 1e-3, ...})."""
+  config = quickstart.get_config("runlocal")
+  config.reinit.scopes = [SCOPE]  # fine-tuned from the base model; no ablations
+  config.reinit.seeds = [1, 2]
+  config.study.methods = ["naive", "perm", "full"]
+  config.study.noise_levels = [0.5]
+  for field, value in changes.items():
+    *parents, last = field.split(".")
+    node = config
+    for p in parents:
+      node = node[p]
+    node[last] = value
+  return config
+
+
+def run_all(config, workdir):
+  train.train_and_evaluate(config, workdir)
+  study.run_study(config, workdir)
+
+
+@pytest.fixture(scope="module")
+def used(tmp_path_factory):
+  """A workdir holding the finished run of ``make_config()``."""
+  workdir = str(tmp_path_factory.mktemp("used") / "w")
+  run_all(make_config(), workdir)
+  return workdir
+
+
+def _copy(workdir, tmp_path, name="copy"):
+  target = str(tmp_path / name)
+  shutil.copytree(workdir, target)
+  return target
+
+
+def _without_seconds(tree):
+  if isinstance(tree, dict):
+    return {k: _without_seconds(v) for k, v in tree.items() if k != "seconds"}
+  if isinstance(tree, list):
+    return [_without_seconds(v) for v in tree]
+  return tree
+
+
+def outcome(workdir):
+  """What a user reads from a finished workdir: every run's last step, the content hash of
+  its parameters and its final evaluation, and the study's results without timings."""
+  out = {}
+  for name in RUNS:
+    directory = os.path.join(workdir, name)
+    ckpts = checkpoints.RunCheckpoints(directory, read_only=True)
+    step = ckpts.latest_step()
+    with open(os.path.join(directory, "final_metrics.json")) as f:
+      out[name] = (step, ckpts.digest(step), json.load(f))
+    ckpts.close()
+  with open(os.path.join(workdir, "study", SCOPE, "results.json")) as f:
+    out["results"] = _without_seconds(json.load(f))
+  return out
+
+
+def _stage_stamps(workdir):
+  pairs = os.path.join(workdir, "study", SCOPE, "pairs", "seed_1-seed_2")
+  return {s: os.stat(os.path.join(pairs, s + ".json")).st_mtime_ns for s in STAGES}
+
+
+def recomputed(workdir, before):
+  """(runs moved aside and retrained, study stages rewritten since ``before``)."""
+  runs = {name for name in RUNS if glob.glob(os.path.join(workdir, name) + ".stale-*")}
+  stamps = _stage_stamps(workdir)
+  return runs, {s for s in STAGES if stamps[s] != before[s]}
+
+
+def _messages(caplog):
+  return [r.getMessage() for r in caplog.records]
+
+
+ALL = (set(RUNS), set(STAGES))
+# field, new value, (retrained runs, recomputed study stages), the change line.
+CASES = [
+    ("seed", 1, ALL, "base: config changed (seed 0 -> 1); retraining"),
+    ("train.learning_rate", 1e-3, ALL,
+     "base: config changed (train.learning_rate 0.003 -> 0.001); retraining"),
+    ("dataset.augment", True, ALL,
+     "base: config changed (dataset.augment False -> True); retraining"),
+    ("study.match_steps", 5, (set(), {"full", "robustness"}),
+     "study all_attention: config changed (study.match_steps 20 -> 5); recomputing"),
+]
+
+
+@pytest.mark.parametrize("field, value, expected, line", CASES, ids=[c[0] for c in CASES])
+def test_changed_field_recomputes_what_depends_on_it(used, tmp_path, caplog, field, value,
+                                                      expected, line):
+  config = make_config(**{field: value})
+  workdir = _copy(used, tmp_path)
+  before = _stage_stamps(workdir)
+  with caplog.at_level(logging.INFO):
+    run_all(config, workdir)
+  assert recomputed(workdir, before) == expected
+  assert [m for m in _messages(caplog) if m.startswith(line)], _messages(caplog)
+  if expected[0]:  # the retraining line names where the old state went, which still exists
+    moved = [m for m in _messages(caplog) if "old state moved to" in m]
+    assert len(moved) == len(expected[0])
+    assert all(os.path.isdir(m.rsplit(" ", 1)[1]) for m in moved)
+  fresh = str(tmp_path / "fresh")
+  run_all(config, fresh)
+  assert outcome(workdir) == outcome(fresh)
+  assert outcome(workdir) != outcome(used)
+
+
+def test_steps_up_then_down(used, tmp_path, caplog):
+  """12 steps into the 8-step workdir retrains (not resumes) everything; 8 steps again
+  retrains it back, to exactly the first run's results."""
+  workdir = _copy(used, tmp_path)
+  longer = make_config(**{"train.num_steps": 12})
+  with caplog.at_level(logging.INFO):
+    run_all(longer, workdir)
+  assert "base: config changed (train.num_steps 8 -> 12); retraining" in " ".join(
+      _messages(caplog))
+  assert not [m for m in _messages(caplog) if "resuming" in m]
+  fresh = str(tmp_path / "fresh")
+  run_all(longer, fresh)
+  assert outcome(workdir) == outcome(fresh)
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    run_all(make_config(), workdir)
+  assert "base: config changed (train.num_steps 12 -> 8); retraining" in " ".join(
+      _messages(caplog))
+  assert outcome(workdir) == outcome(used)
+
+
+def test_unkeyed_fields_recompute_nothing(used, tmp_path, caplog):
+  config = make_config(**{"train.log_every": 1, "train.eval_every": 2,
+                          "train.checkpoint_every": 2, "train.keep_checkpoints": 3,
+                          "study.lambda_chunk": 5})
+  workdir = _copy(used, tmp_path)
+  before = _stage_stamps(workdir)
+  with caplog.at_level(logging.INFO):
+    run_all(config, workdir)
+  assert recomputed(workdir, before) == (set(), set())
+  assert sum("complete" in m and "skipped" in m for m in _messages(caplog)) == len(RUNS)
+  assert outcome(workdir) == outcome(used)
+
+
+def test_every_config_field_is_keyed_or_listed_as_unkeyed():
+  """A new config field must be classified in fingerprints.py before it can be used."""
+  keyed = (fingerprints.TRAINING + fingerprints.TRAIN_SCHEDULE + fingerprints.REINIT_SCHEDULE
+           + fingerprints.EVALUATION + fingerprints.STUDY + fingerprints.PER_RUN
+           + fingerprints.NOT_KEYED)
+  settings = glob.glob(os.path.join(REPO, "experiments", "configs", "*.py"))
+  assert len(settings) > 5
+  for path in settings:
+    name = os.path.splitext(os.path.basename(path))[0]
+    if name == "__init__":
+      continue
+    module = __import__(f"experiments.configs.{name}", fromlist=["get_config"])
+    fields = fingerprints.config_fields(module.get_config(), module.get_config().keys())
+    unclassified = [f for f in fields if not any(f == k or f.startswith(k + ".") for k in keyed)]
+    assert not unclassified, (name, unclassified)
+
+
+def test_truncated_pair_file_is_a_cache_miss_with_a_warning(used, tmp_path, caplog):
+  workdir = _copy(used, tmp_path)
+  before = _stage_stamps(workdir)
+  path = os.path.join(workdir, "study", SCOPE, "pairs", "seed_1-seed_2", "perm.json")
+  with open(path, "r+") as f:
+    f.truncate(os.path.getsize(path) // 2)
+  with caplog.at_level(logging.INFO):
+    study.run_study(make_config(), workdir)
+  warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert len(warnings) == 1 and path in warnings[0] and "does not parse" in warnings[0]
+  assert recomputed(workdir, before) == (set(), {"perm"})
+  assert outcome(workdir) == outcome(used)
+
+
+# ----------------------------------------------------------------------------- SIGKILL
+
+_KILLED = """
+import os, signal, sys
+import jax
+jax.config.update("jax_compilation_cache_dir", sys.argv[3])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+from experiments import inputs, study, train
+from tests.test_reruns import make_config
+
+where, workdir = sys.argv[1], sys.argv[2]
+die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+if where == "step":  # the base run, while step 6 may still be computing: before batch 7
+  from experiments import checkpoints
+  save = checkpoints.RunCheckpoints.save  # synchronous, so that step 4 is surely on disk
+  checkpoints.RunCheckpoints.save = lambda self, *a: (save(self, *a), self.wait())
+  real = inputs.train_batches
+  class Dying:
+    def __init__(self, it): self.it, self.n = it, 0
+    def __next__(self):
+      self.n += 1
+      if self.n == 7: die()
+      return next(self.it)
+    def get_state(self): return self.it.get_state()
+    def set_state(self, s): self.it.set_state(s)
+  inputs.train_batches = lambda *a, **k: Dying(real(*a, **k))
+elif where == "save":  # the base run's last checkpoint: written, not yet committed
+  from orbax.checkpoint._src.path import async_path
+  real = async_path.rename
+  async def rename(src, dst, *a, **k):
+    if str(dst).endswith(os.path.join("base", "checkpoints", "8")): die()
+    return await real(src, dst, *a, **k)
+  async_path.rename = rename
+elif where == "study":  # the second stage file: computed, about to replace its name
+  real = os.replace
+  def replace(src, dst):
+    if str(dst).endswith("perm.json"): die()
+    return real(src, dst)
+  os.replace = replace
+config = make_config()
+train.train_and_evaluate(config, workdir)
+study.run_study(config, workdir)
+print("not killed")
+"""
+
+
+def _run_killed(where, workdir, cache):
+  proc = subprocess.run([sys.executable, "-c", _KILLED, where, workdir, cache], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("where, resumed_from", [("step", 4), ("save", 4)])
+def test_sigkill_during_training_then_rerun_is_bit_identical(used, tmp_path, tmp_path_factory,
+                                                             caplog, where, resumed_from):
+  workdir = str(tmp_path / "w")
+  _run_killed(where, workdir, str(tmp_path_factory.getbasetemp() / "jax_cache"))
+  ckpts = checkpoints.RunCheckpoints(os.path.join(workdir, "base"), read_only=True)
+  assert ckpts.all_steps() == [4]
+  assert not os.path.exists(os.path.join(workdir, "base", "final_metrics.json"))
+  with caplog.at_level(logging.INFO):
+    run_all(make_config(), workdir)
+  assert f"base: resuming from step {resumed_from}" in " ".join(_messages(caplog))
+  assert outcome(workdir) == outcome(used)
+
+
+def test_sigkill_during_study_then_rerun_gives_the_same_results(used, tmp_path,
+                                                                tmp_path_factory, caplog):
+  workdir = str(tmp_path / "w")
+  shutil.copytree(used, workdir, ignore=shutil.ignore_patterns("study"))
+  _run_killed("study", workdir, str(tmp_path_factory.getbasetemp() / "jax_cache"))
+  pairs = os.path.join(workdir, "study", SCOPE, "pairs", "seed_1-seed_2")
+  names = os.listdir(pairs)
+  assert [n for n in names if not n.startswith(".")] == ["naive.json"]
+  assert [n for n in names if n.startswith(".perm.json.tmp-")]  # killed before its rename
+  with caplog.at_level(logging.INFO):
+    run_all(make_config(), workdir)
+  assert f"study of scope {SCOPE}: 3 stage(s) computed, 1 reused" in " ".join(
+      _messages(caplog))
+  assert outcome(workdir) == outcome(used)
