@@ -424,6 +424,18 @@ def _jsonable(tree: Any) -> Any:
 # ----------------------------------------------------------------------------- the whole study
 
 
+def examples_digest(batches: Iterable[Mapping[str, np.ndarray]]) -> str:
+  """Content hash of the evaluation examples (the rows whose "valid" is set), the same
+  whatever ``train.eval_batch_size`` cut them into."""
+  rows: dict[str, list[np.ndarray]] = {}
+  for batch in batches:
+    valid = np.asarray(batch["valid"], bool) if "valid" in batch else slice(None)
+    for k, v in batch.items():
+      if k != "valid":
+        rows.setdefault(k, []).append(np.asarray(v)[valid])
+  return fingerprints.tree_digest({k: np.concatenate(v) for k, v in rows.items()})
+
+
 class Reports:
   """The report files under ``study/``, each rewritten only when what it is drawn from changed.
 
@@ -469,7 +481,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
   checkpoints = train.load_checkpoints(config, workdir, require_complete=True)
   dataset = config.reinit.dataset or config.dataset.name
   batches = list(inputs.eval_batches(config, dataset))
-  data_fp = fingerprints.key({"dataset": dataset, "batches": fingerprints.tree_digest(batches)})
+  data_fp = fingerprints.key({"dataset": dataset, "examples": examples_digest(batches)})
   evaluator = PathEvaluator(model, batches, chunk_size=config.study.lambda_chunk,
                             bits_per_byte=model.task == "lm" and model.config.vocab_size == 256)
   reports = Reports(os.path.join(workdir, "study"))

@@ -135,7 +135,7 @@ def run_fields(config: ml_collections.ConfigDict, run: Run, base_params: str | N
     a flat JSON-able dict such as {"train.learning_rate": 0.003, ...,
     "sha256 of base params": "<hex>"}.
   """
-  names = fingerprints.TRAINING + fingerprints.EVALUATION + (
+  names = fingerprints.TRAINING + (
       fingerprints.REINIT_SCHEDULE if run.fine_tunes else fingerprints.TRAIN_SCHEDULE)
   fields = {"run": run.name, **fingerprints.config_fields(config, names)}
   if run.scope is None:
@@ -148,11 +148,6 @@ def run_fields(config: ml_collections.ConfigDict, run: Run, base_params: str | N
       raise ValueError(f"{run.name} fine-tunes the base model: its fields need the base params hash")
     fields[fingerprints.INPUT + "base params"] = base_params
   return fields
-
-
-def _retrains(old: dict[str, Any], new: dict[str, Any]) -> bool:
-  """Whether fields ``new`` need other parameters than ``old`` (not only another evaluation)."""
-  return any(k not in fingerprints.EVALUATION for k in fingerprints.changed(old, new))
 
 
 def create_optimizer(config: ml_collections.ConfigDict, sched: Schedule, trainable: Params
@@ -318,25 +313,16 @@ class Trainer:
     """``run_fields`` of ``run``; a fine-tuned run's need the base model trained."""
     return run_fields(self.config, run, self._base_digest() if run.fine_tunes else None)
 
-  def _check_fingerprint(self, run: Run, directory: str, fields: dict[str, Any]) -> bool:
-    """Makes ``directory`` hold only state computed from ``fields``.
+  def _check_fingerprint(self, run: Run, directory: str, fields: dict[str, Any]) -> None:
+    """Makes ``directory`` hold only state computed from ``fields``, and records them.
 
-    Fresh or unchanged: records the fields. Changed fields that alter the
-    parameters, or state without a readable record (a run from before
-    fingerprints): moves the directory aside, logging one line that names the
-    changes, and records the fields. Changed evaluation fields only: logs it;
-    the record is rewritten after the new final evaluation.
-
-    Returns:
-      whether the final evaluation is stale (only evaluation fields changed).
+    State computed from other fields, or without a readable record (a run
+    from before fingerprints), is moved aside, with one log line naming the
+    changed fields.
     """
     old = fingerprints.read_record(directory)
     if old == fields:
-      return False
-    if old is not None and not _retrains(old, fields):
-      log.info("%s: %s; re-evaluating the final checkpoint", run.name,
-               fingerprints.change_line(old, fields))
-      return True
+      return
     if os.path.isdir(directory) and os.listdir(directory):
       reason = (fingerprints.change_line(old, fields) if old is not None else
                 f"no readable {fingerprints.RECORD} (trained before runs recorded their config)")
@@ -345,7 +331,6 @@ class Trainer:
       log.info("%s: %s; retraining, old state moved to %s", run.name, reason, moved)
     checkpoints.on_process_0(lambda: fingerprints.write_record(directory, fields),
                              f"record {directory}")
-    return False
 
   def _newest_intact(self, run: Run, ckpts: checkpoints.RunCheckpoints, restore):
     """(step, restore(step)) for the newest checkpoint that restores intact, or None.
@@ -388,22 +373,17 @@ class Trainer:
         trainer is broken; checked after every fine-tuning).
     """
     directory = run_dir(self.workdir, run)
-    fields = self.fields(run)
-    reevaluate = self._check_fingerprint(run, directory, fields)
+    self._check_fingerprint(run, directory, self.fields(run))
     ckpts = checkpoints.RunCheckpoints(directory, keep=self.config.train.keep_checkpoints)
     try:
-      final = self._train(run, directory, ckpts, reevaluate)
+      return self._train(run, directory, ckpts)
     finally:
       ckpts.close()
-    if reevaluate:
-      checkpoints.on_process_0(lambda: fingerprints.write_record(directory, fields),
-                               f"record {directory}")
-    return final
 
-  def _train(self, run, directory, ckpts, reevaluate) -> dict[str, float]:
+  def _train(self, run, directory, ckpts) -> dict[str, float]:
     final_path = os.path.join(directory, "final_metrics.json")
     num_steps = schedule(self.config, run).num_steps
-    saved = None if reevaluate else atomic_io.read_json_or_none(final_path, "final evaluation")
+    saved = atomic_io.read_json_or_none(final_path, "final evaluation")
     latest = ckpts.latest_step()
     if saved is not None and latest is not None and latest >= num_steps:
       abstract = checkpoints.abstract_like(jax.eval_shape(self.model.init, jax.random.key(0)),
@@ -552,24 +532,34 @@ def load_checkpoints(config: ml_collections.ConfigDict, workdir: str, *,
     directory = run_dir(workdir, run)
     checkpoints.check_architecture(directory, arch)
     ckpts = checkpoints.RunCheckpoints(directory, read_only=True)
-    step = ckpts.latest_step()
-    if step is None:
-      raise ValueError(f"run {run.name!r} has no checkpoint in {ckpts.directory}; train it first")
-    fields = run_fields(config, run, base_digest if run.fine_tunes else None)
-    old = fingerprints.read_record(directory)
-    if old is None:
-      raise ValueError(f"run {run.name!r} in {directory} has no readable {fingerprints.RECORD} "
-                       "(trained before runs recorded their config); rerun training, which "
-                       "moves it aside and trains it again")
-    if _retrains(old, fields):
-      raise ValueError(f"run {run.name!r} in {directory} was trained with other fields: "
-                       f"{fingerprints.change_line(old, fields)}; rerun training first")
-    num_steps = schedule(config, run).num_steps
-    if require_complete and step < num_steps:
-      raise ValueError(f"run {run.name!r} stopped at step {step} of {num_steps} "
-                       f"({ckpts.directory}); rerun training to finish it")
-    out[run.name] = ckpts.restore_params(step, abstract)
+    try:
+      out[run.name], digest = _load_run(config, run, ckpts, abstract, base_digest,
+                                        require_complete)
+    finally:
+      ckpts.close()
     if run.name == "base":
-      base_digest = ckpts.digest(step)
-    ckpts.close()
+      base_digest = digest
   return out
+
+
+def _load_run(config, run, ckpts, abstract, base_digest, require_complete):
+  """(params, their content hash) of ``run``'s latest checkpoint, checked as
+  ``load_checkpoints`` says."""
+  directory = ckpts.run_dir
+  step = ckpts.latest_step()
+  if step is None:
+    raise ValueError(f"run {run.name!r} has no checkpoint in {ckpts.directory}; train it first")
+  fields = run_fields(config, run, base_digest if run.fine_tunes else None)
+  old = fingerprints.read_record(directory)
+  if old is None:
+    raise ValueError(f"run {run.name!r} in {directory} has no readable {fingerprints.RECORD} "
+                     "(trained before runs recorded their config); rerun training, which "
+                     "moves it aside and trains it again")
+  if old != fields:
+    raise ValueError(f"run {run.name!r} in {directory} was trained with other fields: "
+                     f"{fingerprints.change_line(old, fields)}; rerun training first")
+  num_steps = schedule(config, run).num_steps
+  if require_complete and step < num_steps:
+    raise ValueError(f"run {run.name!r} stopped at step {step} of {num_steps} "
+                     f"({ckpts.directory}); rerun training to finish it")
+  return ckpts.restore_params(step, abstract), ckpts.digest(step)
