@@ -207,12 +207,17 @@ class RunCheckpoints:
     self._manager.close()
 
 
+def barrier(name: str) -> None:
+  """Waits for every process (multi-host); nothing to do in a single process."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
 def on_process_0(fn, name: str):
   """``fn()`` on process 0 only (a file operation on the shared workdir), then a barrier
   so that every process sees its effect; returns its result on process 0, else None."""
   result = fn() if jax.process_index() == 0 else None
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
+  barrier(name)
   return result
 
 

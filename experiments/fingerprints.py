@@ -1,7 +1,7 @@
 """Fingerprints: what each stage of a run depends on, and which of it changed.
 
 A stage's inputs are a flat dict of named fields ("train.learning_rate":
-0.003, "base params": "<sha256>", ...), stored as JSON next to the stage's
+0.003, "sha256 of base params": "<hex>", ...), stored as JSON next to the stage's
 state; its fingerprint is the sha256 of that dict. A rerun compares the
 stored dict with the current one: a finished stage whose fields are equal is
 skipped; one whose fields differ is recomputed, with one log line naming the
@@ -24,16 +24,16 @@ Stages and their fields:
 * study stage (``study.py``, one JSON per pair and stage under
   ``study/<scope>/pairs/``): the scope's parameter paths, the model fields,
   the content hash of the evaluation examples (through which the data set
-  and its reader options enter),
-  ``study.num_lambdas``, the content hashes of both endpoints, and the
-  options the stage uses (``study.distance`` for Stage 1 of every method but
+  and its reader options enter), ``study.num_lambdas``, the content hashes
+  of both endpoints, and the options the stage uses (``study.distance`` for Stage 1 of every method but
   "naive", ``study.match_steps`` and ``study.match_learning_rate`` for the
   "full" refinement; ``seed``, ``study.noise_levels`` and ``study.methods``
   for the robustness check).
 * report (``study/report_fingerprints.json``): the content hash of the
   results it is drawn from.
 
-Fields deliberately left out, because they cannot change a stored result:
+Fields deliberately left out, because they change no stored result beyond
+the float32 rounding of sums:
 
 * ``train.log_every``, ``train.eval_every``: when the loss is averaged and
   logged and when the model is evaluated on the way; neither touches the

@@ -41,7 +41,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 

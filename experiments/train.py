@@ -8,7 +8,8 @@ are unchanged is skipped when complete and resumed from its newest intact
 checkpoint when not; one whose fields changed is moved aside to
 ``<run dir>.stale-<time>`` (never deleted) and trained again, with one log
 line naming the fields. A fine-tuned run depends on the base model's final
-parameters, so a retrained base retrains it too. Layout:
+parameters, so a retrained base retrains it too. A complete run's final
+parameters are verified (``checkpoints.py``) before it is skipped. Layout:
 
     workdir/base/                       the base model: seed ``config.seed``,
                                         data set ``config.dataset.name``
@@ -39,7 +40,6 @@ process per host, call ``jax.distributed.initialize()`` before anything else
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from typing import Any
@@ -321,6 +321,7 @@ class Trainer:
     changed fields.
     """
     old = fingerprints.read_record(directory)
+    checkpoints.barrier(f"read {directory}")  # every process reads before any changes it
     if old == fields:
       return
     if os.path.isdir(directory) and os.listdir(directory):
