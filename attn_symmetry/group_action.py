@@ -299,7 +299,8 @@ def _apply_one(params: Params, e: AttentionElement) -> Params:
   for path, leaf in spec_lib.flatten(params).items():
     if path in maps:
       perm, axis, eq, mat = maps[path]
-      leaf = jnp.einsum(eq, jnp.take(leaf, perm, axis=axis), mat.astype(leaf.dtype))
+      # In the wider of the two dtypes, rounded once: a float32 element on bfloat16 leaves.
+      leaf = jnp.einsum(eq, jnp.take(leaf, perm, axis=axis), mat).astype(leaf.dtype)
     out[path] = leaf
   return spec_lib.unflatten(out)
 
@@ -313,7 +314,9 @@ def apply(params: Params, element: AttentionElement) -> Params:
     element: an ``AttentionElement`` with perm [..., N].
 
   Returns:
-    Transformed parameters, same structure, shapes and dtypes.
+    Transformed parameters, same structure, shapes and dtypes (each leaf is
+    computed in the wider of its dtype and the element's, then cast back, so
+    a float32 element acts on bfloat16 leaves with one rounding).
 
   Raises:
     ValueError: naming the leaf or field, on mismatched shapes, a ``perm``
@@ -356,7 +359,7 @@ def inverse(element: AttentionElement) -> AttentionElement:
 def _act_on_axis(leaf: jax.Array, axis: int, value: jax.Array, kind: str) -> jax.Array:
   if kind == "permutation":
     return jnp.take(leaf, value, axis=axis)
-  return jnp.moveaxis(jnp.tensordot(leaf, value.astype(leaf.dtype), axes=(axis, 0)), -1, axis)
+  return jnp.moveaxis(jnp.tensordot(leaf, value, axes=(axis, 0)), -1, axis).astype(leaf.dtype)
 
 
 def _check_model_element(spec: spec_lib.SymmetrySpec, element: Mapping[str, Any]) -> None:
@@ -393,6 +396,10 @@ def _check_folded(path: str, scale: jax.Array) -> None:
 def apply_model(spec: spec_lib.SymmetrySpec, params: Params, element: ModelElement) -> Params:
   """g . params for a whole model described by ``spec``.
 
+  Every leaf keeps its dtype. bfloat16 and float16 leaves are transformed in
+  float32 (the dtype of the elements that matching returns for them) and
+  rounded once at the end, whatever number of factors act on them.
+
   Raises:
     ValueError: if params or element do not fit the spec (naming the leaf or
       factor), or if an orthogonal factor meets a norm scale that is not all
@@ -401,7 +408,9 @@ def apply_model(spec: spec_lib.SymmetrySpec, params: Params, element: ModelEleme
   """
   spec.check(params)
   _check_model_element(spec, element)
-  flat = spec_lib.flatten(params)
+  dtypes = {p: x.dtype for p, x in spec_lib.flatten(params).items()}
+  wide = lambda d: jnp.promote_types(d, jnp.float32) if jnp.issubdtype(d, jnp.floating) else d
+  flat = {p: x.astype(wide(x.dtype)) for p, x in spec_lib.flatten(params).items()}
   for path, axes in spec.axes.items():
     for axis, f in enumerate(axes):
       if f is None:
@@ -418,7 +427,7 @@ def apply_model(spec: spec_lib.SymmetrySpec, params: Params, element: ModelEleme
     for p in parents:
       node = node[p]
     node[last] = apply(node[last], element[site])
-  return out
+  return jax.tree.map(lambda x, d: x.astype(d), out, spec_lib.unflatten(dtypes))
 
 
 def identity_model(spec: spec_lib.SymmetrySpec, dtype: Any = None) -> ModelElement:

@@ -282,3 +282,18 @@ def test_random_permutations_cover_the_group():
   assert seen == set(itertools.permutations(range(N)))
   seen_gqa = {tuple(np.asarray(_element(s, "permutation", 2).perm)) for s in range(200)}
   assert len(seen_gqa) == 8 and all({p[0] // 2, p[1] // 2} == {p[0] // 2} for p in seen_gqa)
+
+
+def test_float32_element_on_bfloat16_params_keeps_their_dtype():
+  """What matching returns for half-precision models: a float32 element acts on bfloat16
+  leaves in float32, rounded once (the result equals the float32 action rounded to bfloat16),
+  and every leaf stays bfloat16."""
+  spec = tiny.symmetry_spec(rms=True)  # an orthogonal residual factor and GQA RoPE sites
+  params = ga.fold_norm_scales(spec, tiny.init(jax.random.key(0), rms=True, dtype=jnp.float32))
+  half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  g = ga.random_model_element(jax.random.key(1), spec, dtype=jnp.float32)
+  moved = ga.apply_model(spec, half, g)
+  assert {x.dtype for x in jax.tree.leaves(moved)} == {jnp.dtype(jnp.bfloat16)}
+  upcast = jax.tree.map(lambda x: x.astype(jnp.float32), half)
+  want = jax.tree.map(lambda x: x.astype(jnp.bfloat16), ga.apply_model(spec, upcast, g))
+  jax.tree.map(np.testing.assert_array_equal, moved, want)

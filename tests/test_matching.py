@@ -217,6 +217,23 @@ def test_refinement_guard_keeps_matrices_well_conditioned(x64):
   assert value <= start_value and cond <= _stage2.max_condition(jnp.float64)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(x64, dtype):
+  """Half-precision layers are matched in float32 (x64 on: float32 whatever JAX's default):
+  the planted permutation exactly, the distance down to the rounding of the parameters."""
+  a, b, g, options = _planted("rope_half_gqa")
+  half = lambda t: jax.tree.map(lambda x: np.asarray(x).astype(dtype), t)
+  element, info = matching.match_attention(half(a), half(b), **options)
+  assert element.qk.dtype == element.vo.dtype == info["objective"]["full"].dtype == jnp.float32
+  np.testing.assert_array_equal(element.perm, _inverse_perm(g))
+  objective = {k: float(v.sum()) for k, v in info["objective"].items()}
+  assert objective["full"] <= (2e-5 if dtype == jnp.bfloat16 else 1e-6) * objective["naive"]
+  elements, info = matching.match_attention_exhaustive(half(a), half(b), method="ortho", **options)
+  assert elements.qk.dtype == jnp.float32
+  perms = np.asarray(info["perms"])
+  np.testing.assert_array_equal(perms[np.asarray(info["stage1_index"])], _inverse_perm(g))
+
+
 # ----------------------------------------------------------------------------- exhaustive mode
 
 

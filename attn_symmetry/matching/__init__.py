@@ -12,6 +12,9 @@ Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.
   align_model                 all of it, for every factor and attention site in scope.
   linear_assignment           the jitted Hungarian algorithm, batched.
 
+bfloat16 and float16 parameters are matched in float32, and the elements are
+float32 (float32 and float64 parameters are matched in their own dtype);
+``group_action.apply_model`` applies them keeping the parameters' dtype.
 Everything is jitted end to end and imports jax, numpy and optax only.
 """
 

@@ -17,8 +17,14 @@ parameter distance over the query, key, value and output weights and biases,
 sum_leaf ||theta_A - g . theta_B||^2 (the output bias is left out: no head
 symmetry moves it), computed from the H x H Grams.
 
-Everything after input validation runs in one ``jax.jit`` per shape: Grams by
-einsum, ``vmap`` over layers, heads and permutations, ``jax.lax`` loops.
+Half precision: bfloat16 and float16 parameters are cast to float32 before
+any computation (``compute_dtype``), so the returned elements and objectives
+are float32 for them; float32 and float64 parameters are matched in their own
+dtype.
+
+Everything after input validation runs in one ``jax.jit`` per shape and dtype:
+Grams by einsum, ``vmap`` over layers, heads and permutations, ``jax.lax``
+loops.
 """
 
 from __future__ import annotations
@@ -79,6 +85,19 @@ def check_same_leaves(flat_a: dict[str, Any], flat_b: dict[str, Any]) -> None:
                        f"{b.dtype}{list(b.shape)}")
     if not jnp.issubdtype(a.dtype, jnp.floating):
       raise ValueError(f"{path}: parameters must be floating point, got {a.dtype}")
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+  """The dtype matching computes in: float32 for bfloat16 and float16, else ``dtype``."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def upcast(tree: Any) -> Any:
+  """Floating leaves cast to their ``compute_dtype`` (a no-op for float32 and float64)."""
+  def cast(x):
+    dtype = compute_dtype(x.dtype)
+    return x if x.dtype == dtype else x.astype(dtype)
+  return jax.tree.map(cast, tree)
 
 
 def layer_shapes(params: Params, prefix: str = "") -> tuple[tuple[int, ...], int, int, int, int]:
@@ -260,8 +279,9 @@ def _prepare(params_a, params_b, *, group, rope_pairing, rotary_fraction, rope_a
                          rope_axes=rope_axes)
   site = spec_lib.AttentionSite(n, h, num_kv_heads=k, group=group, rope_pairing=rope_pairing,
                                 rotary_fraction=rotary_fraction, rope_axes=rope_axes)
-  dtype = params_a["query"]["kernel"].dtype
-  return site, canonical_layer(params_a), canonical_layer(params_b), jnp.asarray(learning_rate, dtype)
+  dtype = compute_dtype(params_a["query"]["kernel"].dtype)
+  return (site, upcast(canonical_layer(params_a)), upcast(canonical_layer(params_b)),
+          jnp.asarray(learning_rate, dtype))
 
 
 def canonical_layer(params: Params) -> Params:
@@ -283,9 +303,10 @@ def match_attention(params_a: Params, params_b: Params, *, group: str = "gl",
   """Aligns attention layer B to layer A (module docstring).
 
   Args:
-    params_a, params_b: canonical attention parameters of the same shapes
-      (``attention.py``; biases optional), one layer ([D, N, H] query kernel)
-      or a stack with leading axes ([L, D, N, H]).
+    params_a, params_b: canonical attention parameters of the same shapes and
+      floating dtype (``attention.py``; biases optional), one layer ([D, N, H]
+      query kernel) or a stack with leading axes ([L, D, N, H]). bfloat16 and
+      float16 parameters are matched in float32.
     group: "gl" (no or absolute position encoding) or "rope" (the QK matrix
       is restricted to H(H), and Stage 1 compares per-frequency-pair circuits).
     rope_pairing, rotary_fraction, rope_axes: the RoPE layout, for "rope".
@@ -298,9 +319,11 @@ def match_attention(params_a: Params, params_b: Params, *, group: str = "gl",
   Returns:
     (element, info): an ``AttentionElement`` with the layers' leading shape
     such that ``group_action.apply(params_b, element)`` is close to
-    ``params_a``; info["objective"][stage] [...] the squared parameter
-    distance after each stage run ("naive", then up to ``method``),
-    info["assignment_cost"] [...] the optimal Stage 1 cost (not for "naive").
+    ``params_a``; its matrices and the objectives are float32 for bfloat16
+    and float16 parameters and in the parameters' dtype otherwise.
+    info["objective"][stage] [...] the squared parameter distance after each
+    stage run ("naive", then up to ``method``), info["assignment_cost"] [...]
+    the optimal Stage 1 cost (not for "naive").
 
   Raises:
     ValueError: before any computation, naming the leaf or option, if the
@@ -324,13 +347,14 @@ def match_attention_exhaustive(params_a: Params, params_b: Params, *, group: str
 
   Enumerates the P head permutations that map kv groups onto kv groups (N!
   for multi-head attention; at most ``MAX_EXHAUSTIVE_HEADS`` heads) and runs
-  Stage 2 of ``method`` ("perm", "ortho" or "full") after each. Arguments as
-  ``match_attention``.
+  Stage 2 of ``method`` ("perm", "ortho" or "full") after each. Arguments
+  (half precision included) as ``match_attention``.
 
   Returns:
     (elements, info): elements with batch shape [P, ...] (permutation first,
-    then the layers' leading shape); info["objective"] [P, ...] the squared
-    parameter distance of each, info["perms"] [P, N] the permutations
+    then the layers' leading shape; float32 matrices for bfloat16 and float16
+    parameters); info["objective"] [P, ...] the squared parameter distance of
+    each, info["perms"] [P, N] the permutations
     (``_assignment.head_permutations`` order), info["stage1_index"] [...]
     the row of the permutation that Stage 1 picks with ``distance``.
   """

@@ -63,15 +63,16 @@ def _site_leaves(spec: spec_lib.SymmetrySpec, site: str) -> list[str]:
   return [p for p in spec.axes if p.startswith(site + "/")]
 
 
-def active_names(spec: spec_lib.SymmetrySpec, scope: Sequence[str] | None,
+def active_names(spec: spec_lib.SymmetrySpec, scope: str | Sequence[str] | None,
                  attention: bool = True) -> tuple[str, ...]:
   """Factors and (if ``attention``) sites all of whose leaves lie under a prefix of ``scope``.
 
-  ``scope`` None or [""] means the whole model. A prefix that names no leaf is
-  an error (ValueError naming it), so that a typo does not silently align
-  nothing.
+  ``scope`` None or [""] means the whole model; a bare string is one prefix.
+  A prefix that names no leaf is an error (ValueError naming it), so that a
+  typo does not silently align nothing.
   """
-  prefixes = [""] if scope is None else list(scope)
+  prefixes = [""] if scope is None else [scope] if isinstance(scope, str) else list(scope)
+
   for p in prefixes:
     if not isinstance(p, str):
       raise ValueError(f"scope entries must be path prefixes (str), got {p!r}")
@@ -361,6 +362,7 @@ def _check_model_pair(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: P
 def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps, learning_rate,
                      max_rounds):
   active = spec.restrict(names)
+  params_a, params_b = _attention.upcast(params_a), _attention.upcast(params_b)
   needs_folding = any(active.factors[f].kind == "orthogonal" for f in active.factors
                       if any(f in spec.axes[p] for p in spec.norm_scales))
   if needs_folding:
@@ -378,7 +380,7 @@ def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps
 
 
 def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
-                scope: Sequence[str] | None = None, method: str = "full",
+                scope: str | Sequence[str] | None = None, method: str = "full",
                 distance: str = "frobenius", steps: int = _attention.DEFAULT_STEPS,
                 learning_rate: float = _attention.DEFAULT_LEARNING_RATE,
                 max_rounds: int = DEFAULT_MAX_ROUNDS) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -386,10 +388,12 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
 
   Args:
     spec: the models' symmetry spec.
-    params_a, params_b: parameters that fit ``spec``, with equal shapes.
-    scope: parameter path prefixes (``model.scope_paths(name)``); a factor or
-      site is aligned only if every leaf it acts on lies under one of them,
-      the rest stays identity. None or [""]: the whole model.
+    params_a, params_b: parameters that fit ``spec``, with equal shapes and
+      dtypes; bfloat16 and float16 parameters are aligned in float32.
+    scope: parameter path prefixes (``model.scope_paths(name)``), or one
+      prefix as a string; a factor or site is aligned only if every leaf it
+      acts on lies under one of them, the rest stays identity. None or [""]:
+      the whole model.
     method: "naive" (identity everywhere), or the attention method ("perm",
       "ortho", "full"; ``match_attention``) used next to Weight Matching of
       the factors.
@@ -400,9 +404,12 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     (element, info): a model element for ``group_action.apply_model(spec,
     params, element)``, where params is ``params_b``, or, when an aligned
     orthogonal factor meets norm scales, ``group_action.fold_norm_scales(spec,
-    params_b)`` (info["folded_norm_scales"] says which); info["distance"]
-    {"initial", "final"} the squared parameter distance to (folded) A before
-    and after, info["rounds"] the rounds run.
+    params_b)`` (info["folded_norm_scales"] says which). Its matrices are
+    float32 for bfloat16 and float16 parameters (``apply_model`` keeps the
+    parameters' dtype), in the parameters' dtype otherwise.
+    info["distance"] {"initial", "final"} the squared parameter distance to
+    (folded) A before and after, computed in that dtype; info["rounds"] the
+    rounds run.
 
   Raises:
     ValueError: before any computation, naming the leaf, if the parameters do
@@ -413,20 +420,21 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
   _check_model_pair(spec, params_a, params_b)
   names = active_names(spec, scope)
   if method == "naive":
-    return group_action.identity_model(spec), {"folded_norm_scales": False}
+    dtype = _attention.compute_dtype(next(iter(spec_lib.flatten(params_a).values())).dtype)
+    return group_action.identity_model(spec, dtype), {"folded_norm_scales": False}
   return _weight_matching(spec, params_a, params_b, names=names, method=method, distance=distance,
                           steps=steps, learning_rate=learning_rate, max_rounds=max_rounds)
 
 
 def match_ffn(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
-              scope: Sequence[str] | None = None,
+              scope: str | Sequence[str] | None = None,
               max_rounds: int = DEFAULT_MAX_ROUNDS) -> tuple[dict[str, Any], dict[str, Any]]:
   """Weight Matching (Ainsworth et al. 2023) of the permutation and orthogonal factors of ``spec``.
 
   Coordinate descent over the factors in scope (FFN hidden units, the residual
   stream), each step a linear assignment (or orthogonal Procrustes) on every
   weight the factor acts on; attention sites stay identity. Arguments and
-  returns as ``align_model``.
+  returns (half precision included) as ``align_model``.
   """
   _check_model_pair(spec, params_a, params_b)
   names = active_names(spec, scope, attention=False)
