@@ -205,6 +205,39 @@ def test_scope_selects_factors_and_sites(scope, expected):
   assert sorted(_model.active_names(spec, scope)) == sorted(expected)
 
 
+# ----------------------------------------------------------------------------- one site: the methods
+
+
+def _planted_first_attention(seed, element):
+  """(spec, A, B): B differs from A by ``element`` on layers_0/attention only."""
+  spec, shapes = vit_like()
+  part = spec.restrict(["layers_0/attention"])
+  a = _init(shapes, seed)
+  return spec, a, _numpy(_jitted_apply(part)(a, {"layers_0/attention": element}))
+
+
+def test_variant1_applies_the_stage1_permutation(x64):
+  """B = (tau, -I, -I) . A on the first attention layer: Stage 1 finds tau^{-1} (circuits are
+  invariant), but the permutation alone doubles the distance (every head weight is negated).
+  "perm" applies it all the same, as the paper's Variant 1; "ortho" recovers A."""
+  tau = np.array([2, 0, 3, 1], np.int32)
+  minus = -np.broadcast_to(np.eye(H), (N, H, H))
+  spec, a, b = _planted_first_attention(4, ga.AttentionElement(tau, minus, minus))
+  site = "layers_0/attention"
+  element, info = matching.align_model(spec, a, b, scope=site, method="perm")
+  np.testing.assert_array_equal(element[site].perm, np.argsort(tau))
+  np.testing.assert_array_equal(element[site].qk, np.broadcast_to(np.eye(H), (N, H, H)))
+  initial, final = float(info["distance"]["initial"]), float(info["distance"]["final"])
+  assert final > 1.5 * initial  # applied although it raises the distance
+  moved = spec_lib.flatten(ga.apply_model(spec, b, _numpy(element)))
+  np.testing.assert_allclose(final, sum(np.sum((x - moved[p]) ** 2)
+                                        for p, x in spec_lib.flatten(a).items()), rtol=1e-9)
+  element, info = matching.align_model(spec, a, b, scope=site, method="ortho")
+  np.testing.assert_array_equal(element[site].perm, np.argsort(tau))
+  np.testing.assert_allclose(element[site].qk, minus, atol=1e-12)
+  assert float(info["distance"]["final"]) <= 1e-20 * initial
+
+
 # ----------------------------------------------------------------------------- half precision
 
 

@@ -20,14 +20,29 @@ generalised):
 Steps are batched where they are independent: factors of one kind and size
 that share no leaf (the FFNs of all layers) form one step with one batched
 LAP, attention sites of one configuration one step with ``vmap`` over layers.
-Each step is accepted only if it improves the objective by more than a
-relative tolerance; a step is rerun only when a step sharing a leaf with it
-changed after it last ran, and the loop ends when no step is pending (or
-after ``max_rounds``). In the first round a factor reads only the leaves whose
-other factors and sites are already solved (embeddings, norms and the head for
-the residual stream, when nothing else is known), and runs again later with
-all of its leaves: a wrong first guess from still unmatched weights would
-otherwise steer the descent.
+A step is rerun only when a step sharing a leaf with it changed after it last
+ran, and the loop ends when no step is pending (or after ``max_rounds``). In
+the first round a factor reads only the leaves whose other factors and sites
+are already solved (embeddings, norms and the head for the residual stream,
+when nothing else is known), and runs again later with all of its leaves: a
+wrong first guess from still unmatched weights would otherwise steer the
+descent.
+
+Acceptance. A factor step is an exact minimiser given everything else; it is
+accepted only if it improves the objective by more than a relative tolerance
+(so that rounding never moves a factor back and forth). An attention step is
+not a minimiser: Stage 1 chooses the permutation by invariant circuit
+distances, not by the parameter distance, and each method's Stage 2 is its
+own solution. The first solve of every site (in round one) therefore applies
+the method's solution unconditionally, as the paper defines the method: for
+"perm" (Variant 1) the Stage 1 permutation even where it raises the distance,
+for "ortho" and "full" their solution after that permutation even where it is
+worse than identity (Stage 2 itself never is worse than the permutation
+alone). When the factors around a site change in a later round, the site is
+solved again and the new solution is accepted only if it lowers the objective
+by more than the tolerance: from round two on the descent is monotone, and so
+it ends. With a single site in scope (the first attention layer) the result is
+exactly the method's solution.
 """
 
 from __future__ import annotations
@@ -229,9 +244,10 @@ def _stack(trees: list[Any]) -> Any:
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element, learning_rate,
-                    *, method: str, distance: str, steps: int) -> tuple[dict[str, Any], jax.Array]:
-  """Matches every site of ``step`` (vmap over sites) given the factors; (element, changed)."""
+def _site_grams(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element
+                ) -> tuple[_features.Grams, jax.Array]:
+  """Grams [S, ...] of the S sites of ``step``, B with the factors applied, and the
+  squared norms [S] of both layers (the scale of the acceptance tolerance)."""
   layers_a, layers_b = [], []
   for s in step.names:
     leaves = _site_leaves(spec, s)
@@ -239,21 +255,35 @@ def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, el
     layers_b.append(spec_lib.unflatten({p[len(s) + 1:]: _transform(spec, flat_b[p], p, element)
                                         for p in leaves}))
   layer_a, layer_b = _stack(layers_a), _stack(layers_b)
-  grams = jax.vmap(_features.layer_grams)(layer_a, layer_b)
+  squares = lambda t: sum(jnp.sum(x * x, axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(t))
+  return jax.vmap(_features.layer_grams)(layer_a, layer_b), squares(layer_a) + squares(layer_b)
+
+
+def _set_sites(step: _Step, element, stacked) -> dict[str, Any]:
+  return dict(element, **{s: jax.tree.map(lambda x, i=i: x[i], stacked)
+                          for i, s in enumerate(step.names)})
+
+
+def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element, learning_rate,
+                    first: jax.Array, *, method: str, distance: str, steps: int
+                    ) -> tuple[dict[str, Any], jax.Array]:
+  """Matches every site of ``step`` (vmap over sites) given the factors; (element, changed).
+
+  The method's solution is taken unconditionally when ``first`` (the sites'
+  first solve), else only where it lowers the objective (module docstring).
+  """
+  grams, scale = _site_grams(spec, step, flat_a, flat_b, element)
   site = spec.attention[step.names[0]]
   solve = lambda g, current: _attention.solve_layer(g, site, method, distance, steps=steps,
                                                     learning_rate=learning_rate, current=current)
   old = _stack([element[s] for s in step.names])
   new, info = jax.vmap(solve)(grams, old)
-  old_value = info["objective"]["current"]
-  squares = lambda t: sum(jnp.sum(x * x, axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(t))
-  scale = squares(layer_a) + squares(layer_b)
-  accept = info["objective"][method] < old_value - _tolerance(scale.dtype) * scale
+  old_value, new_value = info["objective"]["current"], info["objective"][method]
+  tolerance = _tolerance(scale.dtype) * scale
+  accept = first | (new_value < old_value - tolerance)
+  moved = jnp.any(new.perm != old.perm, axis=-1) | (jnp.abs(new_value - old_value) > tolerance)
   pick = lambda x, y: jnp.where(accept.reshape(-1, *[1] * (x.ndim - 1)), x, y)
-  chosen = jax.tree.map(pick, new, old)
-  element = dict(element, **{s: jax.tree.map(lambda x, i=i: x[i], chosen)
-                             for i, s in enumerate(step.names)})
-  return element, jnp.any(accept)
+  return _set_sites(step, element, jax.tree.map(pick, new, old)), jnp.any(accept & moved)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -304,8 +334,8 @@ def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps,
   def run(i, element, rounds):
     step = plan[i]
     if step.attention:
-      return _attention_step(spec, step, flat_a, flat_b, element, learning_rate, method=method,
-                             distance=distance, steps=steps)
+      return _attention_step(spec, step, flat_a, flat_b, element, learning_rate, rounds == 0,
+                             method=method, distance=distance, steps=steps)
     scores = lambda leaves: _factor_scores(spec, plan, step, flat_a, flat_b, element, leaves)
     if first[i] is None:
       total = scores(step.leaves)
