@@ -161,10 +161,11 @@ def _assert_permutations_recovered(spec, element, g):
 
 @pytest.mark.parametrize("build", [vit_like, llama_like], ids=["vit_like", "llama_like"])
 def test_planted_model_recovery(x64, build):
+  """Exact recovery with the least-squares starts (init="best"), refined in every round."""
   spec, shapes = build()
   apply = _jitted_apply(spec)
   a, b, g = _planted(spec, shapes, 0, spec, apply)
-  element, info = matching.align_model(spec, a, b)
+  element, info = matching.align_model(spec, a, b, init="best")
   assert info["folded_norm_scales"] == bool(spec.norm_scales)
   folded_a = ga.fold_norm_scales(spec, a)
   assert _max_relative_error(apply, folded_a, b, element) <= 1e-5
@@ -180,7 +181,7 @@ def test_scope_aligns_only_inside_it(x64):
   spec, shapes = vit_like()
   part = spec.restrict(["layers_0/mlp", "layers_0/attention"])
   a, b, g = _planted(spec, shapes, 1, part, _jitted_apply(part))
-  element, _ = matching.align_model(spec, a, b, scope=["layers_0"])
+  element, _ = matching.align_model(spec, a, b, scope=["layers_0"], init="best")
   assert _max_relative_error(_jitted_apply(spec), a, b, element) <= 1e-5
   np.testing.assert_array_equal(element[R], np.arange(D))
   np.testing.assert_array_equal(element["layers_1/mlp"], np.arange(F))
@@ -236,6 +237,19 @@ def test_variant1_applies_the_stage1_permutation(x64):
   np.testing.assert_array_equal(element[site].perm, np.argsort(tau))
   np.testing.assert_allclose(element[site].qk, minus, atol=1e-12)
   assert float(info["distance"]["final"]) <= 1e-20 * initial
+
+
+def test_init_reaches_align_model(x64):
+  """With no Adam steps "full" is its start: Variant 2's element for init="procrustes", the
+  planted element (exact least squares) for init="best"."""
+  g = _random_element(vit_like()[0], np.random.default_rng(5))["layers_0/attention"]
+  spec, a, b = _planted_first_attention(5, g)
+  site = ["layers_0/attention"]
+  ortho, _ = matching.align_model(spec, a, b, scope=site, method="ortho")
+  start, _ = matching.align_model(spec, a, b, scope=site, steps=0)
+  jax.tree.map(np.testing.assert_array_equal, start, ortho)
+  _, info = matching.align_model(spec, a, b, scope=site, steps=0, init="best")
+  assert float(info["distance"]["final"]) <= 1e-10 * float(info["distance"]["initial"])
 
 
 # ----------------------------------------------------------------------------- half precision
@@ -311,7 +325,7 @@ def test_match_ffn_planted_and_coordinatewise_optimal(x64):
 
 def test_one_trace_for_equal_specs(x64, monkeypatch):
   counted = jax.jit(chex.assert_max_traces(_model._align_core, n=1),
-                    static_argnames=("spec", "method", "distance", "steps", "max_rounds"))
+                    static_argnames=_model._STATIC)  # pylint: disable=protected-access
   monkeypatch.setattr(_model, "_align_jit", counted)
   for seed in range(3):  # a new but equal spec object each time
     spec, shapes = mlp_like()
@@ -349,3 +363,11 @@ def test_bad_model_input_names_the_leaf(x64, case):
   spec, a, b, scope, message = _bad(case)
   with pytest.raises(ValueError, match=message):
     matching.align_model(spec, a, b, scope=scope)
+
+
+@pytest.mark.parametrize("kwargs,message", [(dict(init="lstsq"), "init must be one of")])
+def test_bad_model_options(kwargs, message):
+  spec, shapes = vit_like()
+  a = _init(shapes, 0)
+  with pytest.raises(ValueError, match=message):
+    matching.align_model(spec, a, a, **kwargs)

@@ -12,6 +12,15 @@ Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.
   align_model                 all of it, for every factor and attention site in scope.
   linear_assignment           the jitted Hungarian algorithm, batched.
 
+Attention methods (``METHODS``, the paper's Table 1): "naive" (identity),
+"perm" (Variant 1: the Stage 1 permutation, applied even where it raises the
+distance), "ortho" (Variant 2: Stage 1 and the orthogonal Procrustes
+solution) and "full" (Adam refinement from a start chosen by ``init``,
+``INITS``: "procrustes", the paper's and the default, or "best" of it and the
+least-squares starts, exact on planted problems). In ``align_model`` the first
+solve of every site applies the method's solution unconditionally and later
+re-solves only when they lower the distance.
+
 bfloat16 and float16 parameters are matched in float32, and the elements are
 float32 (float32 and float64 parameters are matched in their own dtype);
 ``group_action.apply_model`` applies them keeping the parameters' dtype.
@@ -22,6 +31,7 @@ from attn_symmetry.matching._assignment import head_permutations
 from attn_symmetry.matching._assignment import linear_assignment
 from attn_symmetry.matching._attention import DEFAULT_LEARNING_RATE
 from attn_symmetry.matching._attention import DEFAULT_STEPS
+from attn_symmetry.matching._attention import INITS
 from attn_symmetry.matching._attention import METHODS
 from attn_symmetry.matching._attention import match_attention
 from attn_symmetry.matching._attention import match_attention_exhaustive

@@ -11,20 +11,22 @@ find g = (perm, A_k, B_k) with g . theta_B close to theta_A:
 
 Methods (the paper's Table 1): "naive" (identity), "perm" (Variant 1: Stage 1
 only), "ortho" (Variant 2: Stage 1 and the orthogonal Procrustes solution),
-"full" (Stage 1, the best of the Procrustes and least-squares starts, then
-Adam refinement). The objective reported for every stage is the squared
-parameter distance over the query, key, value and output weights and biases,
-sum_leaf ||theta_A - g . theta_B||^2 (the output bias is left out: no head
-symmetry moves it), computed from the H x H Grams.
+"full" (Stage 1, then Adam refinement from a start chosen by ``init``: the
+Procrustes solution, as the paper does, for "procrustes" (the default); the
+best of it and the two one-sided least-squares solutions for "best", which is
+exact on noise-free planted problems). The objective reported for every stage
+is the squared parameter distance over the query, key, value and output
+weights and biases, sum_leaf ||theta_A - g . theta_B||^2 (the output bias is
+left out: no head symmetry moves it), computed from the H x H Grams.
 
 Half precision: bfloat16 and float16 parameters are cast to float32 before
 any computation (``compute_dtype``), so the returned elements and objectives
 are float32 for them; float32 and float64 parameters are matched in their own
 dtype.
 
-Everything after input validation runs in one ``jax.jit`` per shape and dtype:
-Grams by einsum, ``vmap`` over layers, heads and permutations, ``jax.lax``
-loops.
+Everything after input validation runs in one ``jax.jit`` per shape, dtype and
+option set: Grams by einsum, ``vmap`` over layers, heads and permutations,
+``jax.lax`` loops.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from attn_symmetry.matching import _features
 from attn_symmetry.matching import _stage2
 
 METHODS = ("naive", "perm", "ortho", "full")
+INITS = ("procrustes", "best")  # starts of the "full" refinement (module docstring)
 DEFAULT_STEPS = 200
 DEFAULT_LEARNING_RATE = 1e-2
 MAX_EXHAUSTIVE_HEADS = 8
@@ -56,9 +59,11 @@ Params = dict[str, Any]
 # ----------------------------------------------------------------------------- validation
 
 
-def check_options(method: str, distance: str, steps: int) -> None:
+def check_options(method: str, distance: str, steps: int, init: str = INITS[0]) -> None:
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+  if init not in INITS:
+    raise ValueError(f"init must be one of {INITS}, got {init!r}")
   if distance not in _features.DISTANCES:
     raise ValueError(f"distance must be one of {_features.DISTANCES}, got {distance!r}")
   if not isinstance(steps, (int, np.integer)) or steps < 0:
@@ -162,7 +167,7 @@ def element_objective(g: _features.Grams, element: group_action.AttentionElement
 
 
 def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, distance: str, *,
-                steps: int, learning_rate: jax.Array,
+                steps: int, learning_rate: jax.Array, init: str = INITS[0],
                 current: group_action.AttentionElement | None = None
                 ) -> tuple[group_action.AttentionElement, dict[str, Any]]:
   """Both stages for one layer from its Grams (no leading axes).
@@ -173,7 +178,6 @@ def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, d
     info["objective"]["current"] for the element ``current`` when given
     (evaluated in the same batch).
   """
-  rope = site if site.group == "rope" else None
   identity = jnp.arange(site.num_heads, dtype=jnp.int32)
   eye = jnp.broadcast_to(jnp.eye(site.head_dim, dtype=g.q.dtype),
                          (site.kv_heads, site.head_dim, site.head_dim))
@@ -183,7 +187,8 @@ def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, d
     return element, {"objective": {"naive": _values([(eye, eye)], [naive])[0]}}
   cost = _features.head_cost(g, site, distance)
   perm = _assignment.assign_heads(cost, site.kv_heads)
-  element, stages = stage2(g, perm, site, method, steps=steps, learning_rate=learning_rate)
+  element, stages = stage2(g, perm, site, method, steps=steps, learning_rate=learning_rate,
+                           init=init)
   problems = _stage2.pair_problems(g, perm)
   names, matrices = ["naive", *stages], [(eye, eye), *stages.values()]
   batch = [naive, *[problems] * len(stages)]
@@ -196,7 +201,7 @@ def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, d
 
 
 def stage2(g: _features.Grams, perm: jax.Array, site: spec_lib.AttentionSite, method: str, *,
-           steps: int, learning_rate: jax.Array
+           steps: int, learning_rate: jax.Array, init: str = INITS[0]
            ) -> tuple[group_action.AttentionElement, dict[str, tuple[jax.Array, jax.Array]]]:
   """Stage 2 after the head assignment ``perm`` [N] of one layer.
 
@@ -206,21 +211,48 @@ def stage2(g: _features.Grams, perm: jax.Array, site: spec_lib.AttentionSite, me
   """
   problems = _stage2.pair_problems(g, perm)
   rope = site if site.group == "rope" else None
-  k = site.kv_heads
   eye = jnp.broadcast_to(jnp.eye(site.head_dim, dtype=g.q.dtype), problems[0].s1.shape)
   stages = {"perm": (eye, eye)}
   if method in ("ortho", "full"):
     stages["ortho"] = _stage2.procrustes(problems[0].c1 + problems[0].c2,
                                          problems[1].c1 + problems[1].c2, rope)
-  if method == "full":  # QK and VO in one batch of 2K problems, after the SVD
-    both = jax.tree.map(lambda x, y: jnp.concatenate([x, y]), *problems)
-    both = _stage2.sequenced(both, stages["ortho"])
-    constrained = jnp.arange(2 * k) < k  # the QK half lies in H(H) under RoPE
-    solve = lambda p, start, c: _stage2.refine(
-        _stage2.best_start(p, start, c, rope), p, c, rope, steps=steps, learning_rate=learning_rate)
-    solved = jax.vmap(solve)(both, jnp.concatenate(stages["ortho"]), constrained)
-    stages["full"] = (solved[:k], solved[k:])
+  if method == "full":
+    stages["full"] = refine_matrices(problems, stages["ortho"], site, steps=steps,
+                                     learning_rate=learning_rate, init=init)
   return group_action.AttentionElement(perm.astype(jnp.int32), *stages[method]), stages
+
+
+def refine_matrices(problems: tuple[_stage2.Problem, _stage2.Problem],
+                    start: tuple[jax.Array, jax.Array], site: spec_lib.AttentionSite, *,
+                    steps: int, learning_rate: jax.Array, init: str
+                    ) -> tuple[jax.Array, jax.Array]:
+  """The "full" refinement of one layer's QK and VO matrices [K, H, H].
+
+  Args:
+    problems: the layer's QK and VO problems [K] (``_stage2.pair_problems``).
+    start: (qk, vo) matrices [K, H, H] to start from (the Procrustes solution).
+    site: the layer's attention site (the QK side stays in H(H) under RoPE).
+    steps, learning_rate: Adam steps and learning rate.
+    init: "procrustes" starts from ``start``, "best" from the best of it and
+      the two one-sided least-squares solutions.
+
+  Returns:
+    (qk, vo), each no worse on its problem than its start. QK and VO run as
+    one batch of 2K problems, after the LAPACK calls that made ``start``.
+  """
+  rope = site if site.group == "rope" else None
+  k = site.kv_heads
+  both = jax.tree.map(lambda x, y: jnp.concatenate([x, y]), *problems)
+  both = _stage2.sequenced(both, start)
+  constrained = jnp.arange(2 * k) < k  # the QK half lies in H(H) under RoPE
+
+  def solve(p, m, c):
+    if init == "best":
+      m = _stage2.best_start(p, m, c, rope)
+    return _stage2.refine(m, p, c, rope, steps=steps, learning_rate=learning_rate)
+
+  solved = jax.vmap(solve)(both, jnp.concatenate(start), constrained)
+  return solved[:k], solved[k:]
 
 
 def _flatten_lead(params: Params, lead: tuple[int, ...]) -> Params:
@@ -239,19 +271,21 @@ def _grams(params_a: Params, params_b: Params) -> tuple[_features.Grams, tuple[i
   return grams, lead
 
 
-def _match_core(params_a, params_b, learning_rate, *, site, method, distance, steps):
+def _match_core(params_a, params_b, learning_rate, *, site, method, distance, steps, init):
   grams, lead = _grams(params_a, params_b)
-  solve = lambda g: solve_layer(g, site, method, distance, steps=steps, learning_rate=learning_rate)
+  solve = lambda g: solve_layer(g, site, method, distance, steps=steps, learning_rate=learning_rate,
+                                init=init)
   return _restore_lead(jax.vmap(solve)(grams), lead)
 
 
-def _exhaustive_core(params_a, params_b, learning_rate, *, site, method, distance, steps):
+def _exhaustive_core(params_a, params_b, learning_rate, *, site, method, distance, steps, init):
   grams, lead = _grams(params_a, params_b)
   perms = jnp.asarray(_assignment.head_permutations(site.num_heads, site.kv_heads))
 
   def per_layer(g):
     def per_perm(perm):
-      element, _ = stage2(g, perm, site, method, steps=steps, learning_rate=learning_rate)
+      element, _ = stage2(g, perm, site, method, steps=steps, learning_rate=learning_rate,
+                          init=init)
       return element, element_objective(g, element)
     elements, values = jax.vmap(per_perm)(perms)
     chosen = _assignment.assign_heads(_features.head_cost(g, site, distance), site.kv_heads)
@@ -263,14 +297,15 @@ def _exhaustive_core(params_a, params_b, learning_rate, *, site, method, distanc
                                             "stage1_index": index}
 
 
-_STATIC = ("site", "method", "distance", "steps")
+_STATIC = ("site", "method", "distance", "steps", "init")
 _match_jit = jax.jit(_match_core, static_argnames=_STATIC)
 _exhaustive_jit = jax.jit(_exhaustive_core, static_argnames=_STATIC)
 
 
 def _prepare(params_a, params_b, *, group, rope_pairing, rotary_fraction, rope_axes, method,
-             distance, steps, learning_rate):
-  check_options(method, distance, steps)
+             distance, steps, learning_rate, init):
+  """Checks everything, then ((A, B, learning rate) in the compute dtype, static jit options)."""
+  check_options(method, distance, steps, init)
   _, n, k, h = _check_pair(params_a, params_b)
   if group not in spec_lib.ATTENTION_GROUPS:
     raise ValueError(f"group must be one of {spec_lib.ATTENTION_GROUPS}, got {group!r}")
@@ -280,8 +315,12 @@ def _prepare(params_a, params_b, *, group, rope_pairing, rotary_fraction, rope_a
   site = spec_lib.AttentionSite(n, h, num_kv_heads=k, group=group, rope_pairing=rope_pairing,
                                 rotary_fraction=rotary_fraction, rope_axes=rope_axes)
   dtype = compute_dtype(params_a["query"]["kernel"].dtype)
-  return (site, upcast(canonical_layer(params_a)), upcast(canonical_layer(params_b)),
+  args = (upcast(canonical_layer(params_a)), upcast(canonical_layer(params_b)),
           jnp.asarray(learning_rate, dtype))
+  # init only changes "full": one program for the other methods whatever it is.
+  static = dict(site=site, method=method, distance=distance, steps=int(steps),
+                init=init if method == "full" else INITS[0])
+  return args, static
 
 
 def canonical_layer(params: Params) -> Params:
@@ -298,8 +337,8 @@ def canonical_layer(params: Params) -> Params:
 def match_attention(params_a: Params, params_b: Params, *, group: str = "gl",
                     rope_pairing: str = "half", rotary_fraction: float = 1.0, rope_axes: int = 1,
                     method: str = "full", distance: str = "frobenius",
-                    steps: int = DEFAULT_STEPS, learning_rate: float = DEFAULT_LEARNING_RATE
-                    ) -> tuple[group_action.AttentionElement, dict[str, Any]]:
+                    steps: int = DEFAULT_STEPS, learning_rate: float = DEFAULT_LEARNING_RATE,
+                    init: str = INITS[0]) -> tuple[group_action.AttentionElement, dict[str, Any]]:
   """Aligns attention layer B to layer A (module docstring).
 
   Args:
@@ -315,6 +354,8 @@ def match_attention(params_a: Params, params_b: Params, *, group: str = "gl",
       "normalised" or "cosine", of the QK and VO circuits (summed).
     steps: Adam steps of the "full" refinement.
     learning_rate: Adam learning rate.
+    init: start of the "full" refinement: "procrustes" (default, the paper's)
+      or "best" (the best of it and the least-squares starts).
 
   Returns:
     (element, info): an ``AttentionElement`` with the layers' leading shape
@@ -330,18 +371,18 @@ def match_attention(params_a: Params, params_b: Params, *, group: str = "gl",
       layers differ in leaves, shapes or dtypes, are not canonical, have kv
       heads that do not divide the query heads, or hold NaN or Inf.
   """
-  site, params_a, params_b, lr = _prepare(
+  args, static = _prepare(
       params_a, params_b, group=group, rope_pairing=rope_pairing, rotary_fraction=rotary_fraction,
-      rope_axes=rope_axes, method=method, distance=distance, steps=steps, learning_rate=learning_rate)
-  return _match_jit(params_a, params_b, lr, site=site, method=method, distance=distance,
-                    steps=int(steps))
+      rope_axes=rope_axes, method=method, distance=distance, steps=steps,
+      learning_rate=learning_rate, init=init)
+  return _match_jit(*args, **static)
 
 
 def match_attention_exhaustive(params_a: Params, params_b: Params, *, group: str = "gl",
                                rope_pairing: str = "half", rotary_fraction: float = 1.0,
                                rope_axes: int = 1, method: str = "full",
                                distance: str = "frobenius", steps: int = DEFAULT_STEPS,
-                               learning_rate: float = DEFAULT_LEARNING_RATE
+                               learning_rate: float = DEFAULT_LEARNING_RATE, init: str = INITS[0]
                                ) -> tuple[group_action.AttentionElement, dict[str, Any]]:
   """Stage 2 after every head permutation, for the paper's Stage 1 ablation.
 
@@ -358,13 +399,13 @@ def match_attention_exhaustive(params_a: Params, params_b: Params, *, group: str
     (``_assignment.head_permutations`` order), info["stage1_index"] [...]
     the row of the permutation that Stage 1 picks with ``distance``.
   """
-  site, params_a, params_b, lr = _prepare(
+  args, static = _prepare(
       params_a, params_b, group=group, rope_pairing=rope_pairing, rotary_fraction=rotary_fraction,
-      rope_axes=rope_axes, method=method, distance=distance, steps=steps, learning_rate=learning_rate)
+      rope_axes=rope_axes, method=method, distance=distance, steps=steps,
+      learning_rate=learning_rate, init=init)
   if method == "naive":
     raise ValueError("exhaustive matching needs a Stage 2 method: 'perm', 'ortho' or 'full'")
-  if site.num_heads > MAX_EXHAUSTIVE_HEADS:
-    raise ValueError(f"exhaustive matching enumerates N! permutations; N = {site.num_heads} > "
-                     f"{MAX_EXHAUSTIVE_HEADS}")
-  return _exhaustive_jit(params_a, params_b, lr, site=site, method=method, distance=distance,
-                         steps=int(steps))
+  if static["site"].num_heads > MAX_EXHAUSTIVE_HEADS:
+    raise ValueError(f"exhaustive matching enumerates N! permutations; N = "
+                     f"{static['site'].num_heads} > {MAX_EXHAUSTIVE_HEADS}")
+  return _exhaustive_jit(*args, **static)

@@ -87,7 +87,6 @@ def active_names(spec: spec_lib.SymmetrySpec, scope: str | Sequence[str] | None,
   typo does not silently align nothing.
   """
   prefixes = [""] if scope is None else [scope] if isinstance(scope, str) else list(scope)
-
   for p in prefixes:
     if not isinstance(p, str):
       raise ValueError(f"scope entries must be path prefixes (str), got {p!r}")
@@ -265,7 +264,7 @@ def _set_sites(step: _Step, element, stacked) -> dict[str, Any]:
 
 
 def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element, learning_rate,
-                    first: jax.Array, *, method: str, distance: str, steps: int
+                    first: jax.Array, *, method: str, distance: str, steps: int, init: str
                     ) -> tuple[dict[str, Any], jax.Array]:
   """Matches every site of ``step`` (vmap over sites) given the factors; (element, changed).
 
@@ -275,7 +274,8 @@ def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, el
   grams, scale = _site_grams(spec, step, flat_a, flat_b, element)
   site = spec.attention[step.names[0]]
   solve = lambda g, current: _attention.solve_layer(g, site, method, distance, steps=steps,
-                                                    learning_rate=learning_rate, current=current)
+                                                    learning_rate=learning_rate, init=init,
+                                                    current=current)
   old = _stack([element[s] for s in step.names])
   new, info = jax.vmap(solve)(grams, old)
   old_value, new_value = info["objective"]["current"], info["objective"][method]
@@ -323,7 +323,7 @@ class _StaticSpec:
     return isinstance(other, _StaticSpec) and self._key == other._key
 
 
-def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps, max_rounds):
+def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps, max_rounds, init):
   spec = spec.spec
   dtype = next(iter(flat_a.values())).dtype
   plan = _plan(spec, flat_a)
@@ -335,7 +335,7 @@ def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps,
     step = plan[i]
     if step.attention:
       return _attention_step(spec, step, flat_a, flat_b, element, learning_rate, rounds == 0,
-                             method=method, distance=distance, steps=steps)
+                             method=method, distance=distance, steps=steps, init=init)
     scores = lambda leaves: _factor_scores(spec, plan, step, flat_a, flat_b, element, leaves)
     if first[i] is None:
       total = scores(step.leaves)
@@ -364,8 +364,8 @@ def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps,
   return element, info
 
 
-_align_jit = jax.jit(_align_core,
-                     static_argnames=("spec", "method", "distance", "steps", "max_rounds"))
+_STATIC = ("spec", "method", "distance", "steps", "max_rounds", "init")
+_align_jit = jax.jit(_align_core, static_argnames=_STATIC)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -390,7 +390,7 @@ def _check_model_pair(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: P
 
 
 def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps, learning_rate,
-                     max_rounds):
+                     max_rounds, init=_attention.INITS[0]):
   active = spec.restrict(names)
   params_a, params_b = _attention.upcast(params_a), _attention.upcast(params_b)
   needs_folding = any(active.factors[f].kind == "orthogonal" for f in active.factors
@@ -400,9 +400,11 @@ def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps
     params_b = group_action.fold_norm_scales(spec, params_b)
   flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
   dtype = next(iter(flat_a.values())).dtype
+  if method != "full" or not active.attention:  # init changes nothing: one program
+    init = _attention.INITS[0]
   element, info = _align_jit(flat_a, flat_b, jnp.asarray(learning_rate, dtype),
                              spec=_StaticSpec(active), method=method, distance=distance,
-                             steps=int(steps), max_rounds=int(max_rounds))
+                             steps=int(steps), max_rounds=int(max_rounds), init=init)
   full = _identity(spec, dtype)
   full.update(element)
   info["folded_norm_scales"] = needs_folding
@@ -413,7 +415,8 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
                 scope: str | Sequence[str] | None = None, method: str = "full",
                 distance: str = "frobenius", steps: int = _attention.DEFAULT_STEPS,
                 learning_rate: float = _attention.DEFAULT_LEARNING_RATE,
-                max_rounds: int = DEFAULT_MAX_ROUNDS) -> tuple[dict[str, Any], dict[str, Any]]:
+                max_rounds: int = DEFAULT_MAX_ROUNDS,
+                init: str = _attention.INITS[0]) -> tuple[dict[str, Any], dict[str, Any]]:
   """Aligns model B to model A: every factor and attention site of ``spec`` in scope.
 
   Args:
@@ -427,7 +430,8 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     method: "naive" (identity everywhere), or the attention method ("perm",
       "ortho", "full"; ``match_attention``) used next to Weight Matching of
       the factors.
-    distance, steps, learning_rate: attention matching options.
+    distance, steps, learning_rate, init: attention matching options
+      (``match_attention``).
     max_rounds: most rounds of coordinate descent.
 
   Returns:
@@ -442,18 +446,19 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     rounds run.
 
   Raises:
-    ValueError: before any computation, naming the leaf, if the parameters do
-      not fit the spec or each other, hold NaN or Inf, or a scope prefix
-      matches nothing.
+    ValueError: before any computation, naming the leaf or option, if the
+      parameters do not fit the spec or each other, hold NaN or Inf, a scope
+      prefix matches nothing, or an option is unknown.
   """
-  _attention.check_options(method, distance, steps)
+  _attention.check_options(method, distance, steps, init)
   _check_model_pair(spec, params_a, params_b)
   names = active_names(spec, scope)
   if method == "naive":
     dtype = _attention.compute_dtype(next(iter(spec_lib.flatten(params_a).values())).dtype)
     return group_action.identity_model(spec, dtype), {"folded_norm_scales": False}
   return _weight_matching(spec, params_a, params_b, names=names, method=method, distance=distance,
-                          steps=steps, learning_rate=learning_rate, max_rounds=max_rounds)
+                          steps=steps, learning_rate=learning_rate, max_rounds=max_rounds,
+                          init=init)
 
 
 def match_ffn(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,

@@ -25,7 +25,8 @@ Solutions, from cheap to exact (DESIGN.md section 6):
 * Least squares from one side: M = S1^{-1} C1 ignores the second term,
   M^{-T} = S2^{-1} C2 the first; exact on noise-free planted problems.
   Projected onto H(H) with RoPE.
-* Refinement: Adam (optax) on the exact objective from the best start, with
+* Refinement: Adam (optax) on the exact objective from the Procrustes solution
+  (the paper's start) or from the best of the three (``best_start``), with
   M^{-T} by a linear solve and the gradient in closed form. For H(H) the
   gradient is projected onto its span; Adam then acts on the matrix exactly as
   it would on the (a_p, b_p) coordinates (the entries of a coordinate receive
