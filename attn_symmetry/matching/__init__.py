@@ -19,7 +19,9 @@ solution) and "full" (Adam refinement from a start chosen by ``init``,
 ``INITS``: "procrustes", the paper's and the default, or "best" of it and the
 least-squares starts, exact on planted problems). In ``align_model`` the first
 solve of every site applies the method's solution unconditionally and later
-re-solves only when they lower the distance.
+re-solves only when they lower the distance; ``refine`` (``REFINES``) chooses
+whether "full" refines at every attention step ("every_round", the default)
+or once after a Variant 2 descent ("final").
 
 bfloat16 and float16 parameters are matched in float32, and the elements are
 float32 (float32 and float64 parameters are matched in their own dtype);
@@ -38,6 +40,7 @@ from attn_symmetry.matching._attention import match_attention_exhaustive
 from attn_symmetry.matching._features import DISTANCES
 from attn_symmetry.matching._features import head_distances
 from attn_symmetry.matching._model import DEFAULT_MAX_ROUNDS
+from attn_symmetry.matching._model import REFINES
 from attn_symmetry.matching._model import active_names
 from attn_symmetry.matching._model import align_model
 from attn_symmetry.matching._model import match_ffn
