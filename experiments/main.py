@@ -22,6 +22,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from experiments import checkpoints
 from experiments import config_checks
 from experiments import study
 from experiments import train
@@ -80,8 +81,11 @@ def main(argv):
     sys.exit(f"FATAL {e}")
   workdir = FLAGS.workdir or default_workdir(config_flags.get_config_filename(FLAGS["config"]))
   train.log.info("workdir: %s", workdir)
-  for stage in STAGES:
-    outputs = stage(FLAGS.config, workdir)
+  try:
+    for stage in STAGES:
+      outputs = stage(FLAGS.config, workdir)
+  except checkpoints.CorruptCheckpointError as e:  # one line naming the file, no traceback
+    sys.exit(f"FATAL {e}")
   for name, path in outputs.items():  # the study's reports
     print(f"{name}: {path}")
 

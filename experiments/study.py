@@ -49,6 +49,7 @@ from attn_symmetry import lmc
 from attn_symmetry import matching
 from attn_symmetry.spec import subtree
 from experiments import atomic_io
+from experiments import config_checks
 from experiments import evaluation
 from experiments import fingerprints
 from experiments import inputs
@@ -58,24 +59,6 @@ from experiments import train
 Params = dict[str, Any]
 log = logging.getLogger(__name__)
 log.setLevel(logging.INFO)
-METHODS = ("naive", "perm", "ortho", "full")
-DISTANCES = ("frobenius", "squared", "normalised", "cosine")
-
-
-def validate_study_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the field of ``config.study`` that is wrong."""
-  s = config.study
-  bad = set(s.methods) - set(METHODS)
-  if bad or "naive" not in s.methods:
-    raise ValueError(f"config.study.methods must include 'naive' and be drawn from {METHODS}; "
-                     f"got {list(s.methods)}")
-  if s.distance not in DISTANCES or set(s.distances) - set(DISTANCES):
-    raise ValueError(f"config.study.distance(s) must be drawn from {DISTANCES}")
-  if s.num_lambdas < 3:
-    raise ValueError(f"config.study.num_lambdas must be >= 3, got {s.num_lambdas}")
-  if len(config.reinit.seeds) < 2 and config.reinit.scopes:
-    raise ValueError("the study compares pairs of re-initialised seeds: config.reinit.seeds "
-                     f"needs at least 2, got {list(config.reinit.seeds)}")
 
 
 def check_scopes(config: ml_collections.ConfigDict, model) -> None:
@@ -471,7 +454,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
       (``train.load_checkpoints``), before any work.
     checkpoints.CorruptCheckpointError: a damaged endpoint (one line naming it).
   """
-  validate_study_config(config)
+  config_checks.validate(config)
   if not config.reinit.scopes:
     log.info("config.reinit.scopes is empty: no study to run")
     return {}

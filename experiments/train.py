@@ -54,12 +54,12 @@ from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
 from experiments import atomic_io
 from experiments import checkpoints
+from experiments import config_checks
 from experiments import fingerprints
 from experiments import inputs
 from experiments import metric_writers
 from experiments import reinit
 from experiments import evaluation
-from experiments.configs import default as default_config
 
 Params = dict[str, Any]
 
@@ -198,40 +198,6 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
   return jax.jit(step, donate_argnums=0, out_shardings=(replicated, replicated))
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the config field that cannot work; runs nothing."""
-  known = data.DATASETS
-  for field, name in (("dataset.name", config.dataset.name),
-                      ("reinit.dataset", config.reinit.dataset)):
-    if name and name not in known:
-      raise ValueError(f"config.{field}: unknown data set {name!r}; known: {sorted(known)}")
-  unknown = sorted(set(config.reinit.scopes) - set(default_config.SCOPES))
-  if unknown:
-    raise ValueError(f"config.reinit.scopes: unknown scope(s) {unknown}; choose from "
-                     f"{default_config.SCOPES}")
-  if len(set(config.reinit.scopes)) != len(config.reinit.scopes):
-    raise ValueError(f"config.reinit.scopes lists a scope twice: {list(config.reinit.scopes)}")
-  seeds = list(config.reinit.seeds)
-  if not all(isinstance(s, int) and s >= 0 for s in seeds) or len(set(seeds)) != len(seeds):
-    raise ValueError(f"config.reinit.seeds must be distinct non-negative ints, got {seeds}")
-  if config.reinit.scopes and not seeds:
-    raise ValueError("config.reinit.seeds is empty but config.reinit.scopes is not")
-  for field in ("train", "reinit"):
-    c = config[field]
-    if c.num_steps < 1 or not 0 <= c.warmup_steps < c.num_steps:
-      raise ValueError(f"config.{field}: need num_steps >= 1 and 0 <= warmup_steps < num_steps, "
-                       f"got {c.num_steps} and {c.warmup_steps}")
-  t = config.train
-  for field in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
-    if t[field] < 1:
-      raise ValueError(f"config.train.{field} must be >= 1, got {t[field]}")
-  devices = jax.device_count()
-  for field in ("batch_size", "eval_batch_size"):
-    if t[field] < 1 or t[field] % devices:
-      raise ValueError(f"config.train.{field} = {t[field]} must be a positive multiple of the "
-                       f"{devices} devices")
-
-
 def check_data(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError if a data set is too small for the batch or does not fit the model.
 
@@ -287,7 +253,7 @@ class Trainer:
   """Trains the runs of one config in one workdir.
 
   Args:
-    config: the setting (checked with ``validate_config``).
+    config: the setting (checked with ``config_checks.validate``).
     model: ``inputs.create_model(config)``.
     workdir: root of the layout in the module docstring.
     mesh: device mesh with a "data" axis (default: all devices).
@@ -485,10 +451,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Trains the base model and every re-initialised seed; returns final evaluations by run.
 
   Everything that can be checked is checked before the first step: the
-  config (``validate_config``), the model it builds, a transfer data set,
+  config (``config_checks.validate``), the model it builds, a transfer data set,
   and the checkpoints already in ``workdir``.
   """
-  validate_config(config)
+  config_checks.validate(config)
   check_data(config)
   model = inputs.create_model(config)
   check_workdir(config, model, workdir)

@@ -54,7 +54,7 @@ def test_reports_are_written(finished):
     assert os.path.getsize(p) > 0
   res = json.load(open(paths["first_attention/results.json"]))
   assert len(res["lambdas"]) == config.study.num_lambdas and len(res["pairs"]) == 3
-  for m in study.METHODS:
+  for m in config.study.methods:
     row = res["methods"][m]
     for key in ("loss_barrier_mean", "accuracy_barrier_mean", "loss_barrier_ratio_pct",
                 "loss_barrier_std", "accuracy_barrier_std"):
@@ -82,14 +82,14 @@ def _barrier(lams, values, higher_is_better=False):
 
 
 def test_barriers_and_their_summary_are_recomputed_from_the_curves(finished):
-  res = _results(finished)
+  config, res = finished[0], _results(finished)
   lams = np.asarray(res["lambdas"])
   np.testing.assert_allclose(lams, np.linspace(0, 1, len(lams)))
   assert [(p["a"], p["b"]) for p in res["pairs"]] == [
       ("seed_1", "seed_2"), ("seed_1", "seed_3"), ("seed_2", "seed_3")]
   for metric, higher in (("loss", False), ("accuracy", True)):
     naive = [p["methods"]["naive"][f"{metric}_barrier"] for p in res["pairs"]]
-    for m in study.METHODS:
+    for m in config.study.methods:
       barriers = []
       for p in res["pairs"]:
         curve = p["methods"][m]

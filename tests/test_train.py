@@ -140,6 +140,17 @@ def test_main_turns_on_the_compilation_cache(tmp_path, monkeypatch):
   assert seen == [str(tmp_path / "cache")]
 
 
+def test_main_reports_a_corrupt_checkpoint_in_one_line(tmp_path, monkeypatch):
+  def stage(config, workdir):
+    raise checkpoints.CorruptCheckpointError(f"{workdir}/base/checkpoints/8: params do not match")
+  monkeypatch.setattr(main, "STAGES", (stage,))
+  argv = ["main.py", f"--config={REPO}/experiments/configs/quickstart.py:runlocal",
+          f"--workdir={tmp_path / 'w'}", "--compilation_cache="]
+  with flagsaver.flagsaver(), pytest.raises(SystemExit) as exit_:
+    main.main(main.parse_flags(argv))
+  assert str(exit_.value.code) == f"FATAL {tmp_path / 'w'}/base/checkpoints/8: params do not match"
+
+
 class _Crash(Exception):
   pass
 
@@ -234,13 +245,13 @@ def _record_reads(monkeypatch, reader, read):
 def test_transfer_fine_tunes_on_the_second_data_set(tmp_path, monkeypatch):
   """A->B: the base model learns MNIST digits, the re-initialised scope Fashion-MNIST."""
   config = vit_mnist_to_fashion.get_config("runlocal")
-  config.reinit.scopes, config.reinit.seeds = ("first_attention",), (1,)
+  config.reinit.scopes, config.reinit.seeds = ("first_attention",), (1, 2)
   read = []
   for reader in ("train_batches", "eval_batches"):
     _record_reads(monkeypatch, reader, read)
   train.train_and_evaluate(config, str(tmp_path))
   assert read == [("train_batches", "mnist5k"), ("eval_batches", "mnist5k"),
-                  ("train_batches", "fashion_mnist_deb"), ("eval_batches", "fashion_mnist_deb")]
+                  *[("train_batches", "fashion_mnist_deb"), ("eval_batches", "fashion_mnist_deb")] * 2]
   params = train.load_checkpoints(config, str(tmp_path))
   base, tuned = (spec_lib.flatten(params[k]) for k in ("base", "reinit/first_attention/seed_1"))
   frozen = [p for p in base if not p.startswith("layers_0/attention/")]
