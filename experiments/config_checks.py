@@ -161,6 +161,13 @@ RULES: dict[str, Rule] = {
     "study.lambda_chunk": _AT_LEAST_1,
     "study.match_steps": _AT_LEAST_0,  # 0: Stage 1 only
     "study.match_learning_rate": _POSITIVE,
+    "study.match_init": _one_of("Stage 2 start", lambda: matching.INITS),
+    "study.match_refine": _one_of("refinement schedule", lambda: matching.REFINES),
+    "study.learn_steps": _AT_LEAST_0,
+    "study.learn_learning_rate": _POSITIVE,
+    "study.learn_uniform_lambda": _boolean,
+    "study.learn_holdout_batches": _AT_LEAST_1,
+    "study.eval_examples": _AT_LEAST_0,  # 0: the whole test split
     "study.distance": _one_of("distance", lambda: matching.DISTANCES),
     "study.distances": _distinct(_one_of("distance", lambda: matching.DISTANCES)),
     "study.permutation_ablation": _boolean,

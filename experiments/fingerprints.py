@@ -24,11 +24,13 @@ Stages and their fields:
 * study stage (``study.py``, one JSON per pair and stage under
   ``study/<scope>/pairs/``): the scope's parameter paths, the model fields,
   the content hash of the evaluation examples (through which the data set
-  and its reader options enter), ``study.num_lambdas``, the content hashes
-  of both endpoints, and the options the stage uses (``study.distance`` for Stage 1 of every method but
-  "naive", ``study.match_steps`` and ``study.match_learning_rate`` for the
-  "full" refinement; ``seed``, ``study.noise_levels`` and ``study.methods``
-  for the robustness check).
+  and its reader options enter), ``study.num_lambdas`` and
+  ``study.eval_examples``, the content hashes of both endpoints, and the
+  options the stage uses (``study.distance`` for Stage 1 of every method but
+  "naive", ``study.match_steps``, ``study.match_learning_rate``,
+  ``study.match_init`` and ``study.match_refine`` for the "full" refinement,
+  those and ``study.learn_*`` for "learned"; ``seed``,
+  ``study.noise_levels`` and ``study.methods`` for the robustness check).
 * report (``study/report_fingerprints.json``): the content hash of the
   results it is drawn from.
 
@@ -85,8 +87,10 @@ TRAIN_SCHEDULE = ("train.num_steps", "train.learning_rate", "train.warmup_steps"
 # The schedule of a fine-tuned scope.
 REINIT_SCHEDULE = ("reinit.num_steps", "reinit.learning_rate", "reinit.warmup_steps")
 # Options of the study's stages (each stage keys the ones it uses).
-STUDY = ("study.num_lambdas", "study.distance", "study.match_steps", "study.match_learning_rate",
-         "study.noise_levels")
+STUDY = ("study.num_lambdas", "study.eval_examples", "study.distance", "study.match_steps",
+         "study.match_learning_rate", "study.match_init", "study.match_refine",
+         "study.learn_steps", "study.learn_learning_rate", "study.learn_uniform_lambda",
+         "study.learn_holdout_batches", "study.noise_levels")
 # Keyed per run or stage, by the value that run or stage uses (see the module docstring).
 PER_RUN = ("seed", "dataset.name", "reinit.dataset")
 NOT_KEYED = ("train.log_every", "train.eval_every", "train.checkpoint_every",

@@ -27,7 +27,14 @@ Fields:
   study: the LMC study after training (``experiments/study.py``): the
     matching ``methods`` compared (naive must be one), ``num_lambdas``
     interpolation points evaluated ``lambda_chunk`` at a time, Stage 2
-    ``match_steps`` and ``match_learning_rate``, the Stage 1 ``distance`` and
+    ``match_steps`` and ``match_learning_rate`` and its start ``match_init``
+    ("procrustes" or "best"), whether whole-model alignment refines at every
+    round or once at the end (``match_refine``), the "learned" method's
+    ``learn_steps`` and ``learn_learning_rate``, ``learn_uniform_lambda``
+    (lambda drawn from U(0, 1) at every step instead of 1/2) and
+    ``learn_holdout_batches`` (training batches held out to pick its best
+    iterate), ``eval_examples`` (the first that many test
+    examples evaluate every path; 0 for all), the Stage 1 ``distance`` and
     the ``distances`` of its ablation, the ``permutation_ablation`` over every
     head order (for at most ``max_exhaustive_heads`` heads), and the input
     ``noise_levels`` of the robustness check (Gaussian std on normalised
@@ -94,6 +101,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.study.lambda_chunk = 1  # bench_interpolation.py: 1 beats 5 and 25 on CPU (no copies of the params per lambda)
   config.study.match_steps = 200
   config.study.match_learning_rate = 1e-2
+  config.study.match_init = "procrustes"
+  config.study.match_refine = "every_round"
+  config.study.learn_steps = 300
+  config.study.learn_learning_rate = 1e-2
+  config.study.learn_uniform_lambda = False
+  config.study.learn_holdout_batches = 4
+  config.study.eval_examples = 0
   config.study.distance = "frobenius"
   config.study.distances = ("frobenius", "squared", "normalised", "cosine")
   config.study.permutation_ablation = True
@@ -156,6 +170,8 @@ def runlocal(config: ml_collections.ConfigDict) -> None:
   config.reinit.seeds = (1, 2)
   config.study.num_lambdas = 5
   config.study.match_steps = 20
+  config.study.learn_steps = 10
+  config.study.learn_holdout_batches = 1
   config.study.distances = ("frobenius", "cosine")
   config.study.noise_levels = (0.0, 0.5)
 
