@@ -10,6 +10,7 @@ Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.
   head_distances              Stage 1 costs between the heads of two layers.
   match_ffn                   Weight Matching of a spec's permutation/orthogonal factors.
   align_model                 all of it, for every factor and attention site in scope.
+  learn_alignment             an element's attention matrices fitted to a task loss.
   linear_assignment           the jitted Hungarian algorithm, batched.
 
 Attention methods (``METHODS``, the paper's Table 1): "naive" (identity),
@@ -21,7 +22,9 @@ least-squares starts, exact on planted problems). In ``align_model`` the first
 solve of every site applies the method's solution unconditionally and later
 re-solves only when they lower the distance; ``refine`` (``REFINES``) chooses
 whether "full" refines at every attention step ("every_round", the default)
-or once after a Variant 2 descent ("final").
+or once after a Variant 2 descent ("final"). "learned" (``align_model`` only)
+starts from "full" and trains every attention site's QK and VO matrices on
+the task loss of the interpolated model (``learn_alignment``).
 
 bfloat16 and float16 parameters are matched in float32, and the elements are
 float32 (float32 and float64 parameters are matched in their own dtype);
@@ -39,6 +42,7 @@ from attn_symmetry.matching._attention import match_attention
 from attn_symmetry.matching._attention import match_attention_exhaustive
 from attn_symmetry.matching._features import DISTANCES
 from attn_symmetry.matching._features import head_distances
+from attn_symmetry.matching._learned import learn_alignment
 from attn_symmetry.matching._model import DEFAULT_MAX_ROUNDS
 from attn_symmetry.matching._model import REFINES
 from attn_symmetry.matching._model import active_names

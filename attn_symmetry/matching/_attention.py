@@ -44,7 +44,8 @@ from attn_symmetry.matching import _assignment
 from attn_symmetry.matching import _features
 from attn_symmetry.matching import _stage2
 
-METHODS = ("naive", "perm", "ortho", "full")
+# "learned" (``_learned``) fits "full"'s element to a task loss: ``align_model`` only.
+METHODS = ("naive", "perm", "ortho", "full", "learned")
 INITS = ("procrustes", "best")  # starts of the "full" refinement (module docstring)
 DEFAULT_STEPS = 200
 DEFAULT_LEARNING_RATE = 1e-2
@@ -306,6 +307,10 @@ def _prepare(params_a, params_b, *, group, rope_pairing, rotary_fraction, rope_a
              distance, steps, learning_rate, init):
   """Checks everything, then ((A, B, learning rate) in the compute dtype, static jit options)."""
   check_options(method, distance, steps, init)
+  if method == "learned":
+    raise ValueError("method 'learned' trains the element on a task loss, which one layer does "
+                     "not have: use matching.align_model(spec, params_a, params_b, "
+                     "method='learned', loss_fn=..., batches=..., holdout_batches=...)")
   _, n, k, h = _check_pair(params_a, params_b)
   if group not in spec_lib.ATTENTION_GROUPS:
     raise ValueError(f"group must be one of {spec_lib.ATTENTION_GROUPS}, got {group!r}")

@@ -58,8 +58,9 @@ factors are recovered exactly by both).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -71,6 +72,7 @@ from attn_symmetry import spec as spec_lib
 from attn_symmetry.matching import _assignment
 from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _features
+from attn_symmetry.matching import _learned
 from attn_symmetry.matching import _stage2
 
 DEFAULT_MAX_ROUNDS = 10
@@ -452,7 +454,9 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
                 distance: str = "frobenius", steps: int = _attention.DEFAULT_STEPS,
                 learning_rate: float = _attention.DEFAULT_LEARNING_RATE,
                 max_rounds: int = DEFAULT_MAX_ROUNDS, init: str = _attention.INITS[0],
-                refine: str = REFINES[0]) -> tuple[dict[str, Any], dict[str, Any]]:
+                refine: str = REFINES[0], loss_fn: Callable[[Params, Any], Any] | None = None,
+                batches: Iterable[Any] | None = None, holdout_batches: Sequence[Any] | None = None,
+                **learned_options) -> tuple[dict[str, Any], dict[str, Any]]:
   """Aligns model B to model A: every factor and attention site of ``spec`` in scope.
 
   Args:
@@ -465,7 +469,10 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       the whole model.
     method: "naive" (identity everywhere), or the attention method ("perm",
       "ortho", "full"; ``match_attention``) used next to Weight Matching of
-      the factors.
+      the factors, or "learned": "full" (with the default ``steps`` and
+      ``learning_rate``), then its attention matrices in scope trained on
+      ``loss_fn`` of the interpolated model (``learn_alignment``, where
+      ``steps`` and ``learning_rate`` are those of the training).
     distance, steps, learning_rate, init: attention matching options
       (``match_attention``).
     max_rounds: most rounds of coordinate descent.
@@ -473,6 +480,8 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       (default: at every attention step of the descent) or "final" (the
       descent with "ortho", then one refinement; module docstring). Other
       methods ignore it.
+    loss_fn, batches, holdout_batches, **learned_options: for "learned" only
+      (``learn_alignment``; learned_options: lam, key, eval_every, progress).
 
   Returns:
     (element, info): a model element for ``group_action.apply_model(spec,
@@ -484,7 +493,8 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     info["distance"] {"initial", "final"} the squared parameter distance to
     (folded) A before and after, computed in that dtype, and for
     ``refine="final"`` "before_refinement", the distance at the end of the
-    descent; info["rounds"] the rounds run.
+    descent; info["rounds"] the rounds run; for "learned", info["learned"]
+    (``learn_alignment``).
 
   Raises:
     ValueError: before any computation, naming the leaf or option, if the
@@ -496,6 +506,20 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     raise ValueError(f"refine must be one of {REFINES}, got {refine!r}")
   _check_model_pair(spec, params_a, params_b)
   names = active_names(spec, scope)
+  if method == "learned":
+    full = functools.partial(_weight_matching, spec, params_a, params_b, names=names,
+                             method="full", distance=distance, steps=_attention.DEFAULT_STEPS,
+                             learning_rate=_attention.DEFAULT_LEARNING_RATE,
+                             max_rounds=max_rounds, init=init, refine=refine)
+    return _learned.align(spec, params_a, params_b, full,
+                          sites=[n for n in names if n in spec.attention], loss_fn=loss_fn,
+                          batches=batches, holdout_batches=holdout_batches, steps=steps,
+                          learning_rate=learning_rate, **learned_options)
+  given = [n for n, v in (("loss_fn", loss_fn), ("batches", batches),
+                          ("holdout_batches", holdout_batches)) if v is not None]
+  if given or learned_options:
+    raise ValueError(f"{given + sorted(learned_options)} are options of method 'learned' only, "
+                     f"not of {method!r}")
   if method == "naive":
     dtype = _attention.compute_dtype(next(iter(spec_lib.flatten(params_a).values())).dtype)
     return group_action.identity_model(spec, dtype), {"folded_norm_scales": False}
