@@ -229,6 +229,43 @@ def test_lm_windows_tile_the_source_stream(data_dir, read_mode):
   assert joined == test_bytes[:len(joined)]
 
 
+@pytest.mark.parametrize("name", ["digits", "newsgroups_mini"])
+def test_slices_part_the_split_in_order(name, data_dir, read_mode):
+  """"train[:90%]" and "train[90%:]" read the records of "train" in order, parted: the
+  training slice's epochs hold exactly its own examples, none of the held-out slice's."""
+  head, tail = "train[:90%]", "train[90%:]"
+  info = data.dataset_info(name, data_dir=data_dir, seq_len=_seq_len(name), slices=(head, tail))
+  ranges = [data.split_range(name, s, data_dir=data_dir) for s in (head, tail)]
+  assert ranges[0] == data.SplitRange("train", 0, ranges[1].start)
+  assert ranges[1].stop == info.splits["train"] == info.splits[head] + info.splits[tail]
+  assert info.splits[tail] == round(0.1 * info.splits["train"])
+  keys = {s: _eval_keys(name, data_dir, batch_size=64, split=s)[0] for s in ("train", head, tail)}
+  assert keys[head] + keys[tail] == keys["train"]
+  n = info.splits[head]
+  it = data.train_iterator(name, batch_size=n, seed=4, split=head, data_dir=data_dir,
+                           seq_len=_seq_len(name), process_index=0, process_count=1)
+  assert collections.Counter(_keys(next(it))) == collections.Counter(keys[head])
+
+
+def test_stream_slices_are_the_streams_of_their_records(data_dir, read_mode):
+  """A slice of a byte stream's split is cut into windows from its own records' bytes
+  (from files: the record lengths of the whole split, sliced; chunks checked in order)."""
+  data.dataset_info("wiki_bytes", data_dir=data_dir)  # Prepares it.
+  builder = _builders.WikiBytes(data_dir=data_dir, file_format="array_record")
+  texts = [r["text"] for r in builder.as_data_source(split="validation")]
+  seq_len = 64
+  for split in ("validation[:40%]", "validation[40%:]"):
+    r = data.split_range("wiki_bytes", split, data_dir=data_dir)
+    stream = b"".join(texts[r.start:r.stop])
+    windows = [w for batch in data.eval_iterator("wiki_bytes", batch_size=100, split=split,
+                                                 seq_len=seq_len, data_dir=data_dir,
+                                                 process_index=0, process_count=1)
+               for w, v in zip(batch["tokens"], batch["valid"]) if v]
+    assert len(windows) == (len(stream) - 1) // seq_len
+    joined = bytes(np.concatenate([w[:-1] for w in windows]).astype(np.uint8))
+    assert joined == stream[:len(joined)]
+
+
 def _matches_shift(original, augmented, pad, flips):
   """Whether augmented is original shifted by at most pad (zero fill), maybe mirrored."""
   height, width = original.shape[:2]

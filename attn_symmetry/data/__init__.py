@@ -20,6 +20,11 @@ classification {"tokens" int32 [b,T] (bytes), "mask" bool [b,T], "label" int32
 [b]}; language modelling {"tokens" int32 [b,T+1]}. Evaluation batches add
 {"valid" bool [b]}.
 
+A split name is a split of the data set ("train") or one slice of it in TFDS's
+syntax ("train[:90%]", "train[90%:]"): the held-out slice of a training split
+that a validation loss is computed on, where a data set has no validation split.
+``split_range`` gives the records a name reads.
+
 Usage::
 
   info = data.dataset_info("digits")
@@ -37,18 +42,21 @@ from attn_symmetry.data._catalog import DATA_DIR_ENV
 from attn_symmetry.data._catalog import DATASETS
 from attn_symmetry.data._catalog import DEFAULT_SEQ_LEN
 from attn_symmetry.data._catalog import DatasetInfo
+from attn_symmetry.data._catalog import SplitRange
 from attn_symmetry.data._catalog import VOCAB_SIZE
 from attn_symmetry.data._catalog import dataset_info
 from attn_symmetry.data._catalog import dataset_kind
 from attn_symmetry.data._catalog import default_data_dir
 from attn_symmetry.data._catalog import prepare_dataset
 from attn_symmetry.data._catalog import prepare_command
+from attn_symmetry.data._catalog import split_range
 from attn_symmetry.data._reader import eval_iterator
 from attn_symmetry.data._reader import train_iterator
 from attn_symmetry.data._text import tokenize
 
 __all__ = [
     "DATASETS", "DATA_DIR_ENV", "DEFAULT_SEQ_LEN", "DatasetInfo", "FASHION_MNIST_APT",
-    "VOCAB_SIZE", "dataset_info", "dataset_kind", "default_data_dir", "eval_iterator",
-    "prepare_dataset", "prepare_command", "tokenize", "train_iterator",
+    "SplitRange", "VOCAB_SIZE", "dataset_info", "dataset_kind", "default_data_dir",
+    "eval_iterator", "prepare_dataset", "prepare_command", "split_range", "tokenize",
+    "train_iterator",
 ]

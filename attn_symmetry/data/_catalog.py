@@ -14,7 +14,7 @@ import dataclasses
 import fcntl
 import importlib.util
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import tensorflow_datasets as tfds
@@ -212,10 +212,72 @@ def open_builder(name: str, data_dir: str | None, *,
   return e, builder
 
 
-def check_split(name: str, builder: tfds.core.DatasetBuilder, split: str) -> None:
-  if split not in builder.info.splits:
-    raise ValueError(f"Dataset {name!r} has no split {split!r}; splits: "
-                     f"{', '.join(builder.info.splits)}")
+@dataclasses.dataclass(frozen=True)
+class SplitRange:
+  """The records that a split name reads: records ``[start, stop)`` of split ``base``."""
+  base: str
+  start: int
+  stop: int
+
+  @property
+  def size(self) -> int:
+    return self.stop - self.start
+
+
+def resolve_split(name: str, builder: tfds.core.DatasetBuilder, split: str) -> SplitRange:
+  """The records that ``split`` reads, checked.
+
+  A split name is a split of the data set ("train") or one slice of it in
+  TFDS's syntax: "train[:90%]", "train[90%:]", "train[100:200]", "train[:-50]".
+  Percentages are rounded to the closest record as TFDS rounds them, so that
+  "train[:90%]" and "train[90%:]" part the records with none shared or left
+  out. Unions ("train+test") are not accepted: a byte stream is read as one run
+  of records.
+
+  Raises:
+    ValueError: an unknown split, a malformed slice, a union, or an empty slice.
+  """
+  if "+" in split:
+    raise ValueError(f"Dataset {name!r}: split {split!r} is a union; read one split or one "
+                     "slice of it, such as 'train[:90%]'")
+  base = split.split("[", 1)[0]
+  splits = builder.info.splits
+  if base not in splits:
+    raise ValueError(f"Dataset {name!r} has no split {split!r}; splits: {', '.join(splits)}")
+  try:
+    (part,) = tfds.core.ReadInstruction.from_spec(split).to_absolute(splits)
+  except (ValueError, AssertionError) as e:
+    first_line = (str(e).strip().splitlines() or [""])[0]
+    raise ValueError(f"Dataset {name!r}: split {split!r} is not a split or a slice of one such "
+                     f"as 'train[:90%]' ({first_line})") from None
+  total = splits[base].num_examples
+  start = part.from_ or 0
+  stop = total if part.to is None else part.to
+  if stop <= start:
+    raise ValueError(f"Dataset {name!r}: split {split!r} holds no records (records {start} to "
+                     f"{stop} of {total})")
+  return SplitRange(base, start, stop)
+
+
+def split_range(name: str, split: str, *, data_dir: str | None = None,
+                download: bool = False) -> SplitRange:
+  """The records of the stored split that ``split`` reads (``resolve_split``): two split
+  names of one data set share no example if their ranges do not meet.
+
+  Args:
+    name: one of ``DATASETS``.
+    split: a split ("train") or a slice of one ("train[90%:]").
+    data_dir, download: as for ``dataset_info``.
+  """
+  _, builder = open_builder(name, data_dir, download=download)
+  return resolve_split(name, builder, split)
+
+
+def stored_bytes(builder: tfds.core.DatasetBuilder, r: SplitRange) -> int:
+  """Stored size of the records of ``r`` (TFDS records no size for a slice: the base
+  split's, in proportion to the records read)."""
+  info = builder.info.splits[r.base]
+  return info.num_bytes * r.size // max(info.num_examples, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +292,8 @@ class DatasetInfo:
     vocab_size: token vocabulary (text), else None.
     seq_len: tokens per example (text), else None; LM batches hold seq_len + 1.
     splits: number of examples per split, as the iterators count them (LM:
-      windows of seq_len + 1 bytes).
+      windows of seq_len + 1 bytes): every split of the data set, and the
+      slices asked for.
     description: the source, and what the labels mean.
     flip: whether ``augment`` flips images horizontally.
   """
@@ -269,7 +332,8 @@ def check_kind(name: str, e: Entry, *, seq_len: int | None, image_size: int | No
 
 
 def dataset_info(name: str, *, data_dir: str | None = None, seq_len: int | None = None,
-                 image_size: int | None = None, download: bool = False) -> DatasetInfo:
+                 image_size: int | None = None, download: bool = False,
+                 slices: Sequence[str] = ()) -> DatasetInfo:
   """Describes a data set (preparing an offline one on first use).
 
   Args:
@@ -279,20 +343,25 @@ def dataset_info(name: str, *, data_dir: str | None = None, seq_len: int | None 
       the LM split sizes, counted in windows.
     image_size: crop side for data sets of variable image size (ImageNet).
     download: prepare a data set that needs a download if it is missing.
+    slices: further split names to count in ``splits``, such as
+      "train[:90%]" (``resolve_split``).
 
   Returns:
     A ``DatasetInfo``.
+
+  Raises:
+    ValueError: as ``resolve_split`` for a bad entry of ``slices``.
   """
   e, builder = open_builder(name, data_dir, download=download)
   check_kind(name, e, seq_len=seq_len, image_size=image_size)
   from attn_symmetry.data import _text  # pylint: disable=import-outside-toplevel
   text_len = None if e.kind == "image" else (seq_len or DEFAULT_SEQ_LEN)
-  if e.kind == "stream":
-    splits = {split: len(_text.WindowSource(builder, split, seq_len=text_len,
-                                            separator=e.separator))
-              for split in builder.info.splits}
-  else:
-    splits = {split: info.num_examples for split, info in builder.info.splits.items()}
+
+  def count(split):
+    if e.kind == "stream":
+      return len(_text.WindowSource(builder, split, seq_len=text_len, separator=e.separator))
+    return resolve_split(name, builder, split).size
+  splits = {split: count(split) for split in (*builder.info.splits, *slices)}
   return DatasetInfo(
       name=name,
       task="lm" if e.kind == "stream" else "classification",

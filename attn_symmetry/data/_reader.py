@@ -75,7 +75,7 @@ def _open_split(name: str, split: str, *, data_dir: str | None, seq_len: int | N
   """
   e, builder = _catalog.open_builder(name, data_dir, download=download)
   _catalog.check_kind(name, e, seq_len=seq_len, image_size=image_size, augment=augment)
-  _catalog.check_split(name, builder, split)
+  span = _catalog.resolve_split(name, builder, split)
   seq_len = seq_len or _catalog.DEFAULT_SEQ_LEN
   if e.kind == "stream":
     windows = _text.WindowSource(builder, split, seq_len=seq_len, separator=e.separator)
@@ -85,7 +85,7 @@ def _open_split(name: str, split: str, *, data_dir: str | None, seq_len: int | N
     return len(windows), read_windows
   records = _records.Records(
       builder.as_data_source(split=split), e.convert, key=(os.fspath(builder.data_path), split),
-      in_memory=builder.info.splits[split].num_bytes <= _records.IN_MEMORY_BYTES)
+      in_memory=_catalog.stored_bytes(builder, span) <= _records.IN_MEMORY_BYTES)
   if e.kind == "text":
     def read_text(indices, keys):
       del keys
@@ -142,7 +142,9 @@ def train_iterator(name: str, *, batch_size: int, seed: int, data_dir: str | Non
     data_dir: where prepared data sets live (default: ``default_data_dir()``).
     seq_len: text tokens T per example (default ``DEFAULT_SEQ_LEN``).
     augment: random crop (+ flip where it keeps the label) for images.
-    split: the split to read.
+    split: the split to read, or a slice of it such as "train[:90%]" (TFDS's
+      syntax; percentages round to the closest record, so "train[:90%]" and
+      "train[90%:]" share no example).
     process_index, process_count: this process and the number of processes
       (default: ``jax.process_index()``, ``jax.process_count()``).
     image_size: crop side for variable-size images (ImageNet, default 224).
@@ -158,7 +160,8 @@ def train_iterator(name: str, *, batch_size: int, seed: int, data_dir: str | Non
     modelling {"tokens" int32 [b,T+1]}.
 
   Raises:
-    ValueError: unknown data set, split or option; batch larger than the split.
+    ValueError: unknown data set, split or option; a malformed or empty slice;
+      batch larger than the split.
     FileNotFoundError: the data set is not prepared (the message says how).
   """
   process_index, process_count, local_batch = _processes(batch_size, process_index,

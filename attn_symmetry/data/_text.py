@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 
+from attn_symmetry.data import _catalog
 from attn_symmetry.data import _records
 
 _READ_BLOCK = 4096  # Records read at once when loading or measuring a stream.
@@ -35,12 +36,15 @@ def tokenize(texts: list[bytes], seq_len: int) -> dict[str, np.ndarray]:
   return {"tokens": tokens, "mask": np.arange(seq_len) < lengths[:, None]}
 
 
-def _read_texts(source, indices: list[int], separator: bytes) -> list[bytes]:
-  """The texts of records ``indices``, each with the separator; checks that chunks are in order."""
+def _read_texts(source, indices: list[int], separator: bytes, first: int = 0) -> list[bytes]:
+  """The texts of records ``indices`` of ``source``, each with the separator; checks that
+  chunks are in order (record i of a slice that starts at record ``first`` of its split
+  holds chunk first + i)."""
   texts = []
   for i, record in zip(indices, source.__getitems__(indices)):
-    if "chunk" in record and record["chunk"] != i:
-      raise ValueError(f"stream record {i} holds chunk {record['chunk']}: stored out of order")
+    if "chunk" in record and record["chunk"] != first + i:
+      raise ValueError(f"stream record {first + i} holds chunk {record['chunk']}: stored out "
+                       "of order")
     texts.append(record["text"] + separator)
   return texts
 
@@ -57,13 +61,14 @@ def _record_lengths(source, separator: bytes) -> np.ndarray:
                    for t in _read_texts(source, block, separator)], np.int64)
 
 
-def _cached_lengths(builder, split: str, source, separator: bytes) -> np.ndarray:
-  """Record lengths, cached next to the prepared data (computed once: lm1b has 30M records)."""
+def _cached_lengths(builder, split: str, separator: bytes) -> np.ndarray:
+  """Record lengths of a whole split, cached next to the prepared data (computed once: lm1b
+  has 30M records)."""
   path = os.path.join(os.fspath(builder.data_path),
                       f"attn_symmetry-lengths-{split}-sep{len(separator)}.npy")
   if os.path.exists(path):
     return np.load(path)
-  lengths = _record_lengths(source, separator)
+  lengths = _record_lengths(builder.as_data_source(split=split), separator)
   try:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -80,33 +85,38 @@ class WindowSource:
   Window i is stream[i T : i T + T + 1]. A small split (``IN_MEMORY_BYTES``) is
   held in memory as one byte array; otherwise a window is read from the one or
   few records under it. Implements grain's random-access source protocol
-  (__len__, __getitem__, and __getitems__ for a batch of windows).
+  (__len__, __getitem__, and __getitems__ for a batch of windows). A slice of
+  a split ("train[:90%]", ``_catalog.resolve_split``) is the stream of its
+  records: slices that share no record share no byte.
 
   Args:
     builder: a prepared TFDS builder whose records have a "text" feature.
-    split: the split to read.
+    split: the split or slice to read.
     seq_len: T.
     separator: bytes appended to every record (b"\\n" between sentences).
   """
 
   def __init__(self, builder, split: str, *, seq_len: int, separator: bytes = b""):
+    records = _catalog.resolve_split(builder.name, builder, split)
     self._source = builder.as_data_source(split=split)
+    self._first = records.start
     self._seq_len = seq_len
     self._separator = separator
-    if builder.info.splits[split].num_bytes <= _records.IN_MEMORY_BYTES:
+    if _catalog.stored_bytes(builder, records) <= _records.IN_MEMORY_BYTES:
       key = (os.fspath(builder.data_path), split, separator)
       self._stream = _records.cached(key, self._load_stream)
       total = len(self._stream)
     else:
       self._stream = None
-      lengths = _cached_lengths(builder, split, self._source, separator)
+      lengths = _cached_lengths(builder, records.base, separator)[records.start:records.stop]
       self._ends = np.cumsum(lengths)
       self._starts = self._ends - lengths
       total = int(self._ends[-1]) if len(lengths) else 0
     self._len = max(0, (total - 1) // seq_len)
 
   def _load_stream(self) -> np.ndarray:
-    return np.frombuffer(b"".join(b"".join(_read_texts(self._source, block, self._separator))
+    return np.frombuffer(b"".join(b"".join(_read_texts(self._source, block, self._separator,
+                                                       self._first))
                                   for block in _blocks(len(self._source))), np.uint8)
 
   def __len__(self) -> int:
@@ -126,7 +136,7 @@ class WindowSource:
     first = np.searchsorted(self._ends, starts, side="right")
     last = np.searchsorted(self._starts, starts + self._seq_len + 1, side="left")  # Exclusive.
     needed = sorted({r for a, b in zip(first, last) for r in range(a, b)})
-    texts = dict(zip(needed, _read_texts(self._source, needed, self._separator)))
+    texts = dict(zip(needed, _read_texts(self._source, needed, self._separator, self._first)))
     windows = np.zeros((len(indices), self._seq_len + 1), np.int32)
     for i, (start, a, b) in enumerate(zip(starts, first, last)):
       data = b"".join(texts[r] for r in range(a, b))
