@@ -15,12 +15,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import scipy.stats  # noqa: E402
 
 from experiments import atomic_io  # noqa: E402
 
 METHOD_LABELS = {"naive": "naive", "perm": "Variant 1 (Stage 1)", "ortho": "Variant 2 (+ ortho init)",
-                 "full": "full (+ gradient refinement)"}
-_COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green"}
+                 "full": "full (+ gradient refinement)", "learned": "learned (+ loss of the path)"}
+_COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green",
+           "learned": "tab:red"}
 
 
 def _finite(values: Sequence[float | None]) -> np.ndarray:
@@ -34,6 +36,21 @@ def _mean_std(values: Sequence[float | None]) -> tuple[float | None, float | Non
   if not len(v):
     return None, None
   return float(v.mean()), float(v.std())
+
+
+def ci95(values: Sequence[float | None]) -> float | None:
+  """Half-width of the 95 % confidence interval of the mean of the finite values:
+  t_{0.975, n-1} s / sqrt(n), with s the sample std (ddof 1); None for fewer than 2.
+
+  The study's pairs share seeds (5 seeds give 10 pairs), so they are not
+  independent draws and this interval is narrower than an interval over
+  independent pairs would be; it says how well the mean is pinned down by
+  these pairs, not more.
+  """
+  v = _finite(values)
+  if len(v) < 2:
+    return None
+  return float(scipy.stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v)))
 
 
 def ratio_pct(value: float, naive: float, eps: float = 1e-12) -> float | None:
@@ -55,7 +72,9 @@ def summarise_methods(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str,
     {method: {"loss_barrier_mean", "loss_barrier_std", "accuracy_barrier_mean",
     "accuracy_barrier_std", "loss_barrier_ratio_pct", "loss_barrier_ratio_pct_std",
     "accuracy_barrier_ratio_pct", "accuracy_barrier_ratio_pct_std", "num_pairs",
-    "loss_barrier_num_finite", "accuracy_barrier_num_finite"}}.
+    "loss_barrier_num_finite", "accuracy_barrier_num_finite"}} and the
+    half-widths of the 95 % intervals of the means (``ci95``):
+    "<metric>_ci95", "<metric>_ratio_pct_ci95" (None for one pair).
   """
   methods = list(pairs[0]["methods"]) if pairs else []
   out = {}
@@ -64,9 +83,11 @@ def summarise_methods(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str,
     for metric in ("loss_barrier", "accuracy_barrier"):
       values = [p["methods"][m][metric] for p in pairs]
       row[f"{metric}_mean"], row[f"{metric}_std"] = _mean_std(values)
+      row[f"{metric}_ci95"] = ci95(values)
       row[f"{metric}_num_finite"] = len(_finite(values))
       ratios = [ratio_pct(p["methods"][m][metric], p["methods"]["naive"][metric]) for p in pairs]
       row[f"{metric}_ratio_pct"], row[f"{metric}_ratio_pct_std"] = _mean_std(ratios)
+      row[f"{metric}_ratio_pct_ci95"] = ci95(ratios)
     out[m] = row
   return out
 
@@ -75,6 +96,10 @@ def _fmt(mean: float | None, std: float | None, digits: int = 4) -> str:
   if mean is None:
     return "n/a"
   return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _fmt_ci(half_width: float | None, digits: int = 1) -> str:
+  return "n/a" if half_width is None else f"± {half_width:.{digits}f}"
 
 
 def _fmt_barrier(row: Mapping[str, Any], metric: str) -> str:
@@ -93,14 +118,17 @@ def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any
               f" on the {res.get('eval_split', 'test')} split. Endpoint metrics: " +
               ", ".join(f"{name} loss {m['loss']:.4f} acc {m['accuracy']:.4f}"
                         for name, m in res.get("endpoints", {}).items()), "",
-              "| method | loss barrier | accuracy barrier | loss barrier / naive (%) | "
-              "accuracy barrier / naive (%) |", "|---|---|---|---|---|"]
+              "| method | loss barrier | accuracy barrier | loss barrier / naive (%) | 95 % CI | "
+              "accuracy barrier / naive (%) | 95 % CI |", "|---|---|---|---|---|---|---|"]
     for m, row in res["methods"].items():
       lines.append(f"| {METHOD_LABELS.get(m, m)} | {_fmt_barrier(row, 'loss_barrier')} | "
                    f"{_fmt_barrier(row, 'accuracy_barrier')} | "
                    f"{_fmt(row['loss_barrier_ratio_pct'], row['loss_barrier_ratio_pct_std'], 1)} | "
-                   f"{_fmt(row['accuracy_barrier_ratio_pct'], row['accuracy_barrier_ratio_pct_std'], 1)} |")
-    lines.append("")
+                   f"{_fmt_ci(row.get('loss_barrier_ratio_pct_ci95'))} | "
+                   f"{_fmt(row['accuracy_barrier_ratio_pct'], row['accuracy_barrier_ratio_pct_std'], 1)} | "
+                   f"{_fmt_ci(row.get('accuracy_barrier_ratio_pct_ci95'))} |")
+    lines += ["", "Mean ± std over pairs; 95 % CI: half-width of the t interval of the mean "
+              "(pairs share seeds, so it is optimistic).", ""]
     abl = res.get("ablation", {})
     if "permutations" in abl:
       s = abl["permutations"]["summary"]
@@ -149,6 +177,57 @@ def plot_curves(path: str, title: str, lambdas: Sequence[float],
   fig.tight_layout()
   try:
     atomic_io.save_figure(fig, path, dpi=120)
+  finally:
+    plt.close(fig)
+  return path
+
+
+def plot_permutation_curves(path: str, title: str, lambdas: Sequence[float],
+                            per_pair: Sequence[Mapping[str, Any]],
+                            naive: Sequence[Sequence[float]], *, loss_name: str = "loss",
+                            most_pairs: int = 10) -> str:
+  """PNG of the Table 1 ablation's paths: for each pair (at most ``most_pairs``), the loss
+  along the path after every head permutation followed by Stage 2 (grey), the one Stage 1
+  chose (green), the best of them (blue, dashed) and the naive path (black, dotted).
+
+  Args:
+    path: the PNG, written atomically.
+    title: the figure's title.
+    lambdas: the interpolation points.
+    per_pair: the study's ``ablation.permutations.per_pair`` entries, each with
+      "loss_curves" [P][len(lambdas)], "loss_barriers" [P] and "chosen".
+    naive: each pair's naive loss curve, in the order of ``per_pair``.
+    loss_name: the y-axis label.
+    most_pairs: how many pairs get a panel.
+  """
+  lams = np.asarray(lambdas)
+  shown = list(per_pair)[:most_pairs]
+  cols = min(5, len(shown))
+  rows = -(-len(shown) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False,
+                           sharex=True)
+  for i, (ax, abl) in enumerate(zip(axes.flat, shown)):
+    curves = np.asarray(abl["loss_curves"], np.float64)
+    best = int(np.argmin(abl["loss_barriers"]))
+    for curve in curves:
+      ax.plot(lams, curve, color="0.6", lw=0.7, alpha=0.7)
+    ax.plot(lams, naive[i], color="black", ls=":", lw=1.2, label="naive")
+    ax.plot(lams, curves[best], color="tab:blue", ls="--", lw=1.2, label="best permutation")
+    ax.plot(lams, curves[abl["chosen"]], color="tab:green", lw=1.6,
+            label=f"Stage 1 (rank {abl['loss_rank']})")
+    ax.set_title(f"pair {i + 1}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+  for ax in axes.flat[len(shown):]:
+    ax.axis("off")
+  for ax in axes[-1]:
+    ax.set_xlabel("λ")
+  for ax in axes[:, 0]:
+    ax.set_ylabel(loss_name)
+  fig.suptitle(title)
+  fig.tight_layout()
+  try:
+    atomic_io.save_figure(fig, path, dpi=100)
   finally:
     plt.close(fig)
   return path

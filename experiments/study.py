@@ -169,11 +169,12 @@ def noisy(batches: Iterable[Mapping[str, np.ndarray]], level: float, *, key: jax
 
 # align_model's matching options and the config fields that set them.
 _OPTION_FIELDS = {"distance": "study.distance", "steps": "study.match_steps",
-                  "learning_rate": "study.match_learning_rate"}
-# The options each method uses (Stage 1's distance; the "full" refinement's steps and
-# learning rate); a method not listed here is keyed by all of them.
+                  "learning_rate": "study.match_learning_rate", "init": "study.match_init",
+                  "refine": "study.match_refine"}
+# The options each method uses (Stage 1's distance; the "full" refinement's steps,
+# learning rate, start and schedule); a method not listed here is keyed by all of them.
 _OPTIONS_USED = {"naive": (), "perm": ("distance",), "ortho": ("distance",),
-                 "full": ("distance", "steps", "learning_rate")}
+                 "full": ("distance", "steps", "learning_rate", "init", "refine")}
 
 
 def _matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
@@ -181,7 +182,8 @@ def _matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
   """The keyword arguments of ``matching.align_model`` that ``method`` uses, from
   ``config.study``, with ``changes`` applied."""
   s = config.study
-  values = dict(distance=s.distance, steps=s.match_steps, learning_rate=s.match_learning_rate)
+  values = dict(distance=s.distance, steps=s.match_steps, learning_rate=s.match_learning_rate,
+                init=s.match_init, refine=s.match_refine)
   return {k: changes.get(k, values[k]) for k in _OPTIONS_USED.get(method, tuple(values))}
 
 
@@ -222,7 +224,8 @@ class ScopeStudy:
     first stage of this scope recomputed for a given change logs it.
     """
     fields = {"scope paths": list(self.scope_paths),
-              **fingerprints.config_fields(self.config, ("model", "study.num_lambdas")),
+              **fingerprints.config_fields(self.config, ("model", "study.num_lambdas",
+                                                         "study.eval_examples")),
               fingerprints.INPUT + "evaluation data": self.data_fingerprint,
               fingerprints.INPUT + f"seed_{a} params": self.digests[a],
               fingerprints.INPUT + f"seed_{b} params": self.digests[b], **fields}
@@ -298,7 +301,7 @@ class ScopeStudy:
       elements, info = matching.match_attention_exhaustive(
           subtree(pa, site), subtree(pb, site), group=s.group, rope_pairing=s.rope_pairing,
           rotary_fraction=s.rotary_fraction, rope_axes=s.rope_axes, method="full",
-          **self._matching_options("full"))
+          **{k: v for k, v in self._matching_options("full").items() if k != "refine"})
       chosen = int(info["stage1_index"])
       identity = group_action.identity_model(self.model.spec)
       barriers = []
@@ -311,10 +314,12 @@ class ScopeStudy:
       for metric in ("loss", "accuracy"):
         values = [r[f"{metric}_barrier"] for r in barriers]
         rank, lhat = report.rank_and_lhat(values[chosen], values, naive[f"{metric}_barrier"])
-        out |= {f"{metric}_barriers": values, f"{metric}_rank": rank, f"{metric}_lhat": lhat}
+        out |= {f"{metric}_barriers": values, f"{metric}_rank": rank, f"{metric}_lhat": lhat,
+                f"{metric}_curves": [r[metric] for r in barriers]}
       return out
-    return self._cached("ablation_permutations", compute, a=a, b=b,
-                        **_option_fields(self._matching_options("full")))
+    options = {k: v for k, v in self._matching_options("full").items() if k != "refine"}
+    return self._cached("ablation_permutations", compute, a=a, b=b, **_option_fields(options),
+                        **{"stored": "barriers and curves of every permutation"})
 
   def distance_ablation(self, a: int, b: int) -> dict[str, dict]:
     """The full method under every Stage 1 distance, for the "first_attention" scope
@@ -406,6 +411,24 @@ def _jsonable(tree: Any) -> Any:
 # ----------------------------------------------------------------------------- the whole study
 
 
+def first_examples(batches: Iterable[Mapping[str, np.ndarray]], limit: int
+                   ) -> list[dict[str, np.ndarray]]:
+  """The batches that hold the first ``limit`` valid examples (every batch for 0), with
+  ``valid`` False past them: a fixed subset of the test split, in its stored order
+  (this process's share of it when several processes read)."""
+  out, seen = [], 0
+  for batch in batches:
+    if limit and seen >= limit:
+      break
+    batch = dict(batch)
+    valid = np.asarray(batch["valid"], bool)
+    if limit:
+      valid = valid & (np.cumsum(valid) + seen <= limit)
+    seen += int(valid.sum())
+    out.append({**batch, "valid": valid})
+  return out
+
+
 def examples_digest(batches: Iterable[Mapping[str, np.ndarray]]) -> str:
   """Content hash of the evaluation examples (the rows whose "valid" is set), the same
   whatever ``train.eval_batch_size`` cut them into."""
@@ -462,7 +485,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
   check_scopes(config, model)
   checkpoints = train.load_checkpoints(config, workdir, require_complete=True)
   dataset = config.reinit.dataset or config.dataset.name
-  batches = list(inputs.eval_batches(config, dataset))
+  batches = first_examples(inputs.eval_batches(config, dataset), config.study.eval_examples)
   data_fp = fingerprints.key({"dataset": dataset, "examples": examples_digest(batches)})
   evaluator = PathEvaluator(model, batches, chunk_size=config.study.lambda_chunk,
                             bits_per_byte=model.task == "lm" and model.config.vocab_size == 256)
@@ -483,6 +506,17 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
         f"{scope}/curves.png", [title, loss_name, res["lambdas"], res["pairs"]],
         lambda p, res=res, title=title, loss_name=loss_name: report.plot_curves(
             p, title, res["lambdas"], res["pairs"], loss_name=loss_name))
+    if "permutations" in res["ablation"]:
+      per_pair = res["ablation"]["permutations"]["per_pair"]
+      naive = [p["methods"]["naive"]["loss"] for p in res["pairs"]]
+      perm_title = (f"{title}: the path after each of the "
+                    f"{per_pair[0]['num_permutations']} head permutations + Stage 2")
+      paths[f"{scope}/ablation_permutations.png"] = reports.write(
+          f"{scope}/ablation_permutations.png", [perm_title, loss_name, res["lambdas"], per_pair,
+                                                 naive],
+          lambda p, per_pair=per_pair, naive=naive, perm_title=perm_title, loss_name=loss_name,
+          res=res: report.plot_permutation_curves(p, perm_title, res["lambdas"], per_pair, naive,
+                                                  loss_name=loss_name))
   title = f"LMC study: {config.model.family} on {dataset}"
   paths["summary.md"] = reports.write(
       "summary.md", [title, results],

@@ -92,6 +92,19 @@ def _results():
                          "accuracy": {"A": [0.9, 0.5], "B": [0.8, 0.25]}}}
 
 
+def test_ci95_is_the_t_interval_of_the_mean():
+  values = [1.0, 2.0, 4.0, 7.0]
+  t975_3 = 3.182446305284263  # Student's t quantile, 3 degrees of freedom
+  assert report.ci95(values) == pytest.approx(t975_3 * np.std(values, ddof=1) / 2.0)
+  assert report.ci95([1.0, NAN, 2.0, 4.0, 7.0, None]) == report.ci95(values)  # finite only
+  assert report.ci95([3.0]) is None and report.ci95([]) is None
+  assert report.ci95([5.0, 5.0, 5.0]) == 0.0
+  rows = report.summarise_methods(PAIRS[:2])
+  assert rows["full"]["loss_barrier_ci95"] == pytest.approx(12.706204736 * 0.0, abs=1e-12)
+  assert rows["naive"]["loss_barrier_ci95"] == pytest.approx(12.706204736 * 0.1)
+  assert rows["full"]["loss_barrier_ratio_pct_ci95"] == pytest.approx(12.706204736 * 12.5)
+
+
 def test_markdown_summary_holds_the_numbers():
   text = report.markdown_summary("LMC study", {"first_attention": _results()})
   lines = text.splitlines()
@@ -99,9 +112,12 @@ def test_markdown_summary_holds_the_numbers():
   assert "## Re-initialisation scope: first_attention" in lines
   assert ("3 checkpoint pair(s), 3 interpolation points on the test split. Endpoint metrics: "
           "seed_1 loss 1.2500 acc 0.5000, seed_2 loss 1.5000 acc 0.6250") in lines
-  assert ("| naive | 0.3000 ± 0.0816 | 0.2000 ± 0.0816 | 100.0 ± 0.0 | 100.0 ± 0.0 |") in lines
+  assert ("| naive | 0.3000 ± 0.0816 | 0.2000 ± 0.0816 | 100.0 ± 0.0 | ± 0.0 | 100.0 ± 0.0 | "
+          "± 0.0 |") in lines
+  # 95 % CIs: t(0.975, 1) * std(25, 50; ddof 1) / sqrt(2) = 158.8 (the NaN pair left out);
+  # t(0.975, 2) * std(25, 0, 10; ddof 1) / sqrt(3) = 31.3.
   assert ("| full (+ gradient refinement) | 0.1000 ± 0.0000 (finite in 2 of 3 pairs) | "
-          "0.0267 ± 0.0205 | 37.5 ± 12.5 | 11.7 ± 10.3 |") in lines
+          "0.0267 ± 0.0205 | 37.5 ± 12.5 | ± 158.8 | 11.7 ± 10.3 | ± 31.3 |") in lines
   assert "| Stage 1 | 1.50 ± 0.50 | 2.2 ± 0.8 | 3.00 ± 0.00 | n/a |" in lines
   assert "| cosine | 0.1000 ± 0.0000 (finite in 2 of 3 pairs) | 37.5 ± 12.5 |" in lines
   assert "| noise | A | B |" in lines
@@ -123,3 +139,17 @@ def test_plot_curves_writes_a_png(tmp_path, with_nan):
   assert image.shape[:2] == (456, 1200)  # 10 x 3.8 inches at 120 dpi
   assert image[..., :3].std() > 0.05  # something is drawn
   assert not math.isnan(float(image.mean()))
+
+
+def test_plot_permutation_curves_draws_every_pair(tmp_path):
+  lams = np.linspace(0, 1, 5)
+  bump = lams * (1 - lams)
+  per_pair = [{"loss_curves": [(1 + k * bump).tolist() for k in range(24)],
+               "loss_barriers": [k / 4 for k in range(24)], "chosen": c, "loss_rank": c + 1,
+               "num_permutations": 24} for c in (0, 3, 7)]
+  naive = [(1 + 30 * bump).tolist()] * 3
+  path = tmp_path / "ablation_permutations.png"
+  assert report.plot_permutation_curves(str(path), "title", lams, per_pair, naive) == str(path)
+  image = matplotlib.image.imread(path)
+  assert image.shape[:2] == (280, 960)  # 3 panels of 3.2 x 2.8 inches at 100 dpi
+  assert image[..., :3].std() > 0.05

@@ -49,7 +49,8 @@ def _stage_files(workdir):
 
 def test_reports_are_written(finished):
   config, _, paths, _ = finished
-  assert set(paths) == {"first_attention/results.json", "first_attention/curves.png", "summary.md"}
+  assert set(paths) == {"first_attention/results.json", "first_attention/curves.png",
+                        "first_attention/ablation_permutations.png", "summary.md"}
   for p in paths.values():
     assert os.path.getsize(p) > 0
   res = json.load(open(paths["first_attention/results.json"]))
@@ -138,6 +139,11 @@ def test_ablations_and_robustness_are_recomputed(finished):
       barriers = np.asarray(abl[f"{metric}_barriers"])
       chosen, best = barriers[abl["chosen"]], barriers.min()
       assert len(barriers) == 24
+      # Every permutation's path is stored, and its barrier is that path's.
+      curves = abl[f"{metric}_curves"]
+      assert len(curves) == 24 and all(len(c) == len(res["lambdas"]) for c in curves)
+      np.testing.assert_allclose(
+          [_barrier(res["lambdas"], c, metric == "accuracy") for c in curves], barriers)
       assert abl[f"{metric}_rank"] == 1 + np.sum(barriers < chosen - 1e-12)
       naive = p["methods"]["naive"][f"{metric}_barrier"]
       lhat = 100 * (chosen - best) / (naive - best) if naive - best > 1e-12 else None
@@ -171,7 +177,10 @@ def test_summary_md_holds_the_numbers_of_results_json(finished):
   for m, row in res["methods"].items():
     kinds = ("loss_barrier", "accuracy_barrier")
     cells = [_fmt(row[f"{k}_mean"], row[f"{k}_std"], 4) for k in kinds]
-    cells += [_fmt(row[f"{k}_ratio_pct"], row[f"{k}_ratio_pct_std"], 1) for k in kinds]
+    for k in kinds:
+      ci = row[f"{k}_ratio_pct_ci95"]
+      cells += [_fmt(row[f"{k}_ratio_pct"], row[f"{k}_ratio_pct_std"], 1),
+                "n/a" if ci is None else f"± {ci:.1f}"]
     assert f"| {report.METHOD_LABELS[m]} | " + " | ".join(cells) + " |" in lines, m
   s = res["ablation"]["permutations"]["summary"]
   assert (f"| Stage 1 | {_fmt(s['loss_rank_mean'], s['loss_rank_std'], 2)} | "
@@ -237,3 +246,15 @@ def test_bad_input_raises_before_work(finished, tmp_path):
     mp.setattr(models.Model, "scope_paths", lambda self, scope: ["head"])
     with pytest.raises(ValueError, match="nothing to align"):
       study.run_study(config, workdir)
+
+
+def test_first_examples_keeps_a_fixed_prefix_of_the_valid_examples():
+  batches = [{"label": np.arange(4) + 4 * i, "valid": np.array([True, True, True, i < 2])}
+             for i in range(3)]  # 11 valid examples: 0..10 (11 is padding)
+  kept = study.first_examples(batches, 6)
+  assert len(kept) == 2
+  labels = np.concatenate([b["label"][b["valid"]] for b in kept])
+  np.testing.assert_array_equal(labels, np.arange(6))
+  everything = study.first_examples(batches, 0)
+  assert len(everything) == 3 and sum(int(b["valid"].sum()) for b in everything) == 11
+  assert sum(int(b["valid"].sum()) for b in study.first_examples(batches, 50)) == 11
