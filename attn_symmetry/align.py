@@ -56,6 +56,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -71,6 +72,8 @@ from attn_symmetry.models import safetensors_io
 OUTPUTS = ("aligned_b", "merged", "interpolation.json", "interpolation.png", "report.json")
 MATCHING_OPTIONS = ("distance", "steps", "learning_rate", "max_rounds", "init", "refine")
 DTYPES = ("keep", "float32")
+# The command's default, shared with experiments/main.py: compiled programs of every run.
+COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), "attn_symmetry", "jax_cache")
 Params = dict[str, Any]
 
 
@@ -234,16 +237,21 @@ def _natural(name: str) -> list[Any]:
   return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
+@jax.jit
+def _leaf_squares(flat_a: Params, flat_b: Params) -> tuple[Params, jax.Array]:
+  """({path: ||a - b||^2}, ||A||^2), in one program."""
+  gaps = {p: jnp.sum(jnp.square(a - flat_b[p])) for p, a in flat_a.items()}
+  return gaps, sum(jnp.sum(jnp.square(a)) for a in flat_a.values())
+
+
 def _distances(params_a: Params, params_b: Params) -> dict[str, Any]:
   """||A - B|| in total, relative to ||A||, and per top-level group of leaves."""
-  flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
+  gaps, norm = _leaf_squares(spec_lib.flatten(params_a), spec_lib.flatten(params_b))
   squares: dict[str, float] = {}
-  norm = 0.0
-  for path, a in flat_a.items():
+  for path, gap in gaps.items():
     group = path.split("/")[0]
-    squares[group] = squares.get(group, 0.0) + float(jnp.sum(jnp.square(a - flat_b[path])))
-    norm += float(jnp.sum(jnp.square(a)))
-  total = math.sqrt(sum(squares.values()))
+    squares[group] = squares.get(group, 0.0) + float(gap)
+  norm, total = float(norm), math.sqrt(sum(squares.values()))
   return {"total": total, "relative": total / math.sqrt(norm) if norm else 0.0,
           "per_layer": {g: math.sqrt(squares[g]) for g in sorted(squares, key=_natural)}}
 
@@ -359,8 +367,9 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
   a, b, model = inputs.a, inputs.b, inputs.model
   times["check"] = time.perf_counter() - start
   size = sum(math.prod(s) for s in model.param_shapes.values())
-  say(f"check: {a.config.family} ({model.task}), {size / 1e6:.2f}M parameters; A {a.dtypes} "
-      f"{a.nbytes / 1e6:.1f} MB, B {b.dtypes} {b.nbytes / 1e6:.1f} MB ({times['check']:.1f} s)")
+  say(f"check: {a.config.family} ({model.task}), {size / 1e6:.2f}M parameters; A "
+      f"{'+'.join(a.dtypes)} {a.nbytes / 1e6:.1f} MB, B {'+'.join(b.dtypes)} {b.nbytes / 1e6:.1f} MB "
+      f"({times['check']:.1f} s)")
 
   start = time.perf_counter()
   try:
@@ -379,6 +388,8 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
   if folded:
     params_a = group_action.fold_norm_scales(model.spec, params_a)
     params_b = group_action.fold_norm_scales(model.spec, params_b)
+  # Op by op: under one jit, jaxlib 0.10's CPU LAPACK kernels (the sites' inverses) can deadlock
+  # when two run side by side.
   aligned = group_action.apply_model(model.spec, params_b, element)
   before = _distances(params_a, params_b)
   del params_b
@@ -403,7 +414,8 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
       "model_type": a.hf_config.get("model_type"), "config": dataclasses.asdict(model.config),
       "parameters": size, "stored_dtypes": {"a": a.dtypes, "b": b.dtypes}, "dtype": dtype,
       "checkpoint_bytes": {"a": a.nbytes, "b": b.nbytes},
-      "method": method, "scope": inputs.scope, "options": options, "merge": merge,
+      "method": method, "scope": scope if isinstance(scope, str) else list(scope),
+      "scope_paths": inputs.scope, "options": options, "merge": merge,
       "folded_norm_scales": folded, "rounds": int(info["rounds"]) if "rounds" in info else 0,
       "distance": {"before": before, "after": after},
   }
@@ -466,10 +478,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--refine", help="when full refines: every_round, final")
   parser.add_argument("--distance", help="Stage 1 head distance")
   parser.add_argument("--quiet", action="store_true", help="no progress lines")
+  parser.add_argument("--compilation-cache", metavar="DIR", default=COMPILATION_CACHE,
+                      help="JAX's persistent compilation cache: a later alignment of the same "
+                           f"architecture skips compiling (default {COMPILATION_CACHE}; '' off)")
 
 
 def _run(args: argparse.Namespace, prog: str) -> int:
   options = {k: getattr(args, k) for k in MATCHING_OPTIONS if getattr(args, k) is not None}
+  if args.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   say = None if args.quiet else lambda line: print(f"[align] {line}", file=sys.stderr, flush=True)
   try:
     align_checkpoints(args.model_a, args.model_b, out=args.out, method=args.method,

@@ -267,8 +267,9 @@ def test_readme_command_runs_without_torch(tmp_path):
   before = _snapshot(a, b)
   blocked = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None; "
              "from attn_symmetry import align; sys.exit(align.cli(sys.argv[1:]))")
+  env = dict(os.environ, TMPDIR=str(tmp_path))  # the default compilation cache goes there
   run = subprocess.run([sys.executable, "-c", blocked, *args], capture_output=True, text=True,
-                       timeout=600)
+                       timeout=600, env=env)
   assert run.returncode == 0, run.stderr
   stages = [re.match(r"\[align\] (\w+):", line) for line in run.stderr.splitlines()]
   assert [m.group(1) for m in stages if m] == ["check", "load", "align", "evaluate", "save"]
