@@ -25,6 +25,7 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NoReturn
 
@@ -117,6 +118,26 @@ def _model_overrides(field: str, value: Any) -> None:
             f"overrides; choose from {known}")
 
 
+def _split(optional: bool) -> Rule:
+  """A split of the data set ("train") or one slice of it ("train[:90%]"), not the test
+  split (kept for the reported evaluations, so that no training decision reads it); ""
+  too if ``optional``. Whether the data set has it is checked when it is opened
+  (``train.check_data``)."""
+  def check(field, value):
+    if not isinstance(value, str):
+      _fail(field, f"must be a split name (a string), got {value!r}")
+    if optional and not value:
+      return
+    if not re.fullmatch(r"[A-Za-z][\w-]*(\[[^\[\]]*\])?", value):
+      _fail(field, "must be a split such as 'train' or one slice of it such as 'train[:90%]', "
+            f"got {value!r}")
+    if value.split("[", 1)[0] == "test":
+      _fail(field, f"reads the test split ({value!r}), which is kept for the reported "
+            "evaluations: no training decision may read it; hold out a slice of the training "
+            "split instead, such as 'train[90%:]'")
+  return check
+
+
 _AT_LEAST_0 = _integer(0)
 _AT_LEAST_1 = _integer(1)
 _POSITIVE = _real("> 0", lambda v: v > 0)
@@ -136,6 +157,8 @@ RULES: dict[str, Rule] = {
     "dataset.image_size": _AT_LEAST_0,  # 0: the reader's default
     "dataset.augment": _boolean,
     "dataset.num_workers": _AT_LEAST_0,
+    "dataset.train_split": _split(optional=False),
+    "dataset.validation_split": _split(optional=True),  # "": none
     "train.num_steps": _AT_LEAST_1,
     "train.batch_size": _AT_LEAST_1,
     "train.eval_batch_size": _AT_LEAST_1,
@@ -156,6 +179,9 @@ RULES: dict[str, Rule] = {
     "reinit.learning_rate": _POSITIVE,
     "reinit.warmup_steps": _AT_LEAST_0,
     "reinit.dataset": _one_of("data set", lambda: ("", *data.DATASETS)),
+    "reinit.patience": _AT_LEAST_0,  # 0: no stopping rule
+    "reinit.min_delta": _real("in [0, 1)", lambda v: 0 <= v < 1),
+    "reinit.validate_every": _AT_LEAST_1,
     "study.methods": _distinct(_one_of("method", lambda: matching.METHODS)),
     "study.num_lambdas": _integer(3),  # the endpoints and at least one point between them
     "study.lambda_chunk": _AT_LEAST_1,
@@ -212,6 +238,12 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
     _fail("study.methods", "must include 'naive' (the baseline of every comparison), "
           f"got {tuple(config.study.methods)}")
   d = config.dataset
+  if config.reinit.patience and not d.validation_split:
+    _fail("dataset.validation_split", "must name a held-out split when reinit.patience > 0 "
+          f"(the stopping rule reads its loss), such as 'train[90%:]', got {d.validation_split!r}")
+  if d.validation_split == d.train_split:
+    _fail("dataset.validation_split", f"must differ from dataset.train_split, got "
+          f"{d.validation_split!r} for both")
   kind = data.dataset_kind(d.name)
   if kind == "image" and d.seq_len:
     _fail("dataset.seq_len", f"applies to text data sets; {d.name!r} holds images, "

@@ -18,9 +18,12 @@ Stages and their fields:
 * re-initialised run ``reinit/<scope>/seed_<s>``: its scope and seed, the data
   set it trains on (``reinit.dataset``, or ``dataset.name`` when empty),
   ``TRAINING``, its schedule (``REINIT_SCHEDULE`` when fine-tuning a scope,
-  ``TRAIN_SCHEDULE`` for the "full" scope, which trains from scratch), and,
-  for every scope but "full", ``sha256 of base params``: the content hash of
-  the base model's final parameters.
+  ``TRAIN_SCHEDULE`` for the "full" scope, which trains from scratch),
+  ``STOPPING`` when the stopping rule is on (``reinit.patience`` > 0: the
+  rule's fields and the validation split; with the rule off they change
+  nothing and are not keyed, so turning it on retrains), and, for every scope
+  but "full", ``sha256 of base params``: the content hash of the base model's
+  final parameters.
 * study stage (``study.py``, one JSON per pair and stage under
   ``study/<scope>/pairs/``): the scope's parameter paths, the model fields,
   the content hash of the evaluation examples (through which the data set
@@ -49,7 +52,11 @@ the float32 rounding of sums:
   devices: they split the same computation differently, which changes the
   float32 rounding of its sums and nothing else (``lambda_chunk`` 1 -> 5
   moved the runlocal study's path losses by at most 7e-8 relative); results
-  computed with another split are kept.
+  computed with another split are kept. Under the stopping rule an
+  evaluation decides when a run stops, so another ``eval_batch_size`` could
+  in principle move the stop, if a validation loss fell within float32
+  rounding of the ``min_delta`` threshold; like the number of devices, it is
+  left out all the same.
 * ``reinit.scopes``, ``reinit.seeds``, ``study.methods``, ``study.distances``,
   ``study.permutation_ablation``, ``study.max_exhaustive_heads``: which runs
   and stages exist; each run and stage is keyed by its own scope, seed,
@@ -80,12 +87,16 @@ log = logging.getLogger(__name__)
 
 # Fields of every training run: the model, the data reader, the batch and the optimiser.
 TRAINING = ("model", "dataset.data_dir", "dataset.seq_len", "dataset.image_size",
-            "dataset.augment", "train.batch_size", "train.final_lr_fraction",
-            "train.weight_decay", "train.b1", "train.b2", "train.grad_clip_norm")
+            "dataset.augment", "dataset.train_split", "train.batch_size",
+            "train.final_lr_fraction", "train.weight_decay", "train.b1", "train.b2",
+            "train.grad_clip_norm")
 # The schedule of the base run and of the "full" scope.
 TRAIN_SCHEDULE = ("train.num_steps", "train.learning_rate", "train.warmup_steps")
 # The schedule of a fine-tuned scope.
 REINIT_SCHEDULE = ("reinit.num_steps", "reinit.learning_rate", "reinit.warmup_steps")
+# The stopping rule of a re-initialised run, keyed when it is on (reinit.patience > 0).
+STOPPING = ("reinit.patience", "reinit.min_delta", "reinit.validate_every",
+            "dataset.validation_split")
 # Options of the study's stages (each stage keys the ones it uses).
 STUDY = ("study.num_lambdas", "study.eval_examples", "study.distance", "study.match_steps",
          "study.match_learning_rate", "study.match_init", "study.match_refine",

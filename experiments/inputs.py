@@ -4,6 +4,12 @@ The data set (``attn_symmetry.data``) fixes the model's input and output
 sizes; ``create_model`` builds the model of ``config.model`` to fit it.
 Batches are placed on a 1-D mesh with axis "data": split along it, with
 parameters replicated.
+
+Three splits of a data set are read: ``config.dataset.train_split`` (training
+batches), ``config.dataset.validation_split`` (the held-out loss on which a
+re-initialised run stops, ``validation_batches``), and the test split
+(``eval_batches``: the evaluations that are reported, and the study's). No
+training decision reads the test split.
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ def data_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return {k: v for k, v in options.items() if v is not None}
 
 
-def dataset_info(config: ml_collections.ConfigDict, dataset: str) -> data.DatasetInfo:
-  """``attn_symmetry.data.dataset_info`` with the config's reader options."""
+def dataset_info(config: ml_collections.ConfigDict, dataset: str, *, slices=()
+                 ) -> data.DatasetInfo:
+  """``attn_symmetry.data.dataset_info`` with the config's reader options; ``slices``
+  (split names such as "train[:90%]") are counted in its ``splits`` too."""
   options = data_options(config)
   options.pop("num_workers", None)
-  return data.dataset_info(dataset, **options)
+  return data.dataset_info(dataset, slices=tuple(slices), **options)
 
 
 def model_overrides(info: data.DatasetInfo) -> dict[str, Any]:
@@ -63,7 +71,7 @@ def create_model(config: ml_collections.ConfigDict) -> models.Model:
 
 
 def train_batches(config: ml_collections.ConfigDict, dataset: str, *, seed: int):
-  """This process's share of the training batches, endless.
+  """This process's share of the training batches of ``config.dataset.train_split``, endless.
 
   The iterator has grain's ``get_state`` and ``set_state``: the data position
   that checkpoints save, so that a resumed run reads the batches it would have.
@@ -71,12 +79,28 @@ def train_batches(config: ml_collections.ConfigDict, dataset: str, *, seed: int)
   options = data_options(config)
   if config.dataset.augment:
     options["augment"] = True
-  return data.train_iterator(dataset, batch_size=config.train.batch_size, seed=seed, **options)
+  return data.train_iterator(dataset, batch_size=config.train.batch_size, seed=seed,
+                             split=config.dataset.train_split, **options)
 
 
 def eval_batches(config: ml_collections.ConfigDict, dataset: str) -> Iterable[Batch]:
   """This process's share of one pass over the test split, batches with "valid"."""
   return data.eval_iterator(dataset, batch_size=config.train.eval_batch_size,
+                            **data_options(config))
+
+
+def validation_batches(config: ml_collections.ConfigDict, dataset: str) -> Iterable[Batch]:
+  """This process's share of one pass over ``config.dataset.validation_split``, batches
+  with "valid" (as ``eval_batches``).
+
+  Raises:
+    ValueError: the config names no validation split.
+  """
+  split = config.dataset.validation_split
+  if not split:
+    raise ValueError("config.dataset.validation_split is empty: there is no held-out split "
+                     "to validate on")
+  return data.eval_iterator(dataset, batch_size=config.train.eval_batch_size, split=split,
                             **data_options(config))
 
 

@@ -21,13 +21,40 @@ parameters are verified (``checkpoints.py``) before it is skipped. Layout:
 
 and in every run directory ``checkpoints/<step>/`` (``checkpoints.py``),
 ``metrics.jsonl`` and TensorBoard event files (``metric_writers.py``),
-``fingerprint.json``, and ``final_metrics.json`` (the evaluation of the last
-step, written atomically). Checkpoints are verified on restore
+``fingerprint.json``, and ``final_metrics.json`` (the test evaluation of the
+last step, how many steps the run took and why it stopped; written
+atomically). Checkpoints are verified on restore
 (``checkpoints.py``): a damaged one is moved to ``corrupt_checkpoints/`` and
 training falls back to the newest intact one, saying so. ``load_checkpoints``
-gives the study every run's final parameters; ``inputs.py`` (model, batches,
-mesh) and ``evaluation.py`` (``batch_metrics``, ``evaluate``) the pieces it
-needs to evaluate them.
+gives the study every run's final parameters and ``steps_taken`` how each run
+ended; ``inputs.py`` (model, batches, mesh) and ``evaluation.py``
+(``batch_metrics``, ``evaluate``) the pieces it needs to evaluate them.
+
+Stopping rule (``Stopping``; ``config.reinit.patience`` > 0). A re-initialised
+run, fine-tuned or ("full") trained from scratch, is trained until its
+validation loss stops improving or its step budget runs out, whichever comes
+first, so that the endpoints the study compares are converged. Every
+``validate_every`` steps, and at the budget's last step, the run computes its
+loss on ``config.dataset.validation_split``, a held-out slice of the training
+data (``config.dataset.train_split`` gives the rest): an evaluation improves
+if it is below (1 - ``min_delta``) times the best so far; after ``patience``
+evaluations in a row without improvement the run stops there. Its result is
+the parameters at the stop: a state of the trajectory, saved with its
+optimiser state like any checkpoint, at most ``patience`` evaluations past
+the best one (keeping the best iterate instead would need a second copy of
+the parameters in every checkpoint). The budget is the schedule's
+``num_steps`` (``config.reinit`` when fine-tuning, ``config.train`` for
+"full"), and the learning rate follows its warmup and cosine decay over the
+budget whether or not the run stops early. The base model trains its full
+schedule: it is the common starting point, not an endpoint of the study.
+The test split is read only for the evaluations that are reported: no
+decision reads it.
+
+A run is complete when its newest checkpoint is at the last step of its
+schedule or records a stop (meta "stopped": "plateau" or "budget"; every run
+records it at its end). The plateau state (best loss, its step, evaluations
+since) is saved in every checkpoint's meta, so that a resumed run makes the
+decisions an uninterrupted one makes, bit for bit.
 
 Data parallelism: a ``jax.sharding.Mesh`` over all devices with one axis
 "data"; every batch is split along it and the parameters and optimiser state
@@ -98,6 +125,84 @@ class Schedule:
   warmup_steps: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Stopping:
+  """The stopping rule of a re-initialised run (the module docstring; ``config.reinit``).
+
+  Attributes:
+    patience: validation evaluations in a row without improvement after which
+      the run stops.
+    min_delta: an evaluation improves if its loss is below (1 - min_delta)
+      times the best so far (relative; losses are cross-entropies, >= 0).
+    validate_every: steps between validation evaluations.
+  """
+  patience: int
+  min_delta: float
+  validate_every: int
+
+
+def stopping(config: ml_collections.ConfigDict, run: Run) -> Stopping | None:
+  """The rule that ``run`` follows: every re-initialised run (the "full" scope too) when
+  ``config.reinit.patience`` > 0; None for the base model, or when the rule is off."""
+  r = config.reinit
+  if run.scope is None or not r.patience:
+    return None
+  return Stopping(r.patience, r.min_delta, r.validate_every)
+
+
+@dataclasses.dataclass
+class Plateau:
+  """The state of a run's stopping rule, saved in every checkpoint's meta.
+
+  Attributes:
+    rule: the rule.
+    best_loss: the lowest validation loss so far (None before the first).
+    best_step: its step.
+    since_best: evaluations since the best (without improvement).
+    validation_loss: the latest validation loss.
+  """
+  rule: Stopping
+  best_loss: float | None = None
+  best_step: int = 0
+  since_best: int = 0
+  validation_loss: float | None = None
+
+  def observe(self, step: int, loss: float) -> bool:
+    """Records the validation ``loss`` at ``step``; True when the run has to stop."""
+    self.validation_loss = loss
+    if self.best_loss is None or loss < self.best_loss * (1 - self.rule.min_delta):
+      self.best_loss, self.best_step, self.since_best = loss, step, 0
+    else:
+      self.since_best += 1
+    return self.since_best >= self.rule.patience
+
+  def to_meta(self) -> dict[str, Any]:
+    return {"best_loss": self.best_loss, "best_step": self.best_step,
+            "since_best": self.since_best, "validation_loss": self.validation_loss}
+
+  @classmethod
+  def from_meta(cls, rule: Stopping, meta: dict[str, Any] | None) -> "Plateau":
+    """The state saved by ``to_meta`` (a fresh one for None)."""
+    return cls(rule, **(meta or {}))
+
+  def record(self) -> dict[str, Any]:
+    """What ``final_metrics.json`` and ``steps_taken`` report of it."""
+    return {"validation_loss": self.validation_loss, "best_validation_loss": self.best_loss,
+            "best_step": self.best_step}
+
+
+_STOPS = {"plateau": "stopped at a validation plateau", "budget": "at the end of its budget"}
+
+
+def ended(meta: dict[str, Any], step: int, num_steps: int) -> str | None:
+  """How a run whose newest checkpoint is ``step`` (with ``meta``) ended: "plateau" or
+  "budget", or None if it is unfinished. Checkpoints from before stops were recorded end
+  at ``num_steps``."""
+  if meta.get("stopped"):
+    return meta["stopped"]
+  return "budget" if step >= num_steps else None
+
+
 def runs(config: ml_collections.ConfigDict) -> list[Run]:
   """The base run, then every (scope, seed) of ``config.reinit``, in training order."""
   transfer = config.reinit.dataset or config.dataset.name
@@ -137,6 +242,8 @@ def run_fields(config: ml_collections.ConfigDict, run: Run, base_params: str | N
   """
   names = fingerprints.TRAINING + (
       fingerprints.REINIT_SCHEDULE if run.fine_tunes else fingerprints.TRAIN_SCHEDULE)
+  if stopping(config, run) is not None:
+    names += fingerprints.STOPPING
   fields = {"run": run.name, **fingerprints.config_fields(config, names)}
   if run.scope is None:
     fields.update({"seed": run.seed, "dataset.name": run.dataset})
@@ -198,20 +305,45 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
   return jax.jit(step, donate_argnums=0, out_shardings=(replicated, replicated))
 
 
+def _check_splits(config: ml_collections.ConfigDict, dataset: str) -> None:
+  """Raises ValueError if a split of ``config.dataset`` does not fit ``dataset``, or if the
+  validation split shares records with the training split."""
+  d, ranges = config.dataset, {}
+  data_dir = inputs.data_options(config).get("data_dir")
+  for field in ("train_split", "validation_split"):
+    if d[field]:
+      try:
+        ranges[field] = data.split_range(dataset, d[field], data_dir=data_dir)
+      except ValueError as e:
+        raise ValueError(f"config.dataset.{field} {d[field]!r} does not fit: {e}") from None
+  t, v = ranges["train_split"], ranges.get("validation_split")
+  if v is not None and v.base == t.base and v.start < t.stop and t.start < v.stop:
+    raise ValueError(
+        f"config.dataset.validation_split {d.validation_split!r} shares records "
+        f"[{max(t.start, v.start)}, {min(t.stop, v.stop)}) of split {t.base!r} of {dataset!r} "
+        f"with config.dataset.train_split {d.train_split!r}; the validation loss must be "
+        "held out from training")
+
+
 def check_data(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError if a data set is too small for the batch or does not fit the model.
 
   The data set B of an A->B transfer must give the model the same input and
-  output sizes as A.
+  output sizes as A. Each data set must have ``config.dataset.train_split``
+  and (if set) ``validation_split``, and the two must share no record.
   """
   datasets = {config.dataset.name}
   if config.reinit.scopes:
     datasets.add(config.reinit.dataset or config.dataset.name)
-  infos = {name: inputs.dataset_info(config, name) for name in datasets}
+  for name in sorted(datasets):
+    _check_splits(config, name)
+  train_split = config.dataset.train_split
+  infos = {name: inputs.dataset_info(config, name, slices=[train_split]) for name in datasets}
   for name, info in infos.items():
-    if info.splits["train"] < config.train.batch_size:
+    if info.splits[train_split] < config.train.batch_size:
       raise ValueError(f"config.train.batch_size {config.train.batch_size} is larger than the "
-                       f"train split of {name!r} ({info.splits['train']} examples)")
+                       f"train split {train_split!r} of {name!r} "
+                       f"({info.splits[train_split]} examples)")
   a = inputs.model_overrides(infos[config.dataset.name])
   for name, info in infos.items():
     b = inputs.model_overrides(info)
@@ -330,8 +462,14 @@ class Trainer:
     base = jax.device_put(self._base, self._replicated)
     return reinit.reinitialise(base, fresh, trainable), trainable, self._base
 
-  def train(self, run: Run) -> dict[str, float]:
+  def train(self, run: Run) -> dict[str, Any]:
     """Trains (or resumes, or skips if complete) ``run``; returns its final evaluation.
+
+    Returns:
+      {"loss", "accuracy"} on the test split at the run's last step, "steps"
+      (that step), "stopped" ("plateau" or "budget"), and, under the stopping
+      rule, "validation_loss" (at the last step), "best_validation_loss" and
+      "best_step"; also written to ``final_metrics.json``.
 
     Raises:
       FloatingPointError: a non-finite training loss; the last checkpoint
@@ -347,18 +485,21 @@ class Trainer:
     finally:
       ckpts.close()
 
-  def _train(self, run, directory, ckpts) -> dict[str, float]:
+  def _train(self, run, directory, ckpts) -> dict[str, Any]:
     final_path = os.path.join(directory, "final_metrics.json")
     num_steps = schedule(self.config, run).num_steps
     saved = atomic_io.read_json_or_none(final_path, "final evaluation")
     latest = ckpts.latest_step()
-    if saved is not None and latest is not None and latest >= num_steps:
+    if saved is not None and latest is not None:
       abstract = checkpoints.abstract_like(jax.eval_shape(self.model.init, jax.random.key(0)),
                                            self._replicated)
-      intact = self._newest_intact(run, ckpts, lambda s: ckpts.restore_params(s, abstract))
+      intact = self._newest_intact(
+          run, ckpts, lambda s: (ckpts.restore_params(s, abstract), ckpts.restore_meta(s)))
       if intact is not None and intact[0] == latest:
-        log.info("%s: complete (step %d), skipped", run.name, latest)
-        return saved
+        how = ended(intact[1][1], latest, num_steps)
+        if how is not None:
+          log.info("%s: complete (step %d, %s), skipped", run.name, latest, _STOPS[how])
+          return saved
     params, trainable, base = self._initial_params(run)
     optimizer, lr, train_step = _optimizer_and_step(self.config, self.model,
                                                     schedule(self.config, run), trainable,
@@ -368,20 +509,23 @@ class Trainer:
     abstract = checkpoints.abstract_like(state, self._replicated)
     intact = self._newest_intact(
         run, ckpts, lambda s: ckpts.restore(s, abstract["params"], abstract["opt_state"]))
-    start = 0
+    start, meta = 0, {}
     if intact is not None:
       start, (state["params"], state["opt_state"], meta) = intact
       batches.set_state(meta["data_state"])
-      if start < num_steps:
+      if ended(meta, start, num_steps) is None:
         log.info("%s: resuming from step %d in %s", run.name, start, ckpts.directory)
     else:
       state = jax.device_put(state, self._replicated)
+    rule = stopping(self.config, run)
+    plateau = None if rule is None else Plateau.from_meta(rule, meta.get("stopping"))
     arch = checkpoints.architecture(self.model.config.family, jax.eval_shape(lambda: params))
     writer = metric_writers.MetricWriter(directory, resume_step=start,
                                          enabled=jax.process_index() == 0)
     try:
-      state, final = self._loop(run, state, start, num_steps, batches, train_step, lr, ckpts,
-                                writer, {"run": run.name, "architecture": arch})
+      state, final, step, how = self._loop(
+          run, state, start, num_steps, ended(meta, start, num_steps), batches, train_step, lr,
+          ckpts, writer, {"run": run.name, "architecture": arch}, plateau)
     finally:
       ckpts.wait()
       writer.close()
@@ -389,19 +533,34 @@ class Trainer:
       changed = reinit.changed_frozen(base, state["params"], trainable)
       if changed:
         raise RuntimeError(f"{run.name}: frozen parameters changed during fine-tuning: {changed}")
+    final = {**final, "steps": step, "stopped": how,
+             **(plateau.record() if plateau is not None else {})}
     checkpoints.on_process_0(lambda: atomic_io.write_json(final_path, final), f"final {directory}")
     return final
 
   def _evaluate(self, run: Run, params: Params) -> dict[str, float]:
+    """Loss and accuracy on the test split: reported, never used for a decision."""
     return evaluation.evaluate(self.model, params, inputs.eval_batches(self.config, run.dataset),
-                    mesh=self.mesh)
+                               mesh=self.mesh)
 
-  def _loop(self, run, state, start, num_steps, batches, train_step, lr, ckpts, writer, meta):
-    """Steps start+1 .. num_steps with logging, evaluation, checkpoints; (state, final eval)."""
+  def _validate(self, run: Run, params: Params) -> dict[str, float]:
+    """Loss and accuracy on ``config.dataset.validation_split``, for the stopping rule."""
+    return evaluation.evaluate(self.model, params,
+                               inputs.validation_batches(self.config, run.dataset),
+                               mesh=self.mesh)
+
+  def _loop(self, run, state, start, num_steps, how, batches, train_step, lr, ckpts, writer,
+            meta, plateau):
+    """Steps start+1 .. num_steps with logging, evaluation, checkpoints, and the stopping
+    rule when ``plateau`` is given; none if the run already ended (``how``, as ``ended``).
+
+    Returns:
+      (state, final test evaluation, the run's last step, how it ended).
+    """
     t = self.config.train
     progress = metric_writers.Progress(num_steps)
-    pending, last_saved, final = [], start, None
-    for step in range(start + 1, num_steps + 1):
+    pending, last_saved, final, step = [], start, None, start
+    for step in range(start + 1, num_steps + 1 if how is None else start + 1):
       state, metrics = train_step(state, inputs.shard_batch(next(batches), self.mesh))
       pending.append(metrics)
       if step == start + 1:  # The ETA counts from here, after compilation.
@@ -410,7 +569,8 @@ class Trainer:
       last = step == num_steps
       do_log, do_eval = step % t.log_every == 0 or last, step % t.eval_every == 0 or last
       do_save = step % t.checkpoint_every == 0 or last
-      if not (do_log or do_eval or do_save):
+      do_validate = plateau is not None and (step % plateau.rule.validate_every == 0 or last)
+      if not (do_log or do_eval or do_save or do_validate):
         continue
       pending = inputs.to_host(pending)
       bad = _first_nonfinite(range(step - len(pending) + 1, step + 1), pending)
@@ -425,18 +585,35 @@ class Trainer:
                                     "train/learning_rate": float(lr(step - 1))})
         log.info("%s %s", run.name, progress.line(step, means))
       pending = []
-      if do_eval:
+      if do_validate:
+        valid = self._validate(run, state["params"])
+        writer.write_scalars(step, {f"validation/{k}": v for k, v in valid.items()})
+        how = "plateau" if plateau.observe(step, valid["loss"]) else "budget" if last else None
+        log.info("%s step %d validation loss %.4f (best %.4f at step %d)", run.name, step,
+                 valid["loss"], plateau.best_loss, plateau.best_step)
+        if how == "plateau":
+          log.info("%s: no improvement of the validation loss by more than %g relative in %d "
+                   "evaluations; stopped at step %d of %d", run.name, plateau.rule.min_delta,
+                   plateau.rule.patience, step, num_steps)
+      elif last:
+        how = "budget"
+      if do_eval or how is not None:
         final = self._evaluate(run, state["params"])
         writer.write_scalars(step, {f"eval/{k}": v for k, v in final.items()})
         log.info("%s step %d eval %s", run.name, step,
                  " ".join(f"{k} {v:.4f}" for k, v in final.items()))
-      if do_save:
+      if do_save or how is not None:
+        extra = {} if plateau is None else {"stopping": plateau.to_meta()}
+        if how is not None:
+          extra["stopped"] = how
         ckpts.save(step, state["params"], state["opt_state"],
-                   {**meta, "step": step, "data_state": batches.get_state()})
+                   {**meta, **extra, "step": step, "data_state": batches.get_state()})
         last_saved = step
+      if how is not None:
+        break
     if final is None:  # Complete on disk, but its final evaluation was lost.
       final = self._evaluate(run, state["params"])
-    return state, final
+    return state, final, step, how
 
 
 def check_workdir(config: ml_collections.ConfigDict, model: models.Model, workdir: str) -> None:
@@ -480,7 +657,8 @@ def load_checkpoints(config: ml_collections.ConfigDict, workdir: str, *,
   Args:
     config: the setting.
     workdir: where it was trained.
-    require_complete: refuse a run that stopped before its last step.
+    require_complete: refuse a run that is unfinished: neither at the last
+      step of its schedule nor stopped by the stopping rule.
 
   Raises:
     ValueError: a run has no checkpoint (not trained yet), checkpoints of
@@ -526,7 +704,43 @@ def _load_run(config, run, ckpts, abstract, base_digest, require_complete):
     raise ValueError(f"run {run.name!r} in {directory} was trained with other fields: "
                      f"{fingerprints.change_line(old, fields)}; rerun training first")
   num_steps = schedule(config, run).num_steps
-  if require_complete and step < num_steps:
+  if require_complete and ended(ckpts.restore_meta(step), step, num_steps) is None:
     raise ValueError(f"run {run.name!r} stopped at step {step} of {num_steps} "
                      f"({ckpts.directory}); rerun training to finish it")
   return ckpts.restore_params(step, abstract), ckpts.digest(step)
+
+
+def steps_taken(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict[str, Any]]:
+  """How every run of ``config`` in ``workdir`` ended, by run name, from the meta of its
+  newest checkpoint (the one ``load_checkpoints`` loads).
+
+  Returns:
+    {"base": {"steps": 500, "stopped": "budget", "num_steps": 500},
+    "reinit/first_attention/seed_1": {"steps": 275, "stopped": "plateau",
+    "num_steps": 1000, "validation_loss": 0.121, "best_validation_loss": 0.118,
+    "best_step": 175}, ...}: the step reached, "plateau" or "budget" (None
+    for an unfinished run), the budget, and, for runs under the stopping
+    rule, the validation loss at the last step, the best one and its step.
+
+  Raises:
+    ValueError: a run has no checkpoint.
+    checkpoints.CorruptCheckpointError: a checkpoint's meta cannot be read.
+  """
+  out = {}
+  for run in runs(config):
+    ckpts = checkpoints.RunCheckpoints(run_dir(workdir, run), read_only=True)
+    try:
+      step = ckpts.latest_step()
+      if step is None:
+        raise ValueError(f"run {run.name!r} has no checkpoint in {ckpts.directory}; "
+                         "train it first")
+      meta = ckpts.restore_meta(step)
+    finally:
+      ckpts.close()
+    num_steps = schedule(config, run).num_steps
+    out[run.name] = {"steps": step, "stopped": ended(meta, step, num_steps),
+                     "num_steps": num_steps}
+    rule = stopping(config, run)
+    if rule is not None:
+      out[run.name].update(Plateau.from_meta(rule, meta.get("stopping")).record())
+  return out

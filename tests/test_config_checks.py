@@ -57,6 +57,18 @@ BAD = [
     (IMAGES, "dataset.augment", "yes", "dataset.augment", "True or False"),
     (TEXT, "dataset.augment", True, "dataset.augment", "applies to image data sets"),
     (IMAGES, "dataset.num_workers", -1, "dataset.num_workers", "must be >= 0"),
+    (IMAGES, "dataset.train_split", "", "dataset.train_split", "must be a split such as"),
+    (IMAGES, "dataset.train_split", 90, "dataset.train_split", "must be a split name"),
+    (IMAGES, "dataset.train_split", "train[:90%", "dataset.train_split",
+     "one slice of it such as 'train[:90%]'"),
+    (IMAGES, "dataset.train_split", "test[:50%]", "dataset.train_split", "reads the test split"),
+    (IMAGES, "dataset.validation_split", "test", "dataset.validation_split",
+     "reads the test split ('test'), which is kept for the reported evaluations"),
+    (IMAGES, "dataset.validation_split", "train[:90%]", "dataset.validation_split",
+     "must differ from dataset.train_split, got 'train[:90%]' for both"),
+    (IMAGES, "dataset.validation_split", None, "dataset.validation_split", "is missing"),
+    (IMAGES, "dataset.validation_split", "", "dataset.validation_split",
+     "must name a held-out split when reinit.patience > 0"),
     (IMAGES, "train.num_steps", 0, "train.num_steps", "must be >= 1, got 0"),
     (IMAGES, "train.num_steps", 2.5, "train.num_steps", "must be an integer"),
     (IMAGES, "train.batch_size", 0, "train.batch_size", "must be >= 1"),
@@ -89,6 +101,11 @@ BAD = [
     (IMAGES, "reinit.warmup_steps", 4, "reinit.warmup_steps", "must be < reinit.num_steps = 4"),
     (IMAGES, "reinit.dataset", "no_such_data", "reinit.dataset", "unknown data set"),
     (IMAGES, "reinit.dataset", "wiki_bytes", "reinit.dataset", "does not fit the model"),
+    (IMAGES, "reinit.patience", -1, "reinit.patience", "must be >= 0"),
+    (IMAGES, "reinit.patience", 1.5, "reinit.patience", "must be an integer"),
+    (IMAGES, "reinit.min_delta", 1.0, "reinit.min_delta", "must be in [0, 1), got 1.0"),
+    (IMAGES, "reinit.min_delta", -0.01, "reinit.min_delta", "in [0, 1)"),
+    (IMAGES, "reinit.validate_every", 0, "reinit.validate_every", "must be >= 1, got 0"),
     (IMAGES, "study.methods", ("naive", "bogus"), "study.methods[1]", "unknown method 'bogus'"),
     (IMAGES, "study.methods", ("perm", "full"), "study.methods", "must include 'naive'"),
     (IMAGES, "study.methods", ("naive", "naive"), "study.methods", "lists 'naive' twice"),
@@ -149,11 +166,19 @@ def test_every_field_has_a_rule_and_a_bad_value():
     (IMAGES, "dataset.data_dir", REPO),
     (TEXT, "study.noise_levels", (0.0, 1.0)),
     (TEXT, "reinit.dataset", "wiki_bytes"),
+    (IMAGES, "reinit.patience", 0),  # the rule off: no validation split needed
+    (IMAGES, "reinit.min_delta", 0.0),  # any decrease is an improvement
+    (TEXT, "dataset.validation_split", "validation"),
+    (IMAGES, "dataset.train_split", "train"),
 ])
 def test_edge_values_are_accepted(setting, field, value):
   changes = {field: value}
   if field == "reinit.seeds":
     changes["reinit.scopes"] = ()
+  if field == "reinit.patience":
+    changes["dataset.validation_split"] = ""
+  if field == "dataset.train_split":  # every run trains on the whole split; no rule
+    changes.update({"dataset.validation_split": "", "reinit.patience": 0})
   config_checks.validate(_config(setting, **changes))
 
 

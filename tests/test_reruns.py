@@ -161,7 +161,9 @@ def test_steps_up_then_down(used, tmp_path, caplog):
 
 
 def _assert_close(a, b, rel=1e-6):
-  """Equal trees, floats to ``rel`` (sums split differently round differently)."""
+  """Equal trees, floats to ``rel`` (sums split differently round differently), or to 1e-6
+  absolute: a barrier is a difference of losses near 2, so its rounding is absolute (a
+  runlocal barrier of 5e-4 moved by 9e-8 when eval_batch_size split the sums another way)."""
   if isinstance(a, dict):
     assert a.keys() == b.keys()
     for k in a:
@@ -171,7 +173,7 @@ def _assert_close(a, b, rel=1e-6):
     for x, y in zip(a, b):
       _assert_close(x, y, rel)
   elif isinstance(a, float):
-    assert a == pytest.approx(b, rel=rel, abs=1e-9)
+    assert a == pytest.approx(b, rel=rel, abs=1e-6)
   else:
     assert a == b
 
@@ -208,7 +210,7 @@ def test_study_refuses_a_damaged_endpoint_in_one_line(used, tmp_path):
 def test_every_config_field_is_keyed_or_listed_as_unkeyed():
   """A new config field must be classified in fingerprints.py before it can be used."""
   keyed = (fingerprints.TRAINING + fingerprints.TRAIN_SCHEDULE + fingerprints.REINIT_SCHEDULE
-           + fingerprints.STUDY + fingerprints.PER_RUN
+           + fingerprints.STOPPING + fingerprints.STUDY + fingerprints.PER_RUN
            + fingerprints.NOT_KEYED)
   settings = glob.glob(os.path.join(REPO, "experiments", "configs", "*.py"))
   assert len(settings) > 5

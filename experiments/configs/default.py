@@ -15,7 +15,12 @@ Fields:
     example), ``image_size`` (crop side of variable-size images; 0 takes the
     reader's default for both), ``augment`` (random crop and flip of images),
     ``num_workers`` (reader processes on top of threads; 0 reads in-process).
-    The data set fixes the model's input and output sizes.
+    The data set fixes the model's input and output sizes. ``train_split`` is
+    the split (or one slice of it, "train[:90%]") that every run trains on;
+    ``validation_split`` ("" for none) the held-out one, sharing no record
+    with it ("train[90%:]", or a real "validation" split), on which the
+    stopping rule computes its loss. Neither may be the test split: it is
+    kept for the reported evaluations and the study.
   train: optimisation of the base model (AdamW with linear warmup and cosine
     decay), evaluation, logging and checkpointing intervals.
   reinit: the re-initialisation protocol of DESIGN.md section 7. ``scopes``
@@ -23,7 +28,11 @@ Fields:
     scope is trained, for ``num_steps`` steps at ``learning_rate`` (the
     "full" scope trains the whole model from scratch with the base schedule
     ``train.*``). ``dataset`` names the data set B of an A->B transfer ("" is
-    the base data set).
+    the base data set). The stopping rule (``patience`` > 0; 0 trains every
+    run its whole budget): a re-initialised run stops after ``patience``
+    validation evaluations, one every ``validate_every`` steps, without
+    improving its validation loss by more than ``min_delta`` relative, or at
+    its budget, whichever comes first (``experiments/train.py``).
   study: the LMC study after training (``experiments/study.py``): the
     matching ``methods`` compared (naive must be one), ``num_lambdas``
     interpolation points evaluated ``lambda_chunk`` at a time, Stage 2
@@ -70,6 +79,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.dataset.image_size = 0
   config.dataset.augment = False
   config.dataset.num_workers = 0
+  config.dataset.train_split = "train"
+  config.dataset.validation_split = ""
 
   config.train = ml_collections.ConfigDict()
   config.train.num_steps = 1000
@@ -94,6 +105,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.reinit.learning_rate = 1e-3
   config.reinit.warmup_steps = 50
   config.reinit.dataset = ""
+  config.reinit.patience = 0
+  config.reinit.min_delta = 0.0
+  config.reinit.validate_every = 100
 
   config.study = ml_collections.ConfigDict()
   config.study.methods = ("naive", "perm", "ortho", "full")
@@ -167,6 +181,7 @@ def runlocal(config: ml_collections.ConfigDict) -> None:
   train.checkpoint_every = 4
   config.reinit.num_steps = 4
   config.reinit.warmup_steps = 1
+  config.reinit.validate_every = 2  # a setting's patience >= 4 cannot stop an 8-step run
   config.reinit.seeds = (1, 2)
   config.study.num_lambdas = 5
   config.study.match_steps = 20
@@ -236,6 +251,25 @@ def cpu_schedule(config: ml_collections.ConfigDict) -> None:
   t.log_every, t.eval_every, t.checkpoint_every = 100, 500, 500
   r = config.reinit
   r.num_steps, r.learning_rate, r.warmup_steps = 500, 2e-3, 50
+
+
+def stopping_rule(config: ml_collections.ConfigDict, *, validation_split: str,
+                  patience: int, validate_every: int, min_delta: float = 1e-3,
+                  train_split: str = "train") -> None:
+  """Turns on the stopping rule of the re-initialised runs (``config.reinit.patience``).
+
+  Args:
+    config: the setting's config, changed in place.
+    validation_split: the held-out split the rule reads, e.g. "train[90%:]"
+      with ``train_split`` "train[:90%]", or a real "validation" split.
+    patience, validate_every, min_delta: the rule's ``config.reinit`` fields.
+    train_split: what every run trains on; it shares no record with
+      ``validation_split``.
+  """
+  config.dataset.train_split = train_split
+  config.dataset.validation_split = validation_split
+  r = config.reinit
+  r.patience, r.validate_every, r.min_delta = patience, validate_every, min_delta
 
 
 def _long_schedule(config: ml_collections.ConfigDict, *, learning_rate: float) -> None:

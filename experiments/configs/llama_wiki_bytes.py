@@ -5,7 +5,10 @@
 Variants (``--config=experiments/configs/llama_wiki_bytes.py:runlocal``):
 "rope" (the default) or "ape" (learned absolute positions); "runlocal". The enwik8 analogue that runs offline: the text is
 English Wikipedia XML from the ``gensim`` wheel's test data. Sized for a
-CPU (2 layers, 4 heads, D = 64, windows of 128 bytes).
+CPU (2 layers, 4 heads, D = 64, windows of 128 bytes). Every run trains on the
+training split; a re-initialised run stops when its loss on the validation
+split has not improved for 5 evaluations (500 steps), or after 3000 steps
+(the "full" scope: 1000).
 """
 
 from experiments.configs import default
@@ -16,6 +19,8 @@ def get_config(arg=None):
   config = default.language_model(variants, family="llama", dataset="wiki_bytes", seq_len=128,
                                   default_pe="rope")
   default.cpu_schedule(config)
+  config.reinit.num_steps = 3000
+  default.stopping_rule(config, validation_split="validation", patience=5, validate_every=100)
   if "runlocal" in variants:
     default.runlocal(config)
   return config

