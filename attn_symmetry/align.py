@@ -1,6 +1,7 @@
 """Align and merge two Hugging Face checkpoints: ``attn-symmetry align`` and ``align_checkpoints``.
 
-    attn-symmetry align MODEL_A MODEL_B --out DIR [--method full|ortho|perm|naive] [--scope ...]
+    attn-symmetry align MODEL_A MODEL_B --out DIR [--method full|ortho|perm|naive|learned]
+                        [--scope ...]
                         [--merge 0.5] [--eval-text FILE | --eval-images DIR] [--dtype keep|float32]
 
     from attn_symmetry import align_checkpoints
@@ -107,7 +108,9 @@ class _Inputs:
   b: safetensors_io.Checkpoint
   model: Model
   scope: list[str]
-  batches: list[dict[str, np.ndarray]] | None
+  batches: list[dict[str, np.ndarray]] | None  # the curve's
+  train: list[dict[str, np.ndarray]] | None = None  # method "learned": its training batches
+  holdout: list[dict[str, np.ndarray]] | None = None  # and those it chooses its iterate on
 
 
 # ----------------------------------------------------------------------------- check
@@ -173,12 +176,10 @@ def _scope(model: Model, scope: str | Sequence[str]) -> list[str]:
 
 def _check(path_a, path_b, *, out, overwrite, method, scope, merge, dtype, eval_text, eval_images,
            num_lambdas, batch_size, seq_len, eval_batches, options) -> _Inputs:
-  methods = (*matching.METHODS, "learned")
-  if method not in methods:
-    raise InputError(f"--method must be one of {', '.join(methods)}, got {method!r}")
   if method not in matching.METHODS:
-    raise InputError(f"--method {method} is not available: attn_symmetry.matching offers "
-                     f"{', '.join(matching.METHODS)}")
+    raise InputError(f"--method must be one of {', '.join(matching.METHODS)}, got {method!r}")
+  if method == "learned" and eval_text is None and eval_images is None:
+    raise InputError("--method learned trains on the task loss: give --eval-text or --eval-images")
   unknown = sorted(set(options) - set(MATCHING_OPTIONS))
   if unknown:
     raise InputError(f"unknown matching options {unknown}; known: {', '.join(MATCHING_OPTIONS)}")
@@ -219,7 +220,14 @@ def _check(path_a, path_b, *, out, overwrite, method, scope, merge, dtype, eval_
     raise
   except ValueError as e:
     raise InputError(str(e)) from None
-  return _Inputs(a, b, model, prefixes, batches)
+  if method != "learned":
+    return _Inputs(a, b, model, prefixes, batches)
+  if len(batches) < 3:
+    raise InputError(f"--method learned needs at least 3 evaluation batches (training, held out, "
+                     f"curve); the data gives {len(batches)}")
+  train, holdout = len(batches) // 2, (len(batches) - len(batches) // 2) // 2
+  return _Inputs(a, b, model, prefixes, batches[train + holdout:], batches[:train],
+                 batches[train:train + holdout])
 
 
 def _same_tokenizer(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint) -> None:
@@ -231,6 +239,34 @@ def _same_tokenizer(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint) 
 
 
 # ----------------------------------------------------------------------------- stages
+
+
+def _learned_options(model: Model, inputs: _Inputs, say: Callable[[str], None]) -> dict[str, Any]:
+  """``align_model``'s loss, batches and progress for method "learned": the mean loss of the
+  evaluation file's first half, the iterate chosen on the next quarter (``_check``)."""
+  metrics = _eval_files.metric_fn(model)
+
+  def loss_fn(params, batch):
+    sums = metrics(params, batch)
+    return sums["loss"] / sums["count"]
+
+  def progress(line):
+    say(f"learned: step {line['step']}/{line['steps']}, held-out barrier "
+        f"{line['holdout_barrier']:.4g} (best {line['best_holdout_barrier']:.4g})")
+
+  return dict(loss_fn=loss_fn, batches=inputs.train, holdout_batches=inputs.holdout,
+              progress=progress)
+
+
+def _jsonable(value: Any) -> Any:
+  """``value`` with numpy and JAX numbers and arrays as Python floats, ints and lists."""
+  if isinstance(value, dict):
+    return {str(k): _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+    return np.asarray(value).tolist()
+  return value
 
 
 def _natural(name: str) -> list[Any]:
@@ -335,7 +371,10 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
     path_a, path_b: Hugging Face model folders of one architecture.
     out: output folder (None: nothing is written); must be empty unless
       ``overwrite``.
-    method: "full", "ortho", "perm" or "naive" (``matching.align_model``).
+    method: "full", "ortho", "perm", "naive" or "learned" (``matching.align_model``);
+      "learned" needs ``eval_text`` or ``eval_images``: it trains on the first
+      half of the batches, chooses its iterate on the next quarter, and the
+      curve is evaluated on the last quarter.
     scope: a name of ``models.SCOPES`` or parameter path prefixes (a list, or
       one comma-separated string): what is aligned; the rest stays identity.
     merge: with ``out``, also write (1 - merge) A + merge B' to out/merged.
@@ -381,6 +420,8 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
   say(f"load: both models in float32 ({times['load']:.1f} s)")
 
   start = time.perf_counter()
+  if method == "learned":
+    options = dict(options, **_learned_options(model, inputs, say))
   element, info = matching.align_model(model.spec, params_a, params_b, scope=inputs.scope,
                                        method=method, **options)
   raw = (params_a, params_b) if inputs.batches is not None else None
@@ -415,16 +456,22 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
       "parameters": size, "stored_dtypes": {"a": a.dtypes, "b": b.dtypes}, "dtype": dtype,
       "checkpoint_bytes": {"a": a.nbytes, "b": b.nbytes},
       "method": method, "scope": scope if isinstance(scope, str) else list(scope),
-      "scope_paths": inputs.scope, "options": options, "merge": merge,
+      "scope_paths": inputs.scope, "merge": merge,
+      "options": {k: v for k, v in options.items() if k in MATCHING_OPTIONS},
       "folded_norm_scales": folded, "rounds": int(info["rounds"]) if "rounds" in info else 0,
       "distance": {"before": before, "after": after},
   }
+  if "learned" in info:
+    report["learned"] = _jsonable(info["learned"])
   if curves is not None:
     report["barrier"] = {name: curves[name]["barrier"] for name in ("before", "after")}
     report["eval"] = {"text": os.fspath(eval_text) if eval_text else None,
                       "images": os.fspath(eval_images) if eval_images else None,
                       "batches": len(inputs.batches), "batch_size": batch_size,
                       "predictions": float(sum(np.sum(x["weights"]) for x in inputs.batches))}
+    if method == "learned":
+      report["eval"] |= {"training_batches": len(inputs.train),
+                         "holdout_batches": len(inputs.holdout)}
   report["time_s"] = times
   if out is not None:
     out = os.fspath(out)
@@ -454,7 +501,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("model_a", metavar="MODEL_A", help="HF model folder A (the reference)")
   parser.add_argument("model_b", metavar="MODEL_B", help="HF model folder B (aligned to A)")
   parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
-  parser.add_argument("--method", default="full", help="full (default), ortho, perm or naive")
+  parser.add_argument("--method", default="full",
+                      help="full (default), ortho, perm, naive, or learned (with an evaluation file: "
+                           "trained on its first half, chosen on the next quarter, the curve on "
+                           "the last quarter)")
   parser.add_argument("--scope", default="full",
                       help=f"{', '.join(SCOPES)} (default full), or comma-separated parameter "
                            "path prefixes such as layers_0/attention")

@@ -211,6 +211,17 @@ def _snapshot(*folders):
   return out
 
 
+def _images(folder, count=6):
+  """``count`` random 8 x 8 PNGs in label folders 0, 1, 2."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(0)
+  for i in range(count):
+    os.makedirs(folder / str(i % 3), exist_ok=True)
+    Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(folder / str(i % 3) / f"{i}.png")
+  return folder
+
+
 def _check_recovered(family, folder_a, aligned):
   """Every tensor of ``aligned`` equals A's (folded) to TOL relative."""
   want, _, _ = _read_folder(folder_a)
@@ -304,14 +315,7 @@ def test_planted_pair_is_recovered(family, tmp_path):
   shards = dict(max_shard_size="20KB") if family == "bert" else {}
   a = _save_model(family, str(tmp_path / "a"), **shards)
   b = _plant(family, a, str(tmp_path / "b"), seed=1)
-  images = None
-  if family == "vit":
-    images = tmp_path / "images"
-    rng = np.random.default_rng(0)
-    from PIL import Image  # pylint: disable=g-import-not-at-top
-    for i in range(6):
-      os.makedirs(images / str(i % 3), exist_ok=True)
-      Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(images / str(i % 3) / f"{i}.png")
+  images = _images(tmp_path / "images") if family == "vit" else None
   out = str(tmp_path / "out")
   result = align.align_checkpoints(a, b, out=out, merge=0.25, eval_images=images, num_lambdas=5,
                                    **EXACT)
@@ -425,7 +429,8 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
       ([a, variant("nan", lambda f: _edit_tensors(f, lambda t: t["transformer.h.1.attn.c_proj.weight"]
                                                   .__setitem__((0, 3), np.nan)))],
        r"MODEL_B .*nan: tensor transformer.h.1.attn.c_proj.weight holds NaN or Inf$"),
-      ([a, b, "--method", "learned"], r"--method learned is not available"),
+      ([a, b, "--method", "learned"], r"--method learned trains on the task loss: give "
+                                      r"--eval-text or --eval-images$"),
       ([a, b, "--method", "best"], r"--method must be one of"),
       ([a, b, "--scope", "layers_9"], r"--scope: scope prefix 'layers_9' matches no parameter"),
       ([a, b, "--merge", "1.5"], r"--merge must lie in \[0, 1\], got 1.5"),
@@ -438,8 +443,6 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
   cases.append(([a, b, "--out", full], r"--out .*full already holds 1 entries; pass --overwrite"))
   before = _snapshot(tmp_path)
   for args, message in cases:
-    if "learned" in args and "learned" in align.matching.METHODS:
-      continue
     if "--out" not in args:
       args = [*args, "--out", str(tmp_path / "out")]
     assert re.search(message, _refusal(capsys, *args)), (args, message)
@@ -504,3 +507,20 @@ def test_bert_text_batches(tmp_path):
   with pytest.raises(ValueError, match="line 1 is not LABEL<TAB>text"):
     _eval_files.text_batches(str(text), str(tmp_path), classifier, {}, batch_size=2, seq_len=8,
                              max_batches=1)
+
+
+def test_learned_method_trains_on_the_first_half(tmp_path):
+  """--method learned on a planted ViT pair with 3 image batches: trained on the first, its
+  iterate chosen on the second, the curve on the third; the planted element is kept."""
+  a = _save_model("vit", str(tmp_path / "a"))
+  b = _plant("vit", a, str(tmp_path / "b"), seed=3)
+  lines = []
+  result = align.align_checkpoints(a, b, method="learned", eval_images=_images(tmp_path / "images"),
+                                   batch_size=2, num_lambdas=3, steps=4, init="best",
+                                   progress=lines.append)
+  report = result.report
+  assert report["learned"]["steps"] == 4
+  assert [report["eval"][k] for k in ("training_batches", "holdout_batches", "batches")] == [1, 1, 1]
+  assert any(line.startswith("learned: step 4/4") for line in lines)
+  assert report["distance"]["after"]["relative"] <= TOL
+  assert report["barrier"]["after"]["loss"] <= 1e-4
