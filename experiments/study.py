@@ -117,6 +117,20 @@ def _compiled(model) -> tuple[Callable, Callable]:
   return _COMPILED[model.config]
 
 
+_LOSSES: dict[Any, Callable] = {}
+
+
+def _mean_loss(model) -> Callable[[Params, Mapping[str, Any]], jax.Array]:
+  """loss(params, batch): the mean cross-entropy of a batch, one function object per model
+  config (``matching.learn_alignment`` compiles once per loss function)."""
+  if model.config not in _LOSSES:
+    def loss(params, batch):
+      sums = evaluation.batch_metrics(model, params, batch)
+      return sums["loss"] / sums["count"]
+    _LOSSES[model.config] = loss
+  return _LOSSES[model.config]
+
+
 class PathEvaluator:
   """Loss and accuracy along interpolation paths on a fixed evaluation set."""
 
@@ -175,6 +189,12 @@ _OPTION_FIELDS = {"distance": "study.distance", "steps": "study.match_steps",
 # learning rate, start and schedule); a method not listed here is keyed by all of them.
 _OPTIONS_USED = {"naive": (), "perm": ("distance",), "ortho": ("distance",),
                  "full": ("distance", "steps", "learning_rate", "init", "refine")}
+_OPTIONS_USED["learned"] = _OPTIONS_USED["full"]
+# What the "learned" method reads besides the full method's options: its own options and
+# the training and validation batches it learns from and chooses on.
+LEARNED_FIELDS = ("study.learn_steps", "study.learn_learning_rate", "study.learn_uniform_lambda",
+                  "study.learn_holdout_batches", "dataset.train_split",
+                  "dataset.validation_split", "train.batch_size", "dataset.augment")
 
 
 def _matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
@@ -202,6 +222,7 @@ class ScopeStudy:
     self.evaluator = evaluator
     self.dir = os.path.join(workdir, "study", scope)
     self.scope_paths = model.scope_paths(scope)
+    self.dataset = config.reinit.dataset or config.dataset.name  # the scope's fine-tuning data
     self.seeds = list(config.reinit.seeds)
     self.params = {s: checkpoints[f"reinit/{scope}/seed_{s}"] for s in self.seeds}
     self.digests = {s: fingerprints.tree_digest(p) for s, p in self.params.items()}
@@ -211,6 +232,7 @@ class ScopeStudy:
     self.computed = 0
     self._announced: set[str] = set()
     self._alignments: dict[tuple, tuple[Params, Params, dict]] = {}
+    self._elements: dict[tuple, tuple[dict, dict]] = {}
     # g.theta compiled once: the ablation applies one element per head permutation.
     self._apply = _compiled(model)[1]
 
@@ -246,6 +268,13 @@ class ScopeStudy:
   def _matching_options(self, method: str, **overrides) -> dict[str, Any]:
     return _matching_kwargs(self.config, method, **overrides)
 
+  def _method_fields(self, method: str) -> dict[str, Any]:
+    """Fingerprint fields of ``method``'s options (and, for "learned", what it learns from)."""
+    fields = _option_fields(self._matching_options(method))
+    if method == "learned":
+      fields.update(fingerprints.config_fields(self.config, LEARNED_FIELDS))
+    return fields
+
   def align(self, a: int, b: int, method: str, **overrides) -> tuple[Params, Params, dict]:
     """(theta_A, g.theta_B, matching info): B aligned to A in this scope.
 
@@ -265,13 +294,50 @@ class ScopeStudy:
     pa, pb = self.params[a], self.params[b]
     if method == "naive":
       return pa, pb, {}
-    start = time.perf_counter()
-    element, info = matching.align_model(self.model.spec, pa, pb, scope=self.scope_paths,
-                                         method=method, **options)
-    info = dict(_jsonable(info), seconds=time.perf_counter() - start)
+    element, info = self._element(a, b, method, options)
+    info = _jsonable(info)
     if info.get("folded_norm_scales"):
       pa, pb = (group_action.fold_norm_scales(self.model.spec, p) for p in (pa, pb))
     return pa, self._apply(pb, element), info
+
+  def _element(self, a: int, b: int, method: str, options: dict[str, Any]):
+    """(element, info) of ``method`` for pair (a, b), kept for the rest of the run ("learned"
+    starts from the "full" element of the same options)."""
+    key = (a, b, method, json.dumps(options, sort_keys=True))
+    if key not in self._elements:
+      start = time.perf_counter()
+      if method == "learned":
+        full = {k: v for k, v in options.items() if k in _OPTIONS_USED["full"]}
+        element, info = self._learn(a, b, self._element(a, b, "full", full))
+      else:
+        element, info = matching.align_model(self.model.spec, self.params[a], self.params[b],
+                                             scope=self.scope_paths, method=method, **options)
+      self._elements[key] = element, dict(info, seconds=time.perf_counter() - start)
+    return self._elements[key]
+
+  def _learn(self, a: int, b: int, start: tuple[dict, dict]) -> tuple[dict, dict]:
+    """The "learned" method: ``start``'s attention matrices in scope trained on the loss of
+    the path's point at lambda (``matching.learn_alignment``), on batches of the training
+    slice (``dataset.train_split``) of the data set the scope was fine-tuned on, the best
+    iterate chosen on ``study.learn_holdout_batches`` batches of the validation slice. The
+    test split is not read."""
+    s = self.config.study
+    sites = [n for n in matching.active_names(self.model.spec, self.scope_paths)
+             if n in self.model.spec.attention]
+    holdout = list(itertools.islice(inputs.validation_batches(self.config, self.dataset),
+                                    s.learn_holdout_batches))
+    batches = inputs.train_batches(self.config, self.dataset, seed=1000 * a + b)
+    def progress(line):
+      log.info("%s seed %d-%d learned: step %d/%d, train loss %.4f, held-out barrier %.4f "
+               "(best %.4f), %.0f s", self.scope, a, b, line["step"], line["steps"],
+               line["train_loss"], line["holdout_barrier"], line["best_holdout_barrier"],
+               line["seconds"])
+    return matching.learn_alignment(
+        self.model.spec, self.params[a], self.params[b], start, sites=sites,
+        loss_fn=_mean_loss(self.model), batches=batches, holdout_batches=holdout, steps=s.learn_steps,
+        learning_rate=s.learn_learning_rate, lam="uniform" if s.learn_uniform_lambda else 0.5,
+        key=jax.random.key(1000 * a + b), progress=progress)
+
 
   def pair(self, a: int, b: int) -> dict[str, Any]:
     methods = {}
@@ -280,7 +346,7 @@ class ScopeStudy:
         pa, aligned, info = self.align(a, b, method)
         return dict(curve_result(self.evaluator(pa, aligned, self.lams), self.lams), matching=info)
       methods[method] = self._cached(method, compute, a=a, b=b, method=method,
-                                     **_option_fields(self._matching_options(method)))
+                                     **self._method_fields(method))
       log.info("%s seed %d-%d %-5s loss barrier %.4f accuracy barrier %.4f", self.scope, a, b,
                    method, methods[method]["loss_barrier"], methods[method]["accuracy_barrier"])
     return {"a": f"seed_{a}", "b": f"seed_{b}", "methods": methods}
@@ -356,7 +422,7 @@ class ScopeStudy:
       return out
     options = {}
     for m in self.config.study.methods:
-      options.update(_option_fields(self._matching_options(m)))
+      options.update(self._method_fields(m))
     return self._cached("robustness", compute, a=a, b=b, **options,
                         **fingerprints.config_fields(
                             self.config, ("seed", "study.noise_levels", "study.methods")))

@@ -1,0 +1,133 @@
+"""The paper's Section 6 experiments at the size of a 2-core CPU, one setting per variant.
+
+    python experiments/main.py --config=experiments/configs/cpu_paper.py:table1_vit_mnist_ape --workdir=/tmp/attn_symmetry/table1_vit_mnist_ape
+
+or, with the reports copied into ``results/``, ``python experiments/reproduce.py
+--setting=table1_vit_mnist_ape`` (``--all`` for every setting, ``--list`` to
+list them). The variant names a setting of ``SETTINGS``; adding "reduced"
+(``:table1_vit_mnist_ape,reduced``) shrinks it to a minute, the form that
+``tests/test_reproduce.py`` reruns against the committed numbers.
+
+Every setting uses the offline data (``mnist5k``: 5,000 real MNIST digits;
+``fashion_mnist_deb``: Debian's Fashion-MNIST; ``newsgroups_mini``;
+``wiki_bytes``), 4 heads, 6 layers and a width of 64 (the paper's 6-layer,
+4-head models, narrowed). Training uses the first 90 % of the training split;
+the last 10 % is the validation slice on which every re-initialised run stops
+(a plateau of its validation loss, or its step budget) and on which the
+learned alignment picks its best iterate. The test split is only evaluated.
+Five re-initialisation seeds give ten pairs per scope.
+
+Settings:
+  table1_vit_{mnist,fashion}_{ape,rope}: the paper's Table 1, first
+    attention layer re-initialised, every method and the 24-permutation
+    ablation (ViT, 28x28 images in 7x7 patches; RoPE is axial 2-D).
+  table1_bert_{ape,rope}: the same for BERT on newsgroups_mini (bytes,
+    128 per post).
+  scopes_vit_mnist_to_fashion, scopes_vit_fashion: the four
+    re-initialisation scopes (first attention, all attention, first layer,
+    full model); MNIST -> Fashion-MNIST transfer, and Fashion-MNIST alone.
+  lm_gpt2_wiki, lm_llama_wiki: byte-level language models (GPT-2 with
+    learned positions, Llama with RoPE) on gensim's Wikipedia text: the
+    first attention layer and the full model.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from experiments.configs import default
+
+_VISION_SCHEDULE = dict(num_steps=1500, batch_size=64, learning_rate=2e-3, warmup_steps=100)
+_TEXT_SCHEDULE = dict(num_steps=1500, batch_size=32, learning_rate=1e-3, warmup_steps=100)
+
+
+def _common(config: ml_collections.ConfigDict, schedule: dict) -> None:
+  """The shared protocol: schedule, validation slice, stopping rule, five seeds, the study."""
+  for name, value in schedule.items():
+    config.train[name] = value
+  config.train.log_every, config.train.eval_every, config.train.checkpoint_every = 250, 500, 500
+  config.dataset.train_split, config.dataset.validation_split = "train[:90%]", "train[90%:]"
+  r = config.reinit
+  r.num_steps, r.learning_rate, r.warmup_steps = 3000, schedule["learning_rate"], 50
+  r.patience, r.validate_every, r.min_delta = 4, 100, 0.002
+  r.seeds = (1, 2, 3, 4, 5)
+  r.scopes = ("first_attention",)
+  s = config.study
+  s.methods = ("naive", "perm", "ortho", "full", "learned")
+  s.distances = ("frobenius",)
+  s.noise_levels = ()
+  s.eval_examples = 500
+
+
+def _vit(config: ml_collections.ConfigDict, pos: str, dataset: str) -> None:
+  config.model.family, config.model.preset = "vit", "paper"
+  config.model.overrides.update(width=64, depth=6, mlp_dim=128, patch_size=7)
+  default.set_position_encoding(config, {pos}, ape="learned", rope="rope2d")
+  config.dataset.name = dataset
+  _common(config, _VISION_SCHEDULE)
+
+
+def _bert(config: ml_collections.ConfigDict, pos: str) -> None:
+  config.model.family, config.model.preset = "bert", "paper"
+  config.model.overrides.update(width=64, depth=6, mlp_dim=128)
+  default.set_position_encoding(config, {pos}, ape="learned", rope="rope")
+  config.dataset.name, config.dataset.seq_len = "newsgroups_mini", 128
+  _common(config, _TEXT_SCHEDULE)
+  config.train.batch_size = 16  # 144 training posts
+
+
+def _lm(config: ml_collections.ConfigDict, family: str, pos: str) -> None:
+  config.model.family, config.model.preset = family, "paper"
+  config.model.overrides.update(width=64, depth=6, mlp_dim=256 if family == "gpt2" else 176)
+  default.set_position_encoding(config, {pos}, ape="learned", rope="rope")
+  config.dataset.name, config.dataset.seq_len = "wiki_bytes", 128
+  _common(config, _TEXT_SCHEDULE)
+  config.dataset.train_split, config.dataset.validation_split = "train", "validation"
+  config.reinit.scopes = ("first_attention", "full")
+
+
+SETTINGS = {
+    **{f"table1_vit_{d}_{pos}": (lambda c, d=d, pos=pos: _vit(
+        c, pos, {"mnist": "mnist5k", "fashion": "fashion_mnist_deb"}[d]))
+       for d in ("mnist", "fashion") for pos in ("ape", "rope")},
+    **{f"table1_bert_{pos}": (lambda c, pos=pos: _bert(c, pos)) for pos in ("ape", "rope")},
+    "scopes_vit_mnist_to_fashion": lambda c: (_vit(c, "ape", "mnist5k"), _scopes(c, transfer=True)),
+    "scopes_vit_fashion": lambda c: (_vit(c, "ape", "fashion_mnist_deb"), _scopes(c)),
+    "lm_gpt2_wiki": lambda c: _lm(c, "gpt2", "ape"),
+    "lm_llama_wiki": lambda c: _lm(c, "llama", "rope"),
+}
+
+
+def _scopes(config: ml_collections.ConfigDict, transfer: bool = False) -> None:
+  config.reinit.scopes = default.SCOPES
+  if transfer:
+    config.reinit.dataset = "fashion_mnist_deb"
+
+
+def reduced(config: ml_collections.ConfigDict) -> None:
+  """Shrinks a setting to about a minute on a CPU, keeping its protocol (three seeds, every
+  method, the ablation): the form whose numbers a test checks against the committed ones."""
+  config.model.overrides.update(depth=2)
+  config.train.num_steps, config.train.warmup_steps = 150, 20
+  config.train.log_every, config.train.eval_every, config.train.checkpoint_every = 50, 150, 150
+  r = config.reinit
+  r.num_steps, r.warmup_steps, r.validate_every, r.patience = 60, 10, 20, 2
+  r.seeds = (1, 2, 3)
+  s = config.study
+  s.num_lambdas, s.match_steps, s.learn_steps, s.learn_holdout_batches = 5, 50, 20, 1
+  s.eval_examples = 128
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  variants = default.parse_arg(arg, allowed=(*SETTINGS, "reduced"))
+  names = sorted(variants & set(SETTINGS))
+  if len(names) != 1:
+    raise ValueError(f"name one setting of {sorted(SETTINGS)} (and optionally 'reduced'), "
+                     f"got {arg!r}")
+  config = default.get_config()
+  SETTINGS[names[0]](config)
+  if "reduced" in variants:
+    reduced(config)
+  if "runlocal" in variants:
+    default.runlocal(config)
+  return config

@@ -1,0 +1,207 @@
+r"""Reruns the CPU-sized settings of the paper's Section 6 and copies their reports to results/.
+
+    python experiments/reproduce.py --setting=table1_vit_mnist_ape      # one setting
+    python experiments/reproduce.py --setting=table1_vit_mnist_ape --reduced
+    python experiments/reproduce.py --all                               # every setting, in turn
+    python experiments/reproduce.py --list
+    python experiments/reproduce.py --table                             # results/README.md's table
+
+A setting is a variant of ``experiments/configs/cpu_paper.py`` (its docstring
+describes each); this script trains and studies it exactly as
+``experiments/main.py --config=experiments/configs/cpu_paper.py:<setting>``
+would (same stages, same workdir reuse), then copies ``summary.md``, every
+scope's ``results.json`` and figures, the config and a ``run.json`` (the
+command, the git commit, wall time, the machine) into
+``results/<setting>/`` (``results/<setting>/reduced/`` with ``--reduced``).
+Files already in the target folder are replaced only by this setting's new
+reports.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import jax
+from absl import app
+from absl import flags
+from absl import logging
+
+from experiments import atomic_io
+from experiments import config_checks
+from experiments import study
+from experiments import train
+from experiments.configs import cpu_paper
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+flags.DEFINE_string("setting", None, f"One of {sorted(cpu_paper.SETTINGS)}.")
+flags.DEFINE_bool("all", False, "Run every setting, one after another.")
+flags.DEFINE_bool("list", False, "List the settings and exit.")
+flags.DEFINE_bool("table", False, "Rewrite the table of results/README.md from the committed "
+                  "results and exit.")
+flags.DEFINE_bool("reduced", False, "The reduced form of the setting (about a minute).")
+flags.DEFINE_string("workdir_root", os.path.join(tempfile.gettempdir(), "attn_symmetry",
+                                                 "reproduce"),
+                    "Where each setting's workdir (checkpoints, study stages) lives.")
+flags.DEFINE_string("results", os.path.join(REPO, "results"), "Where the reports are copied.")
+flags.DEFINE_string("compilation_cache", os.path.join(tempfile.gettempdir(), "attn_symmetry",
+                                                      "jax_cache"),
+                    "JAX's persistent compilation cache ('' turns it off).")
+FLAGS = flags.FLAGS
+
+
+def _git_commit() -> str | None:
+  try:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    return out + ("+uncommitted changes" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return None
+
+
+def command(setting: str, reduced: bool) -> str:
+  """The command line that reruns ``setting``."""
+  return (f"python experiments/reproduce.py --setting={setting}"
+          + (" --reduced" if reduced else ""))
+
+
+def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str) -> dict[str, Any]:
+  """Trains and studies ``setting`` in ``workdir`` and copies its reports to ``results_dir``.
+
+  Returns:
+    The ``run.json`` record: setting, command, commit, start time, wall
+    seconds, machine, and the copied files (relative to ``results_dir``).
+
+  Raises:
+    ValueError: an unknown setting or a bad config, before any work.
+  """
+  if setting not in cpu_paper.SETTINGS:
+    raise ValueError(f"unknown setting {setting!r}; choose from {sorted(cpu_paper.SETTINGS)}")
+  config = cpu_paper.get_config(setting + (",reduced" if reduced else ""))
+  config_checks.validate(config)
+  started, start = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
+  train.log.info("%s: workdir %s", setting, workdir)
+  trained = train.train_and_evaluate(config, workdir)
+  study.run_study(config, workdir)
+  seconds = time.perf_counter() - start
+  copied = []
+  source = os.path.join(workdir, "study")
+  for scope in config.reinit.scopes:
+    for name in sorted(os.listdir(os.path.join(source, scope))):
+      if name.endswith((".json", ".png")):
+        copied.append(os.path.join(scope, name))
+  copied.append("summary.md")
+  for rel in copied:
+    target = os.path.join(results_dir, rel)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    shutil.copyfile(os.path.join(source, rel), target + ".tmp")
+    os.replace(target + ".tmp", target)
+  atomic_io.write_text(os.path.join(results_dir, "config.json"), config.to_json(indent=1))
+  record = {"setting": setting, "reduced": reduced, "command": command(setting, reduced),
+            "commit": _git_commit(), "started": started.isoformat(timespec="seconds"),
+            "wall_seconds": round(seconds, 1),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "devices": [str(d) for d in jax.devices()], "jax": jax.__version__},
+            "training": {name: {k: v for k, v in m.items()} for name, m in trained.items()},
+            "files": sorted(copied + ["config.json", "run.json"])}
+  atomic_io.write_json(os.path.join(results_dir, "run.json"), record, indent=1)
+  return record
+
+
+_MARK_BEGIN = "<!-- table: written by experiments/reproduce.py --table; do not edit -->"
+_MARK_END = "<!-- end of table -->"
+
+
+def _cell(row: dict[str, Any] | None, key: str) -> str:
+  if not row or row.get(key) is None:
+    return "n/a"
+  ci = row.get(key + "_ci95")
+  return f"{row[key]:.1f} ± {row[key + '_std']:.1f}" + ("" if ci is None else f" [±{ci:.1f}]")
+
+
+def results_table(results_root: str) -> str:
+  """Markdown table of every committed setting under ``results_root``: per setting and
+  scope, the naive loss barrier, each method's loss barrier as % of naive (mean ± std over
+  pairs [95 % CI half-width]), Stage 1's rank and L-hat, and the wall time and command."""
+  methods = ("perm", "ortho", "full", "learned")
+  lines = ["| setting | scope | pairs | naive loss barrier | Variant 1 (%) | Variant 2 (%) | "
+           "full (%) | learned (%) | rank of Stage 1 (of 24) | L̂ (%) | wall time | command |",
+           "|" + "---|" * 12]
+  for setting in sorted(os.listdir(results_root)):
+    run_path = os.path.join(results_root, setting, "run.json")
+    if not os.path.exists(run_path):
+      continue
+    with open(run_path) as f:
+      run = json.load(f)
+    with open(os.path.join(results_root, setting, "config.json")) as f:
+      scopes = json.load(f)["reinit"]["scopes"]
+    for scope in scopes:
+      with open(os.path.join(results_root, setting, scope, "results.json")) as f:
+        res = json.load(f)
+      rows = res["methods"]
+      naive = rows["naive"]
+      abl = res.get("ablation", {}).get("permutations", {}).get("summary")
+      rank = "n/a" if not abl else f"{abl['loss_rank_mean']:.2f} ± {abl['loss_rank_std']:.2f}"
+      lhat = ("n/a" if not abl or abl["loss_lhat_mean"] is None
+              else f"{abl['loss_lhat_mean']:.1f} ± {abl['loss_lhat_std']:.1f}")
+      lines.append(
+          f"| {setting} | {scope} | {naive['num_pairs']} | "
+          f"{naive['loss_barrier_mean']:.4f} ± {naive['loss_barrier_std']:.4f} | "
+          + " | ".join(_cell(rows.get(m), "loss_barrier_ratio_pct") for m in methods)
+          + f" | {rank} | {lhat} | {run['wall_seconds'] / 60:.0f} min | `{run['command']}` |")
+  return "\n".join(lines)
+
+
+def write_table(results_root: str) -> str:
+  """Replaces the generated table in ``results_root/README.md`` (between its markers)."""
+  path = os.path.join(results_root, "README.md")
+  with open(path) as f:
+    text = f.read()
+  if _MARK_BEGIN not in text or _MARK_END not in text:
+    raise ValueError(f"{path} has no table markers {_MARK_BEGIN!r} ... {_MARK_END!r}")
+  head, rest = text.split(_MARK_BEGIN, 1)
+  tail = rest.split(_MARK_END, 1)[1]
+  atomic_io.write_text(path, f"{head}{_MARK_BEGIN}\n{results_table(results_root)}\n"
+                             f"{_MARK_END}{tail}")
+  return path
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if FLAGS.list:
+    print("\n".join(sorted(cpu_paper.SETTINGS)))
+    return
+  if FLAGS.table:
+    print(write_table(FLAGS.results))
+    return
+  if FLAGS.all == bool(FLAGS.setting):
+    sys.exit("FATAL give exactly one of --setting=NAME and --all (--list lists the settings)")
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  if FLAGS.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache)
+  settings = sorted(cpu_paper.SETTINGS) if FLAGS.all else [FLAGS.setting]
+  for setting in settings:
+    name = setting + ("_reduced" if FLAGS.reduced else "")
+    out = os.path.join(FLAGS.results, setting, *(["reduced"] if FLAGS.reduced else []))
+    try:
+      record = run_setting(setting, reduced=FLAGS.reduced,
+                           workdir=os.path.join(FLAGS.workdir_root, name), results_dir=out)
+    except ValueError as e:
+      sys.exit(f"FATAL {e}")
+    print(f"{setting}: {record['wall_seconds']:.0f} s, reports in {out}")
+
+
+if __name__ == "__main__":
+  app.run(main)
