@@ -22,6 +22,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+import attn_symmetry
 from attn_symmetry import align
 from attn_symmetry.models import convert
 
@@ -40,6 +41,10 @@ CONFIGS = {
         **SMALL, vocab_size=64, num_key_value_heads=2, max_position_embeddings=32,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0}, bos_token_id=0,
         eos_token_id=0)),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        **SMALL, vocab_size=64, num_key_value_heads=2, max_position_embeddings=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, sliding_window=None,
+        bos_token_id=0, eos_token_id=0)),
     "bert": lambda: transformers.BertForSequenceClassification(transformers.BertConfig(
         **SMALL, vocab_size=64, max_position_embeddings=16, num_labels=3)),
     "vit": lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
@@ -55,6 +60,9 @@ ATTENTION = {
     "vit": (*(f"vit.encoder.layer.{{i}}.attention.attention.{p}" for p in ("query", "key", "value")),
             "vit.encoder.layer.{i}.attention.output.dense", "linear"),
 }
+ATTENTION["mistral"] = ATTENTION["llama"]
+LM = ("gpt2", "llama", "mistral")
+ROPE = ("llama", "mistral")
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -133,11 +141,11 @@ def _plant(family, folder_a, folder_b, *, seed=0):
   n = config.get("num_attention_heads", config.get("n_head"))
   kv = config.get("num_key_value_heads") or n
   g = n // kv
-  conv = layout == "conv"
+  conv, rope = layout == "conv", family in ROPE
   for i in range(config.get("num_hidden_layers", config.get("n_layer"))):
     sigma = rng.permutation(kv)
     tau = (sigma[:, None] * g + np.stack([rng.permutation(g) for _ in range(kv)])).reshape(-1)
-    c = np.stack([_rope_commutant(rng) if family == "llama" else _gl(rng) for _ in range(kv)])
+    c = np.stack([_rope_commutant(rng) if rope else _gl(rng) for _ in range(kv)])
     e = np.stack([_gl(rng) for _ in range(kv)])
     group = np.arange(n) // g
     moves = [(c[group], tau), (np.linalg.inv(c).transpose(0, 2, 1), sigma), (e, sigma)]
@@ -169,7 +177,7 @@ def _plant(family, folder_a, folder_b, *, seed=0):
 
 def _folded(family, tensors):
   """A with RMSNorm scales moved into the weights that read them (Llama's orthogonal residual)."""
-  if family != "llama":
+  if family not in ROPE:
     return tensors
   out = dict(tensors)
   readers = {"model.norm.weight": ["lm_head.weight"]}
@@ -307,11 +315,12 @@ def test_readme_command_runs_without_torch(tmp_path):
   assert os.path.getsize(os.path.join(out, "interpolation.png")) > 1000
 
 
-@pytest.mark.parametrize("family", ["llama", "bert", "vit"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "bert", "vit"])
 def test_planted_pair_is_recovered(family, tmp_path):
-  """Llama (GQA, RoPE: H(H) on the QK side; norm scales folded), BERT saved in shards, ViT with
-  an image folder: A back to 1e-4 relative per tensor; transformers loads aligned_b with B's
-  logits and the merged model."""
+  """Llama and Mistral (GQA, RoPE: H(H) on the QK side; norm scales folded; one compiled
+  alignment, as their tensors are the same), BERT saved in shards, ViT with an image folder: A
+  back to 1e-4 relative per tensor; transformers loads aligned_b with B's logits and the merged
+  model."""
   shards = dict(max_shard_size="20KB") if family == "bert" else {}
   a = _save_model(family, str(tmp_path / "a"), **shards)
   b = _plant(family, a, str(tmp_path / "b"), seed=1)
@@ -326,7 +335,7 @@ def test_planted_pair_is_recovered(family, tmp_path):
   np.testing.assert_allclose(_logits(aligned, family), _logits(b, family), atol=TOL, rtol=0)
   np.testing.assert_allclose(_logits(os.path.join(out, "merged"), family), _logits(a, family),
                              atol=1e-3, rtol=0)
-  assert result.report["folded_norm_scales"] == (family == "llama")
+  assert result.report["folded_norm_scales"] == (family in ROPE)
   assert result.report["distance"]["after"]["relative"] <= TOL
   if family == "vit":
     assert result.report["barrier"]["after"]["loss"] <= 1e-4
@@ -355,6 +364,11 @@ def test_bfloat16_stays_bfloat16(tmp_path):
   np.testing.assert_allclose(_logits(os.path.join(out, "aligned_b"), "llama"), _logits(b, "llama"),
                              atol=0.05, rtol=0.05)
   assert result.report["stored_dtypes"] == {"a": ["bfloat16"], "b": ["bfloat16"]}
+  wide = tmp_path / "float32"
+  attn_symmetry.align_checkpoints(a, b, out=wide, dtype="float32", **EXACT)  # the package's name
+  with safe_open(os.path.join(wide, "aligned_b", "model.safetensors"), framework="numpy") as f:
+    assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+  assert json.load(open(wide / "aligned_b" / "config.json"))["dtype"] == "float32"
   assert result.report["distance"]["after"]["relative"] < 0.01 * result.report["distance"]["before"]["relative"]
 
 
@@ -411,9 +425,13 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
           "transformer.h.1.mlp.c_fc.bias")))], r"missing transformer.h.1.mlp.c_fc.bias$"),
       ([a, variant("t5", lambda f: config(f, model_type="t5"))],
        r"MODEL_B .*t5: unsupported HF model type 't5' in config.json; supported: gpt2, llama, "
-       r"bert, vit$"),
+       r"mistral, bert, vit$"),
       ([a, variant("rope", lambda f: config(f, model_type="llama", rope_scaling={"rope_type": "yarn"}))],
        r"rope type 'yarn'"),
+      ([a, variant("window", lambda f: config(f, model_type="mistral", sliding_window=8,
+                                              max_position_embeddings=32))],
+       r"window: unsupported HF config: sliding_window=8 \(the zoo's attention has no sliding "
+       r"window\)$"),
       ([variant("noconfig", lambda f: os.remove(os.path.join(f, "config.json"))), b],
        r"MODEL_A .*noconfig: no config.json$"),
       ([a, variant("badjson", lambda f: open(os.path.join(f, "config.json"), "w").write("{"))],
@@ -453,17 +471,17 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_config_json_defaults_are_the_transformers_defaults(family):
   """A config.json that leaves every field out means the HF class defaults."""
-  head = {"gpt2": "lm", "llama": "lm"}.get(family, "classifier")
+  head = "lm" if family in LM else "classifier"
   hf_class = type(CONFIGS[family]().config)
-  assert (convert.config_from_hf({"model_type": family}, head)
-          == convert.config_from_hf(hf_class(), head))
+  given = {"sliding_window": None} if family == "mistral" else {}  # its default is refused
+  assert (convert.config_from_hf({"model_type": family, **given}, head)
+          == convert.config_from_hf(hf_class(**given), head))
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_hf_shape_is_the_state_dict_shape(family):
   model = CONFIGS[family]()
-  cfg = convert.config_from_hf(model.config.to_dict(), "lm" if family in ("gpt2", "llama")
-                               else "classifier")
+  cfg = convert.config_from_hf(model.config.to_dict(), "lm" if family in LM else "classifier")
   shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
   table, _ = convert.param_table(cfg)
   from attn_symmetry.models import Model  # pylint: disable=g-import-not-at-top

@@ -8,7 +8,9 @@
 
 Supported: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` (grouped-query attention,
 half-split RoPE with the default rope type), ``BertForSequenceClassification``,
-``BertForMaskedLM`` and ``ViTForImageClassification``.
+``BertForMaskedLM`` and ``ViTForImageClassification``; ``config_from_hf`` also
+reads Mistral configs (``MistralForCausalLM``: Llama's tensors, no sliding
+window), for checkpoint files (``safetensors_io``).
 
 Each family has a table from our parameter paths to HF state-dict keys and
 the layout of the HF tensor:
@@ -52,7 +54,8 @@ from attn_symmetry import spec as spec_lib
 from attn_symmetry.models import config as config_lib
 from attn_symmetry.models.model import Model
 
-MODEL_TYPES = ("gpt2", "llama", "bert", "vit")  # the HF ``model_type`` values supported
+MODEL_TYPES = ("gpt2", "llama", "mistral", "bert", "vit")  # the HF ``model_type`` values read
+LLAMA_TYPES = ("llama", "mistral")  # Llama's architecture (Mistral's: the same, no biases)
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                 "relu": "relu", "silu": "silu", "swish": "silu"}
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
@@ -83,6 +86,11 @@ _HF_DEFAULTS = {
                   intermediate_size=11008, max_position_embeddings=2048, vocab_size=32000,
                   rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, mlp_bias=False,
                   tie_word_embeddings=False, rope_theta=10000.0),
+    "mistral": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, intermediate_size=14336,
+                    max_position_embeddings=131072, vocab_size=32000, rms_norm_eps=1e-6,
+                    hidden_act="silu", tie_word_embeddings=False, rope_theta=10000.0,
+                    sliding_window=4096),
     "bert": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                  intermediate_size=3072, max_position_embeddings=512, vocab_size=30522,
                  type_vocab_size=2, layer_norm_eps=1e-12, hidden_act="gelu", is_decoder=False,
@@ -145,9 +153,11 @@ def config_from_hf(hf_config: Any, head: str) -> config_lib.Config:
         mlp_dim=c.n_inner or 4 * c.n_embd, max_len=c.n_positions, vocab_size=c.vocab_size,
         norm_eps=c.layer_norm_epsilon, activation=_activation(c.activation_function),
         tied_embeddings=c.tie_word_embeddings)
-  if kind == "llama":
-    _require(c, "mlp_bias", lambda v: bool(v) == bool(c.attention_bias),
-             "attention_bias and mlp_bias must agree")
+  if kind in LLAMA_TYPES:
+    bias = bool(getattr(c, "attention_bias", False))  # Mistral has no such field
+    _require(c, "mlp_bias", lambda v: bool(v) == bias, "attention_bias and mlp_bias must agree")
+    _require(c, "sliding_window", lambda v: v is None or v >= c.max_position_embeddings,
+             "the zoo's attention has no sliding window")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     _require(c, "head_dim", lambda v: head_dim * c.num_attention_heads == c.hidden_size,
              "head_dim must be hidden_size / num_attention_heads")
@@ -156,7 +166,7 @@ def config_from_hf(hf_config: Any, head: str) -> config_lib.Config:
         num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
         mlp_dim=c.intermediate_size, max_len=c.max_position_embeddings, vocab_size=c.vocab_size,
         norm_eps=c.rms_norm_eps, rope_base=_rope_theta(c), activation=_activation(c.hidden_act),
-        use_bias=bool(c.attention_bias), tied_embeddings=c.tie_word_embeddings)
+        use_bias=bias, tied_embeddings=c.tie_word_embeddings)
   if kind == "bert":
     _require(c, "position_embedding_type", lambda v: v in (None, "absolute"),
              "only absolute position embeddings")
@@ -387,7 +397,7 @@ def leaf_to_hf(x: np.ndarray, src: Source, hf_shape: tuple[int, ...]) -> np.ndar
 
 def head_of(family: str, keys: set[str]) -> str:
   """``Config.head`` of a checkpoint of ``family`` with HF state-dict ``keys``."""
-  if family in ("gpt2", "llama"):
+  if family in ("gpt2", *LLAMA_TYPES):
     return "lm"
   if family == "vit" or "classifier.weight" in keys:
     return "classifier"

@@ -64,7 +64,8 @@ _RENAMES = {
         ("attention.output.dense.", "attention.o_proj."),
         ("intermediate.dense.", "mlp.fc1."), ("output.dense.", "mlp.fc2."), ("", ""))),
 }
-_PREFIXES = {"gpt2": "transformer.", "llama": "model.", "bert": "bert.", "vit": "vit."}
+_PREFIXES = {"gpt2": "transformer.", "llama": "model.", "mistral": "model.", "bert": "bert.",
+             "vit": "vit."}
 _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|position_ids)$")
 # Files of a model folder copied next to rewritten weights (tokenizer, generation config, ...).
 _SIDE_FILES = (".json", ".txt", ".model", ".jinja")
