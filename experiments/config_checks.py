@@ -237,9 +237,6 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
   if "naive" not in config.study.methods:
     _fail("study.methods", "must include 'naive' (the baseline of every comparison), "
           f"got {tuple(config.study.methods)}")
-  if "learned" in config.study.methods and not config.dataset.get("validation_split"):
-    _fail("study.methods", "includes 'learned', which chooses its best iterate on held-out "
-          "training data: set dataset.validation_split (e.g. 'train[90%:]')")
   d = config.dataset
   if config.reinit.patience and not d.validation_split:
     _fail("dataset.validation_split", "must name a held-out split when reinit.patience > 0 "
@@ -247,6 +244,9 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
   if d.validation_split == d.train_split:
     _fail("dataset.validation_split", f"must differ from dataset.train_split, got "
           f"{d.validation_split!r} for both")
+  if "learned" in config.study.methods and not d.validation_split:
+    _fail("study.methods", "includes 'learned', which chooses its best iterate on held-out "
+          "training data: set dataset.validation_split (e.g. 'train[90%:]')")
   kind = data.dataset_kind(d.name)
   if kind == "image" and d.seq_len:
     _fail("dataset.seq_len", f"applies to text data sets; {d.name!r} holds images, "

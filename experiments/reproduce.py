@@ -42,19 +42,6 @@ from experiments import train
 from experiments.configs import cpu_paper
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-flags.DEFINE_string("setting", None, f"One of {sorted(cpu_paper.SETTINGS)}.")
-flags.DEFINE_bool("all", False, "Run every setting, one after another.")
-flags.DEFINE_bool("list", False, "List the settings and exit.")
-flags.DEFINE_bool("table", False, "Rewrite the table of results/README.md from the committed "
-                  "results and exit.")
-flags.DEFINE_bool("reduced", False, "The reduced form of the setting (about a minute).")
-flags.DEFINE_string("workdir_root", os.path.join(tempfile.gettempdir(), "attn_symmetry",
-                                                 "reproduce"),
-                    "Where each setting's workdir (checkpoints, study stages) lives.")
-flags.DEFINE_string("results", os.path.join(REPO, "results"), "Where the reports are copied.")
-flags.DEFINE_string("compilation_cache", os.path.join(tempfile.gettempdir(), "attn_symmetry",
-                                                      "jax_cache"),
-                    "JAX's persistent compilation cache ('' turns it off).")
 FLAGS = flags.FLAGS
 
 
@@ -203,5 +190,24 @@ def main(argv):
     print(f"{setting}: {record['wall_seconds']:.0f} s, reports in {out}")
 
 
+def _define_flags() -> None:
+  """The command's flags (defined only when run as a script, so that importing this module
+  next to ``experiments.main``, as the tests do, defines no flag twice)."""
+  flags.DEFINE_string("setting", None, f"One of {sorted(cpu_paper.SETTINGS)}.")
+  flags.DEFINE_bool("all", False, "Run every setting, one after another.")
+  flags.DEFINE_bool("list", False, "List the settings and exit.")
+  flags.DEFINE_bool("table", False, "Rewrite the table of results/README.md from the committed "
+                    "results and exit.")
+  flags.DEFINE_bool("reduced", False, "The reduced form of the setting (about a minute).")
+  flags.DEFINE_string("workdir_root", os.path.join(tempfile.gettempdir(), "attn_symmetry",
+                                                   "reproduce"),
+                      "Where each setting's workdir (checkpoints, study stages) lives.")
+  flags.DEFINE_string("results", os.path.join(REPO, "results"), "Where the reports are copied.")
+  flags.DEFINE_string("compilation_cache", os.path.join(tempfile.gettempdir(), "attn_symmetry",
+                                                        "jax_cache"),
+                      "JAX's persistent compilation cache ('' turns it off).")
+
+
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -175,10 +175,11 @@ def test_edge_values_are_accepted(setting, field, value):
   changes = {field: value}
   if field == "reinit.seeds":
     changes["reinit.scopes"] = ()
-  if field == "reinit.patience":
-    changes["dataset.validation_split"] = ""
+  no_holdout = {"dataset.validation_split": "", "study.methods": ("naive", "perm", "ortho", "full")}
+  if field == "reinit.patience":  # no rule and no learned method: no held-out slice needed
+    changes.update(no_holdout)
   if field == "dataset.train_split":  # every run trains on the whole split; no rule
-    changes.update({"dataset.validation_split": "", "reinit.patience": 0})
+    changes.update({**no_holdout, "reinit.patience": 0})
   config_checks.validate(_config(setting, **changes))
 
 
@@ -248,3 +249,10 @@ def test_main_stops_at_a_bad_value_before_any_stage(monkeypatch, tmp_path):
         "FATAL config.study.methods[1] is an unknown method 'fulll'; choose from")):
       main.main(argv)
   assert not ran and not workdir.exists()
+
+
+def test_learned_needs_a_validation_split():
+  config = _config(**{"dataset.validation_split": "", "reinit.patience": 0})
+  with pytest.raises(ValueError, match=r"^config.study.methods includes 'learned', which "
+                     r"chooses its best iterate on held-out training data"):
+    config_checks.validate(config)

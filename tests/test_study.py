@@ -13,6 +13,8 @@ import os
 import numpy as np
 import pytest
 
+from attn_symmetry import data
+from experiments import inputs
 from experiments import report
 from experiments import study
 from experiments import train
@@ -258,3 +260,37 @@ def test_first_examples_keeps_a_fixed_prefix_of_the_valid_examples():
   everything = study.first_examples(batches, 0)
   assert len(everything) == 3 and sum(int(b["valid"].sum()) for b in everything) == 11
   assert sum(int(b["valid"].sum()) for b in study.first_examples(batches, 50)) == 11
+
+
+def test_learned_is_compared_and_lowers_the_full_methods_barrier(finished):
+  res = _results(finished)
+  assert "learned" in res["methods"]
+  for p in res["pairs"]:
+    info = p["methods"]["learned"]["matching"]["learned"]
+    assert info["sites"] == ["layers_0/attention"] and info["steps"] > 0
+  # Learned starts from the full element and keeps an iterate only if its held-out barrier
+  # is lower, so on these barely trained runlocal models it may keep the start itself.
+  learned, full = (res["methods"][m]["loss_barrier_mean"] for m in ("learned", "full"))
+  assert learned <= full, (learned, full)
+
+
+def test_learned_reads_training_and_validation_slices_only(finished, monkeypatch):
+  """The learned stage reads the training slice and the validation slice, never the test
+  split (every data set read it makes is recorded)."""
+  config, workdir, _, _ = finished
+  checkpoints = train.load_checkpoints(config, workdir, require_complete=True)
+  model = inputs.create_model(config)
+  scope = study.ScopeStudy(config, model, "first_attention", checkpoints,
+                           evaluator=None, workdir=str(workdir), data_fingerprint="")
+  reads = []
+  for name in ("train_iterator", "eval_iterator"):
+    original = getattr(data, name)
+    def record(*args, original=original, name=name, **kwargs):
+      reads.append((name, kwargs.get("split")))
+      return original(*args, **kwargs)
+    monkeypatch.setattr(data, name, record)
+  element, info = scope._element(1, 2, "learned", study._matching_kwargs(config, "learned"))
+  assert info["learned"]["steps"] == config.study.learn_steps
+  assert reads == [("eval_iterator", config.dataset.validation_split),
+                   ("train_iterator", config.dataset.train_split)]
+  assert "test" not in {split for _, split in reads}

@@ -46,10 +46,10 @@ def _common(config: ml_collections.ConfigDict, schedule: dict) -> None:
   for name, value in schedule.items():
     config.train[name] = value
   config.train.log_every, config.train.eval_every, config.train.checkpoint_every = 250, 500, 500
-  config.dataset.train_split, config.dataset.validation_split = "train[:90%]", "train[90%:]"
   r = config.reinit
   r.num_steps, r.learning_rate, r.warmup_steps = 3000, schedule["learning_rate"], 50
-  r.patience, r.validate_every, r.min_delta = 4, 100, 0.002
+  default.stopping_rule(config, train_split="train[:90%]", validation_split="train[90%:]",
+                        patience=4, validate_every=100, min_delta=0.002)
   r.seeds = (1, 2, 3, 4, 5)
   r.scopes = ("first_attention",)
   s = config.study
@@ -82,7 +82,8 @@ def _lm(config: ml_collections.ConfigDict, family: str, pos: str) -> None:
   default.set_position_encoding(config, {pos}, ape="learned", rope="rope")
   config.dataset.name, config.dataset.seq_len = "wiki_bytes", 128
   _common(config, _TEXT_SCHEDULE)
-  config.dataset.train_split, config.dataset.validation_split = "train", "validation"
+  default.stopping_rule(config, train_split="train", validation_split="validation",
+                        patience=4, validate_every=100, min_delta=0.002)
   config.reinit.scopes = ("first_attention", "full")
 
 

@@ -256,7 +256,8 @@ def cpu_schedule(config: ml_collections.ConfigDict) -> None:
 def stopping_rule(config: ml_collections.ConfigDict, *, validation_split: str,
                   patience: int, validate_every: int, min_delta: float = 1e-3,
                   train_split: str = "train") -> None:
-  """Turns on the stopping rule of the re-initialised runs (``config.reinit.patience``).
+  """Turns on the stopping rule of the re-initialised runs (``config.reinit.patience``), and
+  the study's "learned" method, which picks its best iterate on the same held-out slice.
 
   Args:
     config: the setting's config, changed in place.
@@ -270,6 +271,8 @@ def stopping_rule(config: ml_collections.ConfigDict, *, validation_split: str,
   config.dataset.validation_split = validation_split
   r = config.reinit
   r.patience, r.validate_every, r.min_delta = patience, validate_every, min_delta
+  if "learned" not in config.study.methods:
+    config.study.methods = (*config.study.methods, "learned")
 
 
 def _long_schedule(config: ml_collections.ConfigDict, *, learning_rate: float) -> None:
