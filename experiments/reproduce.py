@@ -45,15 +45,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 
 
-def _git_commit() -> str | None:
+def _git_state() -> dict[str, Any]:
+  """{"commit": HEAD, "uncommitted": tracked files that differ from it}, or {} outside git."""
   try:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.strip()
-    return out + ("+uncommitted changes" if dirty else "")
+    run = lambda *args: subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                                       check=True).stdout
+    return {"commit": run("rev-parse", "HEAD").strip(),
+            "uncommitted": sorted(line[3:] for line in run(
+                "status", "--porcelain", "--untracked-files=no").splitlines())}
   except (OSError, subprocess.CalledProcessError):
-    return None
+    return {}
 
 
 def command(setting: str, reduced: bool) -> str:
@@ -95,7 +96,7 @@ def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str) 
     os.replace(target + ".tmp", target)
   atomic_io.write_text(os.path.join(results_dir, "config.json"), config.to_json(indent=1))
   record = {"setting": setting, "reduced": reduced, "command": command(setting, reduced),
-            "commit": _git_commit(), "started": started.isoformat(timespec="seconds"),
+            **_git_state(), "started": started.isoformat(timespec="seconds"),
             "wall_seconds": round(seconds, 1),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "devices": [str(d) for d in jax.devices()], "jax": jax.__version__},

@@ -312,6 +312,7 @@ class ScopeStudy:
       else:
         element, info = matching.align_model(self.model.spec, self.params[a], self.params[b],
                                              scope=self.scope_paths, method=method, **options)
+      jax.block_until_ready(element)  # dispatch is asynchronous: time the computation
       self._elements[key] = element, dict(info, seconds=time.perf_counter() - start)
     return self._elements[key]
 
