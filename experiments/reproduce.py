@@ -78,6 +78,7 @@ def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str) 
   config = cpu_paper.get_config(setting + (",reduced" if reduced else ""))
   config_checks.validate(config)
   started, start = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
+  code = _git_state()  # the code the run starts from
   train.log.info("%s: workdir %s", setting, workdir)
   trained = train.train_and_evaluate(config, workdir)
   study.run_study(config, workdir)
@@ -96,7 +97,7 @@ def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str) 
     os.replace(target + ".tmp", target)
   atomic_io.write_text(os.path.join(results_dir, "config.json"), config.to_json(indent=1))
   record = {"setting": setting, "reduced": reduced, "command": command(setting, reduced),
-            **_git_state(), "started": started.isoformat(timespec="seconds"),
+            **code, "started": started.isoformat(timespec="seconds"),
             "wall_seconds": round(seconds, 1),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "devices": [str(d) for d in jax.devices()], "jax": jax.__version__},
