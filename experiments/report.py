@@ -157,6 +157,17 @@ def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any
   return "\n".join(lines)
 
 
+def _finish(fig, title: str, path: str, *, dpi: int) -> str:
+  """Titles ``fig``, writes it to ``path`` atomically (``atomic_io.save_figure``), closes it."""
+  fig.suptitle(title)
+  fig.tight_layout()
+  try:
+    atomic_io.save_figure(fig, path, dpi=dpi)
+  finally:
+    plt.close(fig)
+  return path
+
+
 def plot_curves(path: str, title: str, lambdas: Sequence[float],
                 pairs: Sequence[Mapping[str, Any]], *, loss_name: str = "loss") -> str:
   """PNG with the loss and accuracy along the path, mean ± std over pairs per method,
@@ -173,13 +184,7 @@ def plot_curves(path: str, title: str, lambdas: Sequence[float],
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
   axes[0].legend(fontsize=8)
-  fig.suptitle(title)
-  fig.tight_layout()
-  try:
-    atomic_io.save_figure(fig, path, dpi=120)
-  finally:
-    plt.close(fig)
-  return path
+  return _finish(fig, title, path, dpi=120)
 
 
 def plot_permutation_curves(path: str, title: str, lambdas: Sequence[float],
@@ -224,13 +229,7 @@ def plot_permutation_curves(path: str, title: str, lambdas: Sequence[float],
     ax.set_xlabel("λ")
   for ax in axes[:, 0]:
     ax.set_ylabel(loss_name)
-  fig.suptitle(title)
-  fig.tight_layout()
-  try:
-    atomic_io.save_figure(fig, path, dpi=100)
-  finally:
-    plt.close(fig)
-  return path
+  return _finish(fig, title, path, dpi=100)
 
 
 def rank_and_lhat(chosen: float, all_barriers: Sequence[float], naive: float) -> tuple[int, float | None]:
