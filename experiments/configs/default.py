@@ -288,3 +288,7 @@ def _long_schedule(config: ml_collections.ConfigDict, *, learning_rate: float) -
   config.reinit.num_steps = 5000
   config.reinit.learning_rate = learning_rate
   config.reinit.warmup_steps = 500
+  # Every paper setting holds out the end of its training split: the re-initialised runs stop on
+  # it and the study's "learned" method picks its iterate on it (the test split is only evaluated).
+  stopping_rule(config, train_split="train[:99%]", validation_split="train[99%:]", patience=5,
+                validate_every=500)

@@ -30,6 +30,8 @@ def get_config(arg=None):
   config.reinit.scopes = default.SCOPES
   config.reinit.num_steps = 5000
   config.reinit.warmup_steps = 500
+  default.stopping_rule(config, train_split="train[:90%]", validation_split="train[90%:]",
+                        patience=5, validate_every=500)
   if "runlocal" in variants:
     default.runlocal(config)
   return config

@@ -36,6 +36,8 @@ def get_config(arg=None):
   config.reinit.scopes = default.SCOPES
   config.reinit.num_steps = 10000
   config.reinit.warmup_steps = 1000
+  default.stopping_rule(config, train_split="train[:99%]", validation_split="train[99%:]",
+                        patience=5, validate_every=500)
   if "runlocal" in variants:
     default.runlocal(config)
     config.dataset.image_size = 32

@@ -30,6 +30,8 @@ def get_config(arg=None):
   config.reinit.warmup_steps = 200
   if "to_fashion" in variants:
     config.reinit.dataset = "fashion_mnist_deb"
+  default.stopping_rule(config, train_split="train[:90%]", validation_split="train[90%:]",
+                        patience=5, validate_every=500)
   if "runlocal" in variants:
     default.runlocal(config)
   return config
