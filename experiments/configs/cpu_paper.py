@@ -11,9 +11,10 @@ list them). The variant names a setting of ``SETTINGS``; adding "reduced"
 Every setting uses the offline data (``mnist5k``: 5,000 real MNIST digits;
 ``fashion_mnist_deb``: Debian's Fashion-MNIST; ``newsgroups_mini``;
 ``wiki_bytes``), 4 heads, 6 layers and a width of 64 (the paper's 6-layer,
-4-head models, narrowed). Training uses the first 90 % of the training split;
-the last 10 % is the validation slice on which every re-initialised run stops
-(a plateau of its validation loss, or its step budget) and on which the
+4-head models, narrowed). Training uses the first 90 % of the training split
+(the whole of it for ``wiki_bytes``); the last 10 % (``wiki_bytes``' own
+validation split) is the validation slice on which every re-initialised run
+stops (a plateau of its validation loss, or its step budget) and on which the
 learned alignment picks its best iterate. The test split is only evaluated.
 Five re-initialisation seeds give ten pairs per scope.
 
