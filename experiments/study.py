@@ -185,11 +185,6 @@ def noisy(batches: Iterable[Mapping[str, np.ndarray]], level: float, *, key: jax
 _OPTION_FIELDS = {"distance": "study.distance", "steps": "study.match_steps",
                   "learning_rate": "study.match_learning_rate", "init": "study.match_init",
                   "refine": "study.match_refine"}
-# The options each method uses (Stage 1's distance; the "full" refinement's steps,
-# learning rate, start and schedule); a method not listed here is keyed by all of them.
-_OPTIONS_USED = {"naive": (), "perm": ("distance",), "ortho": ("distance",),
-                 "full": ("distance", "steps", "learning_rate", "init", "refine")}
-_OPTIONS_USED["learned"] = _OPTIONS_USED["full"]
 # What the "learned" method reads besides the full method's options: its own options and
 # the training and validation batches it learns from and chooses on.
 LEARNED_FIELDS = ("study.learn_steps", "study.learn_learning_rate", "study.learn_uniform_lambda",
@@ -199,12 +194,12 @@ LEARNED_FIELDS = ("study.learn_steps", "study.learn_learning_rate", "study.learn
 
 def _matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
                      **changes) -> dict[str, Any]:
-  """The keyword arguments of ``matching.align_model`` that ``method`` uses, from
-  ``config.study``, with ``changes`` applied."""
+  """The keyword arguments of ``matching.align_model`` that ``method`` uses
+  (``matching.METHOD_OPTIONS``), from ``config.study``, with ``changes`` applied."""
   s = config.study
   values = dict(distance=s.distance, steps=s.match_steps, learning_rate=s.match_learning_rate,
                 init=s.match_init, refine=s.match_refine)
-  return {k: changes.get(k, values[k]) for k in _OPTIONS_USED.get(method, tuple(values))}
+  return {k: changes.get(k, values[k]) for k in matching.METHOD_OPTIONS[method]}
 
 
 def _option_fields(options: Mapping[str, Any], changes: Iterable[str] = ()) -> dict[str, Any]:
@@ -307,7 +302,7 @@ class ScopeStudy:
     if key not in self._elements:
       start = time.perf_counter()
       if method == "learned":
-        full = {k: v for k, v in options.items() if k in _OPTIONS_USED["full"]}
+        full = {k: v for k, v in options.items() if k in matching.METHOD_OPTIONS["full"]}
         element, info = self._learn(a, b, self._element(a, b, "full", full))
       else:
         element, info = matching.align_model(self.model.spec, self.params[a], self.params[b],

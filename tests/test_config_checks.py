@@ -1,5 +1,7 @@
 """config_checks.validate: each bad field named in one line; list fields set by flags."""
 
+import ast
+import glob
 import os
 import re
 import sys
@@ -8,6 +10,7 @@ import ml_collections
 import pytest
 from absl.testing import flagsaver
 
+from attn_symmetry import data
 from attn_symmetry import matching
 from attn_symmetry import models
 from experiments import config_checks
@@ -183,9 +186,39 @@ def test_edge_values_are_accepted(setting, field, value):
   config_checks.validate(_config(setting, **changes))
 
 
+def _module_level_lists(path):
+  """{name: tuple of strings} of the module-level assignments of string tuples or lists."""
+  out = {}
+  for node in ast.parse(open(path, encoding="utf-8").read()).body:
+    if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value,
+                                                                     (ast.Tuple, ast.List)):
+      items = node.value.elts
+      if items and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in items):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in targets:
+          if isinstance(t, ast.Name):
+            out[t.id] = tuple(e.value for e in items)
+  return out
+
+
+def test_no_module_copies_an_option_list():
+  """No experiments module or setting holds its own copy of a list that a library module
+  owns (methods, distances, scopes, families, data sets): each imports the owner's."""
+  owned = {"matching.METHODS": matching.METHODS, "matching.DISTANCES": matching.DISTANCES,
+           "models.SCOPES": models.SCOPES, "models.FAMILIES": models.FAMILIES,
+           "data.DATASETS": data.DATASETS}
+  paths = glob.glob(os.path.join(REPO, "experiments", "*.py"))
+  paths += glob.glob(os.path.join(REPO, "experiments", "configs", "*.py"))
+  assert len(paths) > 20
+  copies = [f"{os.path.relpath(p, REPO)}: {name} copies {owner}"
+            for p in paths for name, values in _module_level_lists(p).items()
+            for owner, listed in owned.items() if set(values) == set(listed)]
+  assert not copies
+  assert not hasattr(default, "SCOPES")  # the settings read models.SCOPES itself
+
+
 def test_options_come_from_their_owners(monkeypatch):
   """A method or scope that its owner adds is accepted: no copy of the lists to update."""
-  assert default.SCOPES is models.SCOPES
   configs = {"method": _config(**{"study.methods": ("naive", "new_one")}),
              "scope": _config(**{"reinit.scopes": ("new_one",)})}
   for noun, config in configs.items():

@@ -11,7 +11,7 @@ Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.
   match_ffn                   Weight Matching of a spec's permutation/orthogonal factors.
   align_model                 all of it, for every factor and attention site in scope.
   learn_alignment             an element's attention matrices fitted to a task loss.
-  linear_assignment           the jitted Hungarian algorithm, batched.
+  linear_assignment           exact LAP, batched and jittable (scipy on CPU hosts, optax elsewhere).
 
 Attention methods (``METHODS``, the paper's Table 1): "naive" (identity),
 "perm" (Variant 1: the Stage 1 permutation, applied even where it raises the
@@ -38,6 +38,7 @@ from attn_symmetry.matching._attention import DEFAULT_LEARNING_RATE
 from attn_symmetry.matching._attention import DEFAULT_STEPS
 from attn_symmetry.matching._attention import INITS
 from attn_symmetry.matching._attention import METHODS
+from attn_symmetry.matching._attention import METHOD_OPTIONS
 from attn_symmetry.matching._attention import match_attention
 from attn_symmetry.matching._attention import match_attention_exhaustive
 from attn_symmetry.matching._features import DISTANCES

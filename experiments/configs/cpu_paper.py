@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from attn_symmetry import models
 from experiments.configs import default
 
 _VISION_SCHEDULE = dict(num_steps=1500, batch_size=64, learning_rate=2e-3, warmup_steps=100)
@@ -101,7 +102,7 @@ SETTINGS = {
 
 
 def _scopes(config: ml_collections.ConfigDict, transfer: bool = False) -> None:
-  config.reinit.scopes = default.SCOPES
+  config.reinit.scopes = models.SCOPES
   if transfer:
     config.reinit.dataset = "fashion_mnist_deb"
 

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from attn_symmetry.models import SCOPES  # for the settings that re-initialise every scope
+from attn_symmetry import models
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -284,7 +284,7 @@ def _long_schedule(config: ml_collections.ConfigDict, *, learning_rate: float) -
   config.train.log_every = 100
   config.train.eval_every = 2000
   config.train.checkpoint_every = 2000
-  config.reinit.scopes = SCOPES
+  config.reinit.scopes = models.SCOPES
   config.reinit.num_steps = 5000
   config.reinit.learning_rate = learning_rate
   config.reinit.warmup_steps = 500

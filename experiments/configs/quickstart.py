@@ -14,6 +14,7 @@ has not improved for 4 evaluations (100 steps), or after 1000 steps (the
 "full" scope: 500).
 """
 
+from attn_symmetry import models
 from experiments.configs import default
 
 
@@ -34,7 +35,7 @@ def get_config(arg=None):
   config.train.log_every = 100
   config.train.eval_every = 250
   config.train.checkpoint_every = 250
-  config.reinit.scopes = default.SCOPES
+  config.reinit.scopes = models.SCOPES
   config.reinit.seeds = (1, 2, 3)
   config.reinit.num_steps = 1000
   config.reinit.learning_rate = 3e-3

@@ -9,6 +9,7 @@ first. Random crops and flips. The paper's hyper-parameters (its Appendix I)
 are not in our copy; these are ours.
 """
 
+from attn_symmetry import models
 from experiments.configs import default
 
 
@@ -27,7 +28,7 @@ def get_config(arg=None):
   config.train.warmup_steps = 1000
   config.train.eval_every = 2000
   config.train.checkpoint_every = 2000
-  config.reinit.scopes = default.SCOPES
+  config.reinit.scopes = models.SCOPES
   config.reinit.num_steps = 5000
   config.reinit.warmup_steps = 500
   default.stopping_rule(config, train_split="train[:90%]", validation_split="train[90%:]",

@@ -11,6 +11,7 @@ devices). The paper's hyper-parameters (its Appendix I) are not in our copy;
 these are ours.
 """
 
+from attn_symmetry import models
 from experiments.configs import default
 
 
@@ -33,7 +34,7 @@ def get_config(arg=None):
   config.train.log_every = 200
   config.train.eval_every = 10000
   config.train.checkpoint_every = 5000
-  config.reinit.scopes = default.SCOPES
+  config.reinit.scopes = models.SCOPES
   config.reinit.num_steps = 10000
   config.reinit.warmup_steps = 1000
   default.stopping_rule(config, train_split="train[:99%]", validation_split="train[99%:]",

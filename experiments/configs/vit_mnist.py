@@ -10,6 +10,7 @@ Needs ``python -m attn_symmetry.data.prepare mnist`` first. The paper's
 hyper-parameters (its Appendix I) are not in our copy; these are ours.
 """
 
+from attn_symmetry import models
 from experiments.configs import default
 
 
@@ -25,7 +26,7 @@ def get_config(arg=None):
   config.train.batch_size = 128
   config.train.learning_rate = 1e-3
   config.train.warmup_steps = 500
-  config.reinit.scopes = default.SCOPES
+  config.reinit.scopes = models.SCOPES
   config.reinit.num_steps = 2000
   config.reinit.warmup_steps = 200
   if "to_fashion" in variants:

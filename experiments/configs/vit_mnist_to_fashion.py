@@ -12,6 +12,7 @@ improved for 5 evaluations (500 steps), or after 3000 steps (the "full"
 scope: 1500).
 """
 
+from attn_symmetry import models
 from experiments.configs import default
 
 
@@ -30,7 +31,7 @@ def get_config(arg=None):
   config.train.log_every = 100
   config.train.eval_every = 500
   config.train.checkpoint_every = 500
-  config.reinit.scopes = default.SCOPES
+  config.reinit.scopes = models.SCOPES
   config.reinit.num_steps = 3000
   config.reinit.learning_rate = 2e-3
   config.reinit.warmup_steps = 50
