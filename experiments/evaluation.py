@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from attn_symmetry import models
+from attn_symmetry import tasks
 from experiments import inputs
 
 Params = dict[str, Any]
@@ -25,8 +26,9 @@ def batch_metrics(model: models.Model, params: Params, batch: Mapping[str, jax.A
                   ) -> dict[str, jax.Array]:
   """Summed cross-entropy, correct predictions and the number of predictions.
 
-  Classification: one prediction per example. Language modelling: one per
-  token, inputs ``tokens[:, :-1]`` and targets ``tokens[:, 1:]``. Examples
+  The inputs are ``batch[model.input_key]``. Classification: one prediction
+  per example. Language modelling: one per token, inputs ``tokens[:, :-1]``
+  and targets ``tokens[:, 1:]``. Examples
   with ``valid`` False (padding of the last evaluation batch) count zero.
   Pure and jittable.
 
@@ -34,13 +36,12 @@ def batch_metrics(model: models.Model, params: Params, batch: Mapping[str, jax.A
     {"loss": sum of cross-entropies, "correct": number of correct argmax
     predictions, "count": number of predictions}, float32 scalars.
   """
-  if model.task == "lm":
-    tokens = batch["tokens"]
+  if model.task == tasks.LM:
+    tokens = batch[model.input_key]
     logits, _ = model.apply(params, tokens[:, :-1])
     labels = tokens[:, 1:]
   else:
-    inputs = batch["image"] if "image" in batch else batch["tokens"]
-    logits, _ = model.apply(params, inputs, mask=batch.get("mask"))
+    logits, _ = model.apply(params, batch[model.input_key], mask=batch.get("mask"))
     labels = batch["label"]
   valid = batch.get("valid", jnp.ones(labels.shape[:1], bool))
   weights = jnp.broadcast_to(valid.reshape(valid.shape + (1,) * (labels.ndim - 1)),

@@ -23,6 +23,7 @@ import numpy as np
 
 from attn_symmetry import data
 from attn_symmetry import models
+from attn_symmetry import tasks
 
 Batch = Mapping[str, np.ndarray]
 
@@ -47,7 +48,7 @@ def dataset_info(config: ml_collections.ConfigDict, dataset: str, *, slices=()
 def model_overrides(info: data.DatasetInfo) -> dict[str, Any]:
   """The model config fields that a data set fixes: input and output sizes."""
   out = {}
-  if info.task == "classification":
+  if info.task == tasks.CLASSIFICATION:
     out["num_classes"] = info.num_classes
   if info.image_shape is not None:
     height, width, channels = info.image_shape
@@ -64,10 +65,18 @@ def create_model(config: ml_collections.ConfigDict) -> models.Model:
 
   The data set fixes the input and output sizes (``model_overrides``);
   ``config.model.overrides`` is applied on top.
+
+  Raises:
+    ValueError: the model reads another kind of input than the data set holds
+      (a ViT on text).
   """
-  overrides = model_overrides(dataset_info(config, config.dataset.name))
-  return models.build(config.model.family, config.model.preset,
-                      **{**overrides, **config.model.overrides.to_dict()})
+  info = dataset_info(config, config.dataset.name)
+  model = models.build(config.model.family, config.model.preset,
+                       **{**model_overrides(info), **config.model.overrides.to_dict()})
+  if model.input_key != info.input_key:
+    raise ValueError(f"config.model.family {config.model.family!r} reads {model.input_key!r} "
+                     f"inputs; data set {info.name!r} holds {info.input_key!r}")
+  return model
 
 
 def train_batches(config: ml_collections.ConfigDict, dataset: str, *, seed: int):

@@ -47,6 +47,7 @@ import numpy as np
 from attn_symmetry import group_action
 from attn_symmetry import lmc
 from attn_symmetry import matching
+from attn_symmetry import tasks
 from attn_symmetry.spec import subtree
 from experiments import atomic_io
 from experiments import config_checks
@@ -161,20 +162,20 @@ def curve_result(curve: Mapping[str, list[float]], lams: np.ndarray) -> dict[str
 
 
 def noisy(batches: Iterable[Mapping[str, np.ndarray]], level: float, *, key: jax.Array,
-          vocab_size: int | None) -> Iterable[dict[str, np.ndarray]]:
-  """Batches with input noise: Gaussian of std ``level`` added to images, or each
-  token replaced by a uniformly random one with probability ``level``."""
+          input_key: str, vocab_size: int | None) -> Iterable[dict[str, np.ndarray]]:
+  """Batches with noise on their inputs ``batch[input_key]``: Gaussian of std ``level``
+  added to float inputs (images), or each token of integer inputs replaced by a
+  uniformly random one of ``vocab_size`` with probability ``level``."""
   for i, batch in enumerate(batches):
     k1, k2 = jax.random.split(jax.random.fold_in(key, i))
     batch = dict(batch)
-    if "image" in batch:
-      x = batch["image"]
-      batch["image"] = x + level * np.asarray(jax.random.normal(k1, x.shape), x.dtype)
+    x = batch[input_key]
+    if np.issubdtype(x.dtype, np.floating):
+      batch[input_key] = x + level * np.asarray(jax.random.normal(k1, x.shape), x.dtype)
     else:
-      t = batch["tokens"]
-      replace = np.asarray(jax.random.bernoulli(k1, level, t.shape))
-      random = np.asarray(jax.random.randint(k2, t.shape, 0, vocab_size), t.dtype)
-      batch["tokens"] = np.where(replace, random, t)
+      replace = np.asarray(jax.random.bernoulli(k1, level, x.shape))
+      random = np.asarray(jax.random.randint(k2, x.shape, 0, vocab_size), x.dtype)
+      batch[input_key] = np.where(replace, random, x)
     yield batch
 
 
@@ -353,9 +354,10 @@ class ScopeStudy:
     Runs for the "first_attention" scope, whose only symmetry is that layer's,
     when it has at most ``study.max_exhaustive_heads`` heads.
     """
-    site = "layers_0/attention"
-    if (self.scope != "first_attention" or not self.config.study.permutation_ablation
-        or self.model.spec.attention[site].num_heads > self.config.study.max_exhaustive_heads):
+    if self.scope != "first_attention" or not self.config.study.permutation_ablation:
+      return None
+    (site,) = self.scope_paths  # the model's first attention site
+    if self.model.spec.attention[site].num_heads > self.config.study.max_exhaustive_heads:
       return None
     def compute():
       pa, pb = self.params[a], self.params[b]
@@ -408,7 +410,7 @@ class ScopeStudy:
         pa, aligned, _ = self.align(a, b, method)
         out[f"midpoint ({method})"] = []
         for level in self.config.study.noise_levels:
-          batches = noisy(self.evaluator.batches, level, key=key,
+          batches = noisy(self.evaluator.batches, level, key=key, input_key=self.model.input_key,
                           vocab_size=getattr(self.model.config, "vocab_size", None))
           acc = self.evaluator(pa, aligned, ends, batches)["accuracy"]
           out[f"midpoint ({method})"].append(acc[1])
@@ -549,8 +551,9 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
   dataset = config.reinit.dataset or config.dataset.name
   batches = first_examples(inputs.eval_batches(config, dataset), config.study.eval_examples)
   data_fp = fingerprints.key({"dataset": dataset, "examples": examples_digest(batches)})
+  info = inputs.dataset_info(config, dataset)
   evaluator = PathEvaluator(model, batches, chunk_size=config.study.lambda_chunk,
-                            bits_per_byte=model.task == "lm" and model.config.vocab_size == 256)
+                            bits_per_byte=model.task == tasks.LM and info.byte_level)
   reports = Reports(os.path.join(workdir, "study"))
   paths, results = {}, {}
   for scope in config.reinit.scopes:

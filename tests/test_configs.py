@@ -138,6 +138,15 @@ def test_offline_settings_read_real_data(name):
   train.check_data(config)
   model = inputs.create_model(config)
   assert model.config == _model_config(config)
+  assert model.input_key == inputs.dataset_info(config, config.dataset.name).input_key
+
+
+def test_model_that_reads_other_inputs_than_the_data_is_rejected():
+  config = _module("quickstart").get_config("runlocal")
+  config.dataset.name = "wiki_bytes"
+  with pytest.raises(ValueError, match="config.model.family 'vit' reads 'image' inputs; data set "
+                     "'wiki_bytes' holds 'tokens'"):
+    inputs.create_model(config)
 
 
 def _parse(argv):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from attn_symmetry import data
+from attn_symmetry import tasks
 from attn_symmetry.data import _builders
 from attn_symmetry.data import _records
 
@@ -77,8 +78,9 @@ def _source_size(name):
 @pytest.mark.parametrize("name", IMAGE_SETS)
 def test_image_info_matches_source(name, data_dir):
   info = data.dataset_info(name, data_dir=data_dir)
-  assert info.task == "classification" and info.num_classes == 10
+  assert info.task == tasks.CLASSIFICATION and info.num_classes == 10
   assert info.vocab_size is None and info.seq_len is None
+  assert info.input_key == "image" and not info.byte_level
   assert sum(info.splits.values()) == _source_size(name)
   assert set(info.splits) == {"train", "test"}
   assert info.description
@@ -119,7 +121,7 @@ def test_train_batch_shapes_dtypes_ranges(name, data_dir):
     assert set(batch) == {"image", "label"}
     assert batch["image"].shape == (16, *info.image_shape) and batch["image"].dtype == np.float32
     assert -1 <= batch["image"].min() < batch["image"].max() <= 1
-  elif info.task == "classification":
+  elif info.task == tasks.CLASSIFICATION:
     assert set(batch) == {"tokens", "mask", "label"}
     assert batch["tokens"].shape == batch["mask"].shape == (16, SEQ_LEN)
     assert batch["tokens"].dtype == np.int32 and batch["mask"].dtype == np.bool_
@@ -129,7 +131,9 @@ def test_train_batch_shapes_dtypes_ranges(name, data_dir):
   else:
     assert set(batch) == {"tokens"}
     assert batch["tokens"].shape == (16, LM_SEQ_LEN + 1) and batch["tokens"].dtype == np.int32
+  assert info.input_key in batch  # the entry a model reads its inputs from
   if "tokens" in batch:
+    assert info.byte_level and info.vocab_size == 256
     assert 0 <= batch["tokens"].min() and batch["tokens"].max() < info.vocab_size
   if "label" in batch:
     assert batch["label"].dtype == np.int32

@@ -19,6 +19,7 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
+from attn_symmetry import tasks
 from attn_symmetry.data import _builders
 
 DATA_DIR_ENV = "ATTN_SYMMETRY_DATA_DIR"
@@ -286,7 +287,11 @@ class DatasetInfo:
 
   Attributes:
     name: the name asked for.
-    task: "classification" or "lm".
+    task: ``tasks.CLASSIFICATION`` (images, labelled texts) or ``tasks.LM``
+      (byte streams).
+    input_key: the batch entry that holds a model's input: "image" or "tokens".
+    byte_level: the tokens are bytes (vocabulary ``VOCAB_SIZE``), so a
+      language model's loss converts to bits per byte; False for images.
     num_classes: number of labels (classification), else None.
     image_shape: (Hi, Wi, C) of the batches' images, else None.
     vocab_size: token vocabulary (text), else None.
@@ -299,6 +304,8 @@ class DatasetInfo:
   """
   name: str
   task: str
+  input_key: str
+  byte_level: bool
   num_classes: int | None
   image_shape: tuple[int, int, int] | None
   vocab_size: int | None
@@ -364,7 +371,9 @@ def dataset_info(name: str, *, data_dir: str | None = None, seq_len: int | None 
   splits = {split: count(split) for split in (*builder.info.splits, *slices)}
   return DatasetInfo(
       name=name,
-      task="lm" if e.kind == "stream" else "classification",
+      task=tasks.LM if e.kind == "stream" else tasks.CLASSIFICATION,
+      input_key="image" if e.kind == "image" else "tokens",
+      byte_level=e.kind != "image",  # every text data set is read as bytes (``_text``)
       num_classes=None if e.kind == "stream" else builder.info.features["label"].num_classes,
       image_shape=image_shape(builder, image_size) if e.kind == "image" else None,
       vocab_size=None if e.kind == "image" else VOCAB_SIZE,

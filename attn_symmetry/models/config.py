@@ -14,13 +14,16 @@ import dataclasses
 from typing import Any
 
 from attn_symmetry import attention
+from attn_symmetry import tasks
 
 FAMILIES = ("vit", "bert", "gpt2", "llama")
 POS_ENCODINGS = ("none", "sinusoidal", "learned", "rope", "rope2d")
 NORMS = ("layer", "rms")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 POOLINGS = ("cls", "mean")
-HEADS = ("classifier", "lm", "mlm")
+# Each head and the task it is trained on (``attn_symmetry.tasks``).
+HEAD_TASKS = {"classifier": tasks.CLASSIFICATION, "lm": tasks.LM, "mlm": tasks.MLM}
+HEADS = tuple(HEAD_TASKS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +144,8 @@ class Config:
 
   @property
   def task(self) -> str:
-    return {"classifier": "classification", "lm": "lm", "mlm": "mlm"}[self.head]
+    """The head's task: one of ``attn_symmetry.tasks.TASKS``."""
+    return HEAD_TASKS[self.head]
 
 
 # Architecture of each family (overridable field by field).

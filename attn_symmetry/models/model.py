@@ -28,11 +28,11 @@ from attn_symmetry.models.config import Config, make_config
 Params = dict[str, Any]
 SCOPES = ("first_attention", "all_attention", "first_layer", "full")
 
-_FAMILIES = {
-    "vit": (vit.VisionTransformer, vit.symmetry_spec),
-    "bert": (bert.Bert, bert.symmetry_spec),
-    "gpt2": (decoder.Decoder, decoder.symmetry_spec),
-    "llama": (decoder.Decoder, decoder.symmetry_spec),
+_FAMILIES = {  # module, symmetry spec, the batch entry that holds the inputs
+    "vit": (vit.VisionTransformer, vit.symmetry_spec, "image"),
+    "bert": (bert.Bert, bert.symmetry_spec, "tokens"),
+    "gpt2": (decoder.Decoder, decoder.symmetry_spec, "tokens"),
+    "llama": (decoder.Decoder, decoder.symmetry_spec, "tokens"),
 }
 
 
@@ -42,13 +42,15 @@ class Model:
   Attributes:
     config: the frozen ``Config``.
     spec: the ``SymmetrySpec`` of the parameters (every leaf listed).
-    task: "classification" (ViT, BERT), "lm" (GPT-2, Llama) or "mlm" (BERT
-      with ``head="mlm"``).
+    task: ``attn_symmetry.tasks.CLASSIFICATION`` (ViT, BERT), ``LM`` (GPT-2,
+      Llama) or ``MLM`` (BERT with ``head="mlm"``).
+    input_key: the batch entry its inputs are read from ("image" for ViT,
+      "tokens" for the text families), as ``data.DatasetInfo.input_key``.
   """
 
   def __init__(self, config: Config):
     self.config = config
-    self._module_class, spec_fn = _FAMILIES[config.family]
+    self._module_class, spec_fn, self.input_key = _FAMILIES[config.family]
     abstract = nnx.eval_shape(lambda: self._module_class(config, rngs=nnx.Rngs(0)))
     self._graphdef, state = nnx.split(abstract)
     self.param_shapes: dict[str, tuple[int, ...]] = {
