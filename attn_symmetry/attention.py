@@ -1,7 +1,7 @@
 """Reference multi-head attention on the canonical parameter layout.
 
-The layout (DESIGN.md section 1) is a nested dict, head-major as in Flax's
-``DenseGeneral`` attention, MaxText and Gemma::
+The layout (docs/symmetries.md, 'The canonical attention layer') is a nested
+dict, head-major as in Flax's ``DenseGeneral`` attention, MaxText and Gemma::
 
     query/kernel [D, N, H]   query/bias [N, H]   (biases optional)
     key/kernel   [D, K, H]   key/bias   [K, H]

@@ -1,6 +1,6 @@
 """Pure, jittable group actions on attention layers and whole models.
 
-Attention (DESIGN.md sections 2-4). An element g = (tau, (A_k, B_k)_k) of
+Attention (docs/symmetries.md, 'The group of one layer'). An element g = (tau, (A_k, B_k)_k) of
 G = S_N x| (GL(H) x GL(H))^K (QK part in the RoPE commutant H(H) when the layer
 uses RoPE) acts on a canonical attention layer (``attention.py``) by
 
@@ -21,7 +21,7 @@ element of shape [L, ...] acts on an [L, ...] stack, layer by layer.
 Composition follows function application:
 ``apply(apply(p, b), a) == apply(p, compose(a, b))``.
 
-Whole models (DESIGN.md section 5) act through a ``spec.SymmetrySpec``: a
+Whole models (docs/symmetries.md, 'Whole models') act through a ``spec.SymmetrySpec``: a
 ``ModelElement`` is a dict from factor name to a permutation [size] or an
 orthogonal matrix [size, size], and from attention-site path to an
 ``AttentionElement``. A permutation factor acts on an axis by ``take``; an

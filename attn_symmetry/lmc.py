@@ -1,4 +1,4 @@
-"""Linear mode connectivity: the interpolation path and its barriers (DESIGN.md section 7).
+"""Linear mode connectivity: the interpolation path and its barriers (docs/lmc.md, 'Barriers').
 
 theta(lambda) = (1 - lambda) theta_A + lambda theta_B for lambda in [0, 1]
 (theta_B already aligned to theta_A, e.g. ``group_action.apply_model(spec,

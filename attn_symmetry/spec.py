@@ -6,14 +6,14 @@ group element (git-re-basin's ``PermutationSpec``, generalised):
 * ``factors``: named factors that act on one axis of some leaves, each either a
   permutation of ``size`` coordinates (FFN hidden units, the residual stream of
   a LayerNorm model) or an orthogonal map (the residual stream of an RMSNorm
-  model, DESIGN.md section 5).
+  model; docs/symmetries.md, 'Whole models').
 * ``axes``: for every leaf path ("layers_0/mlp/wi/kernel"), a tuple with one
   entry per array axis, the factor acting on that axis or None. Every leaf of
   the parameter tree is listed, so that a forgotten leaf is an error rather
   than a silent break of the symmetry.
 * ``attention``: subtree paths ("layers_0/attention") of canonical attention
-  layers (``attention.py``), each with the per-head group of DESIGN.md
-  sections 2-4 (head permutation, QK matrix in GL(H) or the RoPE commutant
+  layers (``attention.py``), each with the per-head group of
+  docs/symmetries.md (head permutation, QK matrix in GL(H) or the RoPE commutant
   H(H), VO matrix in GL(H)). The head and head-dim axes of those leaves are
   tied together, which one-axis factors cannot express.
 * ``norm_scales``: norm scale leaves and the leaves that read the normalised

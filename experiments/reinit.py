@@ -1,4 +1,4 @@
-"""Re-initialisation protocols (DESIGN.md section 7).
+"""Re-initialisation protocols (docs/lmc.md, 'Re-initialisation').
 
 From a trained model, the parameters of a scope (the first attention layer,
 all attention layers, the first Transformer layer, or the full model) are

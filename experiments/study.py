@@ -1,4 +1,4 @@
-"""The LMC study of the paper's Section 6, run after training (DESIGN.md sections 6-7).
+"""The LMC study of the paper's Section 6, run after training (docs/lmc.md, 'Pairs and methods').
 
 For every re-initialisation scope of the config and every pair (A, B) of its
 re-initialised seeds, each matching method aligns B to A inside the scope

@@ -1,4 +1,4 @@
-"""Training: the base model, then every re-initialised seed (DESIGN.md section 7).
+"""Training: the base model, then every re-initialised seed (docs/lmc.md, 'Re-initialisation').
 
 ``train_and_evaluate(config, workdir)`` checks the config and the workdir,
 then trains, in order, the runs that ``runs(config)`` lists. Each run keeps in

@@ -73,7 +73,7 @@ _IMAGENET_MANUAL = (" --manual_dir DIR (DIR holding ILSVRC2012_img_train.tar and
                     "ILSVRC2012_img_val.tar from image-net.org)")
 
 CATALOG: dict[str, Entry] = {
-    # Offline: real data that installed with a package (DESIGN.md section 8).
+    # Offline: real data that installed with a package (the ``attn_symmetry.data`` docstring).
     "digits": Entry("image", _builders.Digits, _image),
     "mnist5k": Entry("image", _builders.Mnist5k, _image),
     "fashion_mnist_deb": Entry("image", _builders.FashionMnistDeb, _image, flip=True),

@@ -1,6 +1,6 @@
 """Weight matching: the group element that brings model B closest to model A.
 
-DESIGN.md section 6. Attention layers are matched in two stages (heads by a
+docs/matching.md. Attention layers are matched in two stages (heads by a
 linear assignment on invariant features, then the per-head QK matrix in GL(H)
 or H(H) and VO matrix in GL(H)); FFN hidden units and the residual stream by
 Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.

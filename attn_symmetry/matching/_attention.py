@@ -1,4 +1,4 @@
-"""Two-stage weight matching of attention layers (DESIGN.md section 6).
+"""Two-stage weight matching of attention layers (docs/matching.md).
 
 Given two canonical attention layers (or layer stacks with a leading [L] axis),
 find g = (perm, A_k, B_k) with g . theta_B close to theta_A:

@@ -7,7 +7,7 @@ W~^Q_n = [W^Q_n; b^Q_n] ([D+1, H], likewise K, V) and W^O_n ([H, D]):
     cross Grams   Q~_{A,n}^T Q~_{B,m},  K~_{A,k}^T K~_{B,l},  V~_{A,k}^T V~_{B,l},  O_{A,n} O_{B,m}^T
     self Grams    the same with A = B and n = m.
 
-The invariant circuits of DESIGN.md section 6, M^QK_n = Q~_n K~_{k(n)}^T and
+The invariant circuits (docs/matching.md, 'Stage 1'), M^QK_n = Q~_n K~_{k(n)}^T and
 M^VO_n = V~_{k(n)} O_n ((D+1) x (D+1) and (D+1) x D), are never formed:
 
     <Q~ K~^T, Q~' K~'^T>_F = sum_{ij} (Q~^T Q~')_{ij} (K~^T K~')_{ij}

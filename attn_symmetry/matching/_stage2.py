@@ -15,7 +15,7 @@ with S = X_B^T X_B, C = X_B^T Y_A and n = ||Y_A||_F^2:
 Under GQA, S1, C1 (QK) and S2, C2 (VO) sum over the G query heads of the kv
 group. Everything is H x H, so an evaluation costs O(H^3) whatever D is.
 
-Solutions, from cheap to exact (DESIGN.md section 6):
+Solutions, from cheap to exact (docs/matching.md, 'Stage 2'):
 
 * Procrustes: for orthogonal M, M^{-T} = M and q(M) = const - 2 tr(M^T (C1 + C2)),
   maximised over O(H) by the polar factor U V^T of C1 + C2 = U S V^T; over the

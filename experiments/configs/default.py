@@ -23,7 +23,7 @@ Fields:
     kept for the reported evaluations and the study.
   train: optimisation of the base model (AdamW with linear warmup and cosine
     decay), evaluation, logging and checkpointing intervals.
-  reinit: the re-initialisation protocol of DESIGN.md section 7. ``scopes``
+  reinit: the re-initialisation protocol (docs/lmc.md, 'Re-initialisation'). ``scopes``
     are re-initialised in turn, each once per seed in ``seeds``; only the
     scope is trained, for ``num_steps`` steps at ``learning_rate`` (the
     "full" scope trains the whole model from scratch with the base schedule

@@ -6,8 +6,8 @@ Variants (``--config=experiments/configs/quickstart.py:rope,runlocal``):
 "ape" (learned absolute positions, the default) or "rope" (axial 2-D RoPE over
 the patch grid), "runlocal" (seconds, for tests).
 
-A base model with 4 heads, then every re-initialisation scope of DESIGN.md
-section 7 with three seeds, so that the study has three pairs per scope. Runs
+A base model with 4 heads, then every re-initialisation scope (docs/lmc.md,
+'Re-initialisation') with three seeds, so that the study has three pairs per scope. Runs
 offline: the digits come with scikit-learn. Every run trains on 90 % of the
 training split; a re-initialised run stops when its loss on the other 10 %
 has not improved for 4 evaluations (100 steps), or after 1000 steps (the
