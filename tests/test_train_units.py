@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tensorboardX.record_writer import masked_crc32c
+from tensorboardX.proto import event_pb2
 
 from experiments import main
 from experiments import metric_writers
@@ -17,59 +19,25 @@ from experiments.configs import default
 from experiments.configs import quickstart
 
 
-def _read_varint(buf, i):
-  shift = value = 0
-  while True:
-    b = buf[i]
-    value |= (b & 0x7F) << shift
-    i += 1
-    shift += 7
-    if not b & 0x80:
-      return value, i
-
-
-def _fields(buf):
-  """Protocol-buffer fields of ``buf`` as (number, value) pairs."""
-  i, out = 0, []
-  while i < len(buf):
-    key, i = _read_varint(buf, i)
-    number, wire = key >> 3, key & 7
-    if wire == 0:
-      value, i = _read_varint(buf, i)
-    elif wire == 1:
-      value, i = buf[i:i + 8], i + 8
-    elif wire == 5:
-      value, i = buf[i:i + 4], i + 4
-    else:
-      length, i = _read_varint(buf, i)
-      value, i = buf[i:i + length], i + length
-    out.append((number, value))
+def _tensorboard_events(path):
+  """The Event protos of a TFRecord file, each record's CRCs checked (tensorboardX's CRC-32C)."""
+  data, i, out = open(path, "rb").read(), 0, []
+  while i < len(data):
+    header = data[i:i + 8]
+    (length,) = struct.unpack("<Q", header)
+    assert struct.unpack("<I", data[i + 8:i + 12])[0] == masked_crc32c(header)
+    payload = data[i + 12:i + 12 + length]
+    assert struct.unpack("<I", data[i + 12 + length:i + 16 + length])[0] == \
+        masked_crc32c(payload)
+    i += 16 + length
+    out.append(event_pb2.Event.FromString(payload))
   return out
 
 
 def _tensorboard_scalars(path):
-  """{(step, tag): value} from a TFRecord file of Event protos, checking every CRC."""
-  data = open(path, "rb").read()
-  i, out = 0, {}
-  while i < len(data):
-    header = data[i:i + 8]
-    (length,) = struct.unpack("<Q", header)
-    assert struct.unpack("<I", data[i + 8:i + 12])[0] == metric_writers._masked_crc(header)
-    payload = data[i + 12:i + 12 + length]
-    assert struct.unpack("<I", data[i + 12 + length:i + 16 + length])[0] == \
-        metric_writers._masked_crc(payload)
-    i += 16 + length
-    event = dict(_fields(payload))
-    for number, value in _fields(event.get(5, b"")):
-      assert number == 1
-      v = dict(_fields(value))
-      out[(event[2], v[1].decode())] = struct.unpack("<f", v[2])[0]
-  return out
-
-
-def test_crc32c_check_value():
-  # The standard check value of CRC-32C (RFC 3720).
-  assert metric_writers.crc32c(b"123456789") == 0xE3069283
+  """{(step, tag): value} of the scalar summaries of an event file."""
+  return {(e.step, v.tag): v.simple_value for e in _tensorboard_events(path)
+          for v in e.summary.value}
 
 
 def test_metric_writer_json_and_tensorboard(tmp_path):
@@ -81,17 +49,24 @@ def test_metric_writer_json_and_tensorboard(tmp_path):
   assert [e["step"] for e in log] == [1, 2, 3]
   assert log[1]["train/loss"] == 0.5
   (events,) = glob.glob(str(tmp_path / "events.out.tfevents.*"))
+  assert _tensorboard_events(events)[0].file_version == "brain.Event:2"
   scalars = _tensorboard_scalars(events)
   assert scalars[(3, "eval/accuracy")] == pytest.approx(0.75)
   assert scalars[(2, "train/loss")] == pytest.approx(0.5)
   assert len(scalars) == 6
 
-  # Resuming from step 1 drops what was logged after it, so steps stay unique.
+  # Resuming from step 1 drops what was logged after it, so steps stay unique; a new event
+  # file (the first one kept) tells TensorBoard to discard the earlier file's steps from 2 on.
   writer = metric_writers.MetricWriter(str(tmp_path), resume_step=1)
   writer.write_scalars(2, {"train/loss": 7.0})
   writer.close()
   log = metric_writers.read_jsonl(str(tmp_path / "metrics.jsonl"))
   assert [(e["step"], e["train/loss"]) for e in log] == [(1, 1.0), (2, 7.0)]
+  (resumed,) = set(glob.glob(str(tmp_path / "events.out.tfevents.*"))) - {events}
+  assert _tensorboard_scalars(events)[(2, "train/loss")] == pytest.approx(0.5)  # kept
+  purge = [e for e in _tensorboard_events(resumed) if e.HasField("session_log")]
+  assert [(e.step, e.session_log.status) for e in purge] == [(2, event_pb2.SessionLog.START)]
+  assert _tensorboard_scalars(resumed) == {(2, "train/loss"): 7.0}
 
 
 def test_metric_writer_disabled_writes_nothing(tmp_path):
@@ -102,13 +77,15 @@ def test_metric_writer_disabled_writes_nothing(tmp_path):
 
 
 def test_progress_line_eta(monkeypatch):
-  clock = iter([0.0, 100.0, 200.0])  # Construction, begin, line.
+  clock = iter([0.0, 100.0, 200.0, 300.0])  # Construction, begin, two lines.
   monkeypatch.setattr(metric_writers.time, "perf_counter", lambda: next(clock))
   progress = metric_writers.Progress(total=20, width=10)
   progress.begin(5)
   line = progress.line(10, {"loss": 0.5})  # 5 steps in 100 s; 10 steps left.
-  assert line.startswith("[#####.....]  50% step 10/20 loss 0.5 |")
-  assert "0.05 steps/s" in line and line.endswith("ETA 0:03:20")
+  assert line == "[#####     ]  50% step 10/20, loss 0.5 | 20.00s/step | ETA 03:20"
+  line = progress.line(20, {"loss": 0.25})  # 15 steps in 200 s; done.
+  assert line == "[##########] 100% step 20/20, loss 0.25 | 13.33s/step | ETA 00:00"
+  assert "\r" not in line  # one line per call, readable in a log file
 
 
 def _toy_params():
