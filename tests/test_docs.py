@@ -12,6 +12,7 @@
 import os
 import pathlib
 import re
+import subprocess
 
 import pytest
 
@@ -30,6 +31,19 @@ POINTER = re.compile(r"docs/([\w-]+\.md)(?:, '([^']+)')?")
 
 
 def _repository_files():
+  """Tracked and untracked files that git does not ignore (workdirs, data and caches are);
+  without git, every file outside SKIP_DIRS."""
+  try:
+    listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             cwd=ROOT, capture_output=True, check=True).stdout
+  except (OSError, subprocess.CalledProcessError):
+    listing = None
+  if listing is not None:
+    for name in sorted(set(listing.decode().split("\0")) - {""}):
+      path = ROOT / name
+      if path.is_file():  # not a file deleted in the working tree
+        yield path
+    return
   for dirpath, dirnames, filenames in os.walk(ROOT):
     dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")]
     for name in filenames:
