@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_matching.py            # GPT-2 small: 12 layers, D=768
     .venv/bin/python benchmarks/bench_matching.py --quick    # a small model, for a smoke run
+    .venv/bin/python benchmarks/bench_matching.py --lap_only # the LAP against scipy, 3072^2
 
 The pair: the leaves and symmetry spec of the library's GPT-2 small
 (``models.build("gpt2", "base")``: 12 layers, 12 heads of dim 64, D = 768, FFN
@@ -17,7 +18,12 @@ layers, lax loops, optax's Hungarian) and ``reference_align`` below, a
 straightforward per-head Python loop with numpy and scipy (D x D circuits for
 Stage 1, D x H matrices in every Adam step, ``scipy.optimize.linear_sum_assignment``).
 Both are timed in this process, one after the other. Then the jitted attention
-matching alone is timed for a range of N, H and L.
+matching alone is timed for a range of N, H and L. Last, ``linear_assignment``
+(jitted; on CPU it calls scipy on the host, on accelerators it runs optax's
+Hungarian algorithm) and optax's Hungarian algorithm forced on CPU are timed
+against ``scipy.optimize.linear_sum_assignment`` on random and on
+near-permutation n x n costs (the kind Weight Matching meets once it has
+nearly converged).
 
 On CPU, jaxlib's LAPACK kernels (the batched 64 x 64 solves and SVDs of Stage 2)
 run on scipy's OpenBLAS. With its threads on, XLA's concurrent custom calls into
@@ -40,6 +46,7 @@ import threadpoolctl
 
 from attn_symmetry import group_action as ga
 from attn_symmetry import matching
+from attn_symmetry.matching import _assignment
 from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
 
@@ -368,6 +375,33 @@ def attention_scaling(base, *, steps, learning_rate):
     print(f"  N={n:3d} H={h:3d} L={layers:3d}: {t:6.3f} s ({first - t:5.1f} s)")
 
 
+def _lap_costs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+  """Random N(0, 1) costs, and near-permutation ones: -(P + 0.1 N(0, 1)) for a random P."""
+  rng = np.random.default_rng(seed)
+  near = np.zeros((n, n))
+  near[np.arange(n), rng.permutation(n)] = 1.0
+  return {"random": rng.normal(size=(n, n)), "near-permutation": -(near + 0.1 * rng.normal(size=(n, n)))}
+
+
+def assignment_vs_scipy(n: int, *, repeats: int = 3):
+  """linear_assignment and optax's device solver against scipy, side by side, per cost type."""
+  ours = jax.jit(matching.linear_assignment)
+  device = jax.jit(_assignment._device_assignment)  # pylint: disable=protected-access
+  print(f"LAP on {n} x {n} costs (best of {repeats}; scipy = linear_sum_assignment on numpy):")
+  for kind, cost in _lap_costs(n).items():
+    cost32 = jnp.asarray(cost, jnp.float32)
+    best = lambda fn: min(_timed(fn)[1] for _ in range(repeats))
+    jax.block_until_ready((ours(cost32), device(cost32)))  # compile both outside the timings
+    t_scipy = best(lambda: scipy.optimize.linear_sum_assignment(np.asarray(cost32)))
+    t_ours = best(lambda: ours(cost32))
+    t_device = best(lambda: device(cost32))
+    same = np.array_equal(np.asarray(ours(cost32)),
+                          scipy.optimize.linear_sum_assignment(np.asarray(cost32))[1])
+    print(f"  {kind:>16}: scipy {t_scipy:.3f} s | linear_assignment {t_ours:.3f} s "
+          f"({t_ours / t_scipy:.2f}x scipy, same permutation: {same}) | optax Hungarian "
+          f"{t_device:.3f} s ({t_device / t_scipy:.2f}x scipy)")
+
+
 def _blas(library: str) -> threadpoolctl.ThreadpoolController:
   """The OpenBLAS bundled with ``library`` ("scipy" for jaxlib's LAPACK, or "numpy")."""
   controller = threadpoolctl.ThreadpoolController()
@@ -381,6 +415,8 @@ def main():
   parser.add_argument("--steps", type=int, default=matching.DEFAULT_STEPS)
   parser.add_argument("--learning_rate", type=float, default=matching.DEFAULT_LEARNING_RATE)
   parser.add_argument("--skip_scaling", action="store_true")
+  parser.add_argument("--lap_only", action="store_true", help="only the LAP against scipy")
+  parser.add_argument("--lap_size", type=int, default=3072)
   parser.add_argument("--skip_reference", action="store_true",
                       help="time the jitted matching alone (on an accelerator, say)")
   parser.add_argument("--reference_blas_threads", type=int, default=None,
@@ -393,12 +429,16 @@ def main():
     _blas("numpy").limit(limits=args.reference_blas_threads)
   threads = [(i["filepath"].split("/")[-2], i["num_threads"]) for i in threadpoolctl.threadpool_info()]
   print(f"OpenBLAS threads: {threads}")
+  if args.lap_only:
+    assignment_vs_scipy(args.lap_size)
+    return
   options = dict(steps=args.steps, learning_rate=args.learning_rate,
                  with_reference=not args.skip_reference)
   whole_model(model, **options)
   attention_only(attention_sizes(model), **options)
   if not args.skip_scaling:
     attention_scaling(attention_sizes(model), steps=args.steps, learning_rate=args.learning_rate)
+  assignment_vs_scipy(args.lap_size)
 
 
 if __name__ == "__main__":

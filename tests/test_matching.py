@@ -90,17 +90,35 @@ def _rotations(offsets, *, pairing, fraction):
 # ----------------------------------------------------------------------------- the LAP
 
 
-@pytest.mark.parametrize("shape,backend", [((1, 1), "cpu"), ((5, 5), "cpu"), ((3, 9, 9), "cpu"),
-                                           ((2, 3, 9, 9), "gpu"), ((17, 17), "cpu")])
-def test_linear_assignment_matches_scipy(x64, monkeypatch, shape, backend):
-  """Batches run one after another on CPU and vmapped elsewhere: both paths, on this machine."""
+def _assert_optimal(cost, perm):
+  n = cost.shape[-1]
+  for c, p in zip(cost.reshape(-1, n, n), np.asarray(perm).reshape(-1, n)):
+    assert sorted(p) == list(range(n))
+    rows, cols = scipy.optimize.linear_sum_assignment(c)
+    np.testing.assert_allclose(c[np.arange(n), p].sum(), c[rows, cols].sum(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 5), (3, 9, 9), (2, 3, 9, 9), (17, 17)])
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_linear_assignment_is_optimal(x64, monkeypatch, shape, backend):
+  """Host solver on CPU, optax's vmapped Hungarian algorithm elsewhere: both paths, on this machine."""
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
   cost = np.random.default_rng(sum(shape)).normal(size=shape)
-  perm = np.asarray(jax.jit(matching.linear_assignment)(cost))
-  for c, p in zip(cost.reshape(-1, *shape[-2:]), perm.reshape(-1, shape[-1])):
-    assert sorted(p) == list(range(shape[-1]))
-    rows, cols = scipy.optimize.linear_sum_assignment(c)
-    np.testing.assert_allclose(c[np.arange(len(p)), p].sum(), c[rows, cols].sum(), rtol=1e-12)
+  _assert_optimal(cost, jax.jit(matching.linear_assignment)(cost))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_linear_assignment_under_vmap_and_in_a_loop(x64, monkeypatch, backend):
+  """The host callback batches under vmap and runs inside lax loops like the device solver."""
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  cost = np.random.default_rng(3).normal(size=(4, 2, 6, 6))
+  _assert_optimal(cost, jax.jit(jax.vmap(matching.linear_assignment))(cost))
+
+  def body(i, perms):
+    return perms.at[i].set(matching.linear_assignment(jnp.asarray(cost[0])[i]))
+
+  perms = jax.jit(lambda: jax.lax.fori_loop(0, 2, body, jnp.zeros((2, 6), jnp.int32)))()
+  _assert_optimal(cost[0], perms)
 
 
 @pytest.mark.parametrize("kv", [None, 2, 1])

@@ -1,4 +1,5 @@
-"""Linear assignment (jitted Hungarian algorithm) and head-permutation enumeration."""
+"""Linear assignment (scipy on the host for CPU, optax's Hungarian algorithm on accelerators)
+and head-permutation enumeration."""
 
 from __future__ import annotations
 
@@ -13,12 +14,18 @@ import optax
 def linear_assignment(cost: jax.Array) -> jax.Array:
   """The permutation that minimises sum_i cost[i, perm[i]], batched over leading axes.
 
-  Uses ``optax.assignment.hungarian_algorithm`` (jittable, O(n^3)). The
-  algorithm is a while loop whose trip count depends on the costs; under
-  ``vmap`` every problem of a batch runs as many iterations as the slowest
-  one. On CPU, where a batch gains no parallelism from vmap, the problems of a
-  batch run one after another (``lax.map``), each for its own trip count; on
-  accelerators they run side by side.
+  Two exact solvers, chosen by the backend the computation is traced for:
+
+  * CPU: scipy's ``linear_sum_assignment`` (a shortest-augmenting-path
+    solver in C++) on the host, through ``jax.pure_callback``: the call stays
+    jittable, vmappable and usable inside ``lax`` loops. scipy is imported only
+    when this path runs.
+  * GPU/TPU: ``optax.assignment.hungarian_algorithm`` on the device
+    (O(n^3), a ``while_loop`` whose trip count depends on the costs), vmapped
+    over the batch: every problem runs as many iterations as the slowest one.
+
+  Both return an optimal assignment; they can differ only where several
+  assignments tie for the optimum.
 
   Args:
     cost: [..., n, n] finite costs.
@@ -26,16 +33,44 @@ def linear_assignment(cost: jax.Array) -> jax.Array:
   Returns:
     int32 [..., n] permutation: row i is assigned column perm[i].
   """
+  cost = jnp.asarray(cost)
+  if jax.default_backend() == "cpu":
+    return _host_assignment(cost)
+  return _device_assignment(cost)
+
+
+def _device_assignment(cost: jax.Array) -> jax.Array:
+  """optax's Hungarian algorithm, vmapped over the leading axes of [..., n, n]."""
   def one(c):
     rows, cols = optax.assignment.hungarian_algorithm(c)
     return jnp.zeros(c.shape[0], jnp.int32).at[rows].set(cols.astype(jnp.int32))
 
-  if cost.ndim == 2:
-    return one(cost)
-  batch, n = cost.shape[:-2], cost.shape[-1]
+  solve = one
+  for _ in range(cost.ndim - 2):
+    solve = jax.vmap(solve)
+  return solve(cost)
+
+
+def _host_assignment(cost: jax.Array) -> jax.Array:
+  """scipy's solver on the host, called from traced code; [..., n, n] -> int32 [..., n]."""
+  out = jax.ShapeDtypeStruct(cost.shape[:-1], jnp.int32)
+  # "expand_dims": under vmap the callback gets the batch as one more leading axis, which
+  # _solve_on_host loops over like any other.
+  return jax.pure_callback(_solve_on_host, out, cost, vmap_method="expand_dims")
+
+
+def _solve_on_host(cost: np.ndarray) -> np.ndarray:
+  from scipy.optimize import linear_sum_assignment  # pylint: disable=g-import-not-at-top
+
+  cost = np.asarray(cost)
+  if cost.dtype not in (np.float32, np.float64):  # bf16/f16: scipy reads float32 and float64
+    cost = cost.astype(np.float32)
+  n = cost.shape[-1]
   flat = cost.reshape(-1, n, n)
-  perms = jax.lax.map(one, flat) if jax.default_backend() == "cpu" else jax.vmap(one)(flat)
-  return perms.reshape(*batch, n)
+  perms = np.empty(flat.shape[:-1], np.int32)
+  for i, c in enumerate(flat):
+    perms[i] = linear_sum_assignment(c)[1]
+  return perms.reshape(cost.shape[:-1])
 
 
 def assignment_cost(cost: jax.Array, perm: jax.Array) -> jax.Array:
