@@ -113,8 +113,9 @@ def rope_commutant(ab: jax.Array, rest: jax.Array | None, *, head_dim: int,
   """An element of H(H), the matrices that commute with every RoPE rotation R_k.
 
   On pair p = (i, j) of ``attention.rope_pairs`` the matrix is the 2x2 block
-  [[a_p, -b_p], [b_p, a_p]] (rows i, j; columns i, j), i.e. multiplication by
-  the complex number a_p + i b_p; on the unrotated dims (partial rotary) it is
+  [[a_p, b_p], [-b_p, a_p]] (rows i, j; columns i, j): acting on row vectors
+  (x_i, x_j) -> (x_i, x_j) C, it is multiplication of x_i + i x_j by the
+  complex number a_p + i b_p; on the unrotated dims (partial rotary) it is
   the free block ``rest``.
 
   Args:
