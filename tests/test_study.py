@@ -10,12 +10,16 @@ import glob
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
 from attn_symmetry import data
+from experiments import input_noise
 from experiments import inputs
 from experiments import report
+from experiments import path_evaluation
+from experiments import scope_study
 from experiments import study
 from experiments import train
 from experiments.configs import quickstart
@@ -212,8 +216,8 @@ def test_checkpoint_with_itself_has_no_barrier(finished):
   model = inputs.create_model(config)
   checkpoints = train.load_checkpoints(config, workdir)
   batches = list(inputs.eval_batches(config, config.dataset.name))
-  evaluator = study.PathEvaluator(model, batches, chunk_size=25, bits_per_byte=False)
-  s = study.ScopeStudy(config, model, "first_attention", checkpoints, evaluator,
+  evaluator = path_evaluation.PathEvaluator(model, batches, chunk_size=25, bits_per_byte=False)
+  s = scope_study.ScopeStudy(config, model, "first_attention", checkpoints, evaluator,
                        os.path.join(workdir, "self"), "data")
   entry = s.pair(1, 1)
   for m, res in entry["methods"].items():
@@ -253,13 +257,13 @@ def test_bad_input_raises_before_work(finished, tmp_path):
 def test_first_examples_keeps_a_fixed_prefix_of_the_valid_examples():
   batches = [{"label": np.arange(4) + 4 * i, "valid": np.array([True, True, True, i < 2])}
              for i in range(3)]  # 11 valid examples: 0..10 (11 is padding)
-  kept = study.first_examples(batches, 6)
+  kept = path_evaluation.first_examples(batches, 6)
   assert len(kept) == 2
   labels = np.concatenate([b["label"][b["valid"]] for b in kept])
   np.testing.assert_array_equal(labels, np.arange(6))
-  everything = study.first_examples(batches, 0)
+  everything = path_evaluation.first_examples(batches, 0)
   assert len(everything) == 3 and sum(int(b["valid"].sum()) for b in everything) == 11
-  assert sum(int(b["valid"].sum()) for b in study.first_examples(batches, 50)) == 11
+  assert sum(int(b["valid"].sum()) for b in path_evaluation.first_examples(batches, 50)) == 11
 
 
 def test_learned_is_compared_and_lowers_the_full_methods_barrier(finished):
@@ -280,7 +284,7 @@ def test_learned_reads_training_and_validation_slices_only(finished, monkeypatch
   config, workdir, _, _ = finished
   checkpoints = train.load_checkpoints(config, workdir, require_complete=True)
   model = inputs.create_model(config)
-  scope = study.ScopeStudy(config, model, "first_attention", checkpoints,
+  scope = scope_study.ScopeStudy(config, model, "first_attention", checkpoints,
                            evaluator=None, workdir=str(workdir), data_fingerprint="")
   reads = []
   for name in ("train_iterator", "eval_iterator"):
@@ -289,8 +293,25 @@ def test_learned_reads_training_and_validation_slices_only(finished, monkeypatch
       reads.append((name, kwargs.get("split")))
       return original(*args, **kwargs)
     monkeypatch.setattr(data, name, record)
-  element, info = scope._element(1, 2, "learned", study._matching_kwargs(config, "learned"))
+  element, info = scope._element(1, 2, "learned", scope_study.matching_kwargs(config, "learned"))
   assert info["learned"]["steps"] == config.study.learn_steps
   assert reads == [("eval_iterator", config.dataset.validation_split),
                    ("train_iterator", config.dataset.train_split)]
   assert "test" not in {split for _, split in reads}
+
+
+def test_input_noise_perturbs_only_the_inputs_it_is_told_of():
+  key = jax.random.key(0)
+  images = [{"image": np.zeros((4, 3, 3, 1), np.float32), "label": np.arange(4)}]
+  (noisy,) = input_noise.noisy(images, 0.5, key=key, input_key="image", vocab_size=None)
+  assert noisy["image"].dtype == np.float32 and 0.2 < noisy["image"].std() < 0.8
+  np.testing.assert_array_equal(noisy["label"], np.arange(4))
+  (again,) = input_noise.noisy(images, 0.5, key=key, input_key="image", vocab_size=None)
+  np.testing.assert_array_equal(again["image"], noisy["image"])  # same key, same noise
+  tokens = [{"tokens": np.full((8, 256), 7, np.int32), "mask": np.ones((8, 256), bool)}]
+  (noisy,) = input_noise.noisy(tokens, 0.25, key=key, input_key="tokens", vocab_size=5)
+  replaced = noisy["tokens"] != 7
+  assert noisy["tokens"].dtype == np.int32 and 0.2 < replaced.mean() < 0.3
+  assert noisy["tokens"][replaced].max() < 5 and noisy["mask"].all()
+  (clean,) = input_noise.noisy(tokens, 0.0, key=key, input_key="tokens", vocab_size=5)
+  np.testing.assert_array_equal(clean["tokens"], tokens[0]["tokens"])

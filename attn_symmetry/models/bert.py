@@ -70,20 +70,20 @@ def symmetry_spec(cfg: Config) -> spec_lib.SymmetrySpec:
   decoder that is the residual stream (the embedding), untied it is a space of
   its own with a permutation factor "mlm".
   """
-  r = "residual" if core.residual_factor(cfg) is not None else None
-  factors, axes, sites, readers = core.core_spec(cfg, r)
+  spec = core.core_spec(cfg)
+  r, axes = spec.r, spec.axes
   axes |= core.text_embedding_axes(cfg, r)
   if cfg.head == "mlm":
     m = r if cfg.tied_embeddings else "mlm"
     if not cfg.tied_embeddings:
-      factors["mlm"] = spec_lib.Factor(cfg.width)
+      spec.factors["mlm"] = spec_lib.Factor(cfg.width)
     axes |= core.dense_axes("mlm/transform", (r, m), (m,), True) | core.norm_axes("mlm/norm", cfg, m)
     if cfg.tied_embeddings:
       axes["mlm/bias"] = (None,)
     else:
       axes |= core.dense_axes("mlm/decoder", (m, None), (None,), True)
   else:
-    factors["pooler"] = spec_lib.Factor(cfg.width)
+    spec.factors["pooler"] = spec_lib.Factor(cfg.width)
     axes |= core.dense_axes("pooler", (r, "pooler"), ("pooler",), True)
     axes |= core.dense_axes("head", ("pooler", None), (None,), True)
-  return core.assemble_spec(cfg, r, factors, axes, sites, readers)
+  return spec.build()

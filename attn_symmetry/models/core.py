@@ -22,6 +22,7 @@ parameters, so a group element of ``group_action`` acts on
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -305,32 +306,57 @@ def dense_axes(prefix: str, kernel: tuple[str | None, ...], bias: tuple[str | No
   return axes
 
 
-def core_spec(cfg: Config, r: str | None) -> tuple[dict[str, spec_lib.Factor], Axes,
-                                                   dict[str, spec_lib.AttentionSite],
-                                                   dict[str, tuple[str, ...]]]:
-  """Factors, axes, attention sites and norm scales of the layer stack.
+@dataclasses.dataclass
+class SpecBuilder:
+  """A model's ``SymmetrySpec`` being put together: the core's parts, which a family extends
+  with its embeddings and head before ``build``.
 
-  Args:
+  Attributes:
     cfg: model config.
-    r: name of the residual factor, or None when the stream has no symmetry.
+    r: name of the residual factor ("residual"), or None when the stream has
+      no symmetry (``residual_factor``): the axis name of every leaf's
+      residual dimension.
+    factors: the permutation factors besides the residual one ("layers_i/mlp", ...).
+    axes: every leaf's axes (``spec.SymmetrySpec``).
+    sites: the attention sites by parameter prefix.
+    readers: each RMSNorm scale and the leaves that read its output (used for
+      an orthogonal residual only).
+  """
+  cfg: Config
+  r: str | None
+  factors: dict[str, spec_lib.Factor] = dataclasses.field(default_factory=dict)
+  axes: Axes = dataclasses.field(default_factory=dict)
+  sites: dict[str, spec_lib.AttentionSite] = dataclasses.field(default_factory=dict)
+  readers: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
-  Returns:
-    (factors, axes, attention sites, norm scales): the FFN permutation
-    "layers_i/mlp" per layer, every layer leaf's axes, the attention site
-    "layers_i/attention" per layer (group "rope" with its layout for rotary
-    models, "gl" otherwise), and, for an orthogonal residual, each RMSNorm
-    scale with the leaves that read its output.
+  def build(self) -> spec_lib.SymmetrySpec:
+    """The spec; norm scales are listed only for an orthogonal residual (RMSNorm)."""
+    residual = residual_factor(self.cfg)
+    factors = self.factors if residual is None else {self.r: residual, **self.factors}
+    orthogonal = residual is not None and residual.kind == "orthogonal"
+    return spec_lib.SymmetrySpec(factors, self.axes, self.sites,
+                                 self.readers if orthogonal else {})
+
+
+def core_spec(cfg: Config) -> SpecBuilder:
+  """The spec of the layer stack, for a family to extend (``SpecBuilder``).
+
+  Holds: the FFN permutation "layers_i/mlp" per layer, every layer leaf's
+  axes, the attention site "layers_i/attention" per layer (group "rope" with
+  its layout for rotary models, "gl" otherwise), the final norm (pre-norm),
+  and each norm scale with the leaves that read its output.
   """
   b = cfg.use_bias
   site = spec_lib.AttentionSite(cfg.num_heads, cfg.head_dim, num_kv_heads=cfg.num_kv_heads,
                                 group="rope" if cfg.rotary else "gl",
                                 rope_pairing=cfg.rope_pairing,
                                 rotary_fraction=cfg.rotary_fraction, rope_axes=cfg.rope_axes)
-  factors, axes, sites, readers = {}, {}, {}, {}
+  spec = SpecBuilder(cfg, "residual" if residual_factor(cfg) is not None else None)
+  r, axes = spec.r, spec.axes
   for i in range(cfg.depth):
     lp, f = f"layers_{i}", f"layers_{i}/mlp"
-    factors[f] = spec_lib.Factor(cfg.mlp_dim)
-    sites[f"{lp}/attention"] = site
+    spec.factors[f] = spec_lib.Factor(cfg.mlp_dim)
+    spec.sites[f"{lp}/attention"] = site
     axes |= norm_axes(f"{lp}/attention_norm", cfg, r) | norm_axes(f"{lp}/mlp_norm", cfg, r)
     for name in ("query", "key", "value"):
       axes |= dense_axes(f"{lp}/attention/{name}", (r, None, None), (None, None), b)
@@ -340,23 +366,12 @@ def core_spec(cfg: Config, r: str | None) -> tuple[dict[str, spec_lib.Factor], A
     for name in mlp_in:
       axes |= dense_axes(f"{f}/{name}", (r, f), (f,), b)
     axes |= dense_axes(f"{f}/{mlp_out}", (f, r), (r,), b)
-    readers[f"{lp}/attention_norm/scale"] = tuple(
+    spec.readers[f"{lp}/attention_norm/scale"] = tuple(
         f"{lp}/attention/{n}/kernel" for n in ("query", "key", "value"))
-    readers[f"{lp}/mlp_norm/scale"] = tuple(f"{f}/{n}/kernel" for n in mlp_in)
+    spec.readers[f"{lp}/mlp_norm/scale"] = tuple(f"{f}/{n}/kernel" for n in mlp_in)
   if not cfg.post_norm:
     axes |= norm_axes("final_norm", cfg, r)
-  return factors, axes, sites, readers
-
-
-def assemble_spec(cfg: Config, r: str | None, factors: dict[str, spec_lib.Factor], axes: Axes,
-                  sites: dict[str, spec_lib.AttentionSite],
-                  readers: dict[str, tuple[str, ...]]) -> spec_lib.SymmetrySpec:
-  """The model's spec; norm scales are listed only for an orthogonal residual (RMSNorm)."""
-  residual = residual_factor(cfg)
-  if residual is not None:
-    factors = {r: residual, **factors}
-  norm_scales = readers if residual is not None and residual.kind == "orthogonal" else {}
-  return spec_lib.SymmetrySpec(factors, axes, sites, norm_scales)
+  return spec
 
 
 def text_embedding_axes(cfg: Config, r: str | None) -> Axes:

@@ -36,10 +36,9 @@ class Decoder(core.TextCore):
 
 def symmetry_spec(cfg: Config) -> spec_lib.SymmetrySpec:
   """Core and embedding spec plus the untied head, which reads the stream."""
-  r = "residual" if core.residual_factor(cfg) is not None else None
-  factors, axes, sites, readers = core.core_spec(cfg, r)
-  axes |= core.text_embedding_axes(cfg, r)
+  spec = core.core_spec(cfg)
+  spec.axes |= core.text_embedding_axes(cfg, spec.r)
   if not cfg.tied_embeddings:
-    axes["head/kernel"] = (r, None)
-    readers["final_norm/scale"] = ("head/kernel",)
-  return core.assemble_spec(cfg, r, factors, axes, sites, readers)
+    spec.axes["head/kernel"] = (spec.r, None)
+    spec.readers["final_norm/scale"] = ("head/kernel",)
+  return spec.build()

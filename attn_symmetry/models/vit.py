@@ -87,13 +87,13 @@ class VisionTransformer(core.TransformerCore):
 
 def symmetry_spec(cfg: Config) -> spec_lib.SymmetrySpec:
   """Core spec plus: patch embedding and CLS token write the stream, the head reads it."""
-  r = "residual" if core.residual_factor(cfg) is not None else None
-  factors, axes, sites, readers = core.core_spec(cfg, r)
-  axes |= core.dense_axes("patch_embed", (None, None, None, r), (r,), cfg.use_bias)
+  spec = core.core_spec(cfg)
+  r = spec.r
+  spec.axes |= core.dense_axes("patch_embed", (None, None, None, r), (r,), cfg.use_bias)
   if cfg.pooling == "cls":
-    axes["cls_token"] = (r,)
+    spec.axes["cls_token"] = (r,)
   if cfg.pos_encoding == "learned":
-    axes["pos_embed/embedding"] = (None, r)
-  axes |= core.dense_axes("head", (r, None), (None,), True)
-  readers["final_norm/scale"] = ("head/kernel",)
-  return core.assemble_spec(cfg, r, factors, axes, sites, readers)
+    spec.axes["pos_embed/embedding"] = (None, r)
+  spec.axes |= core.dense_axes("head", (r, None), (None,), True)
+  spec.readers["final_norm/scale"] = ("head/kernel",)
+  return spec.build()

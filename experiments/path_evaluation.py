@@ -1,0 +1,120 @@
+"""Loss and accuracy along interpolation paths on a fixed evaluation set.
+
+``first_examples`` fixes the evaluation set (a prefix of the test split),
+``examples_digest`` hashes it, and ``PathEvaluator`` evaluates the path
+theta(lambda) = (1 - lambda) theta_A + lambda theta_B on it with one compiled
+function per model config (``lmc.path_evaluator``). ``curve_result`` adds the
+barriers of a curve.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from attn_symmetry import group_action
+from attn_symmetry import lmc
+from experiments import evaluation
+from experiments import fingerprints
+from experiments import inputs
+
+Params = dict[str, Any]
+
+_COMPILED: dict[Any, tuple[Callable, Callable]] = {}
+
+
+def compiled(model) -> tuple[Callable, Callable]:
+  """(``lmc.path_evaluator`` of the model's metrics, jitted ``apply_model`` of its spec),
+  made once per model config in this process, so that a study run again in the same
+  process (a notebook, the tests) reuses their compilations."""
+  if model.config not in _COMPILED:
+    _COMPILED[model.config] = (
+        lmc.path_evaluator(lambda p, b: evaluation.batch_metrics(model, p, b)),
+        jax.jit(functools.partial(group_action.apply_model, model.spec)))
+  return _COMPILED[model.config]
+
+
+_LOSSES: dict[Any, Callable] = {}
+
+
+def mean_loss(model) -> Callable[[Params, Mapping[str, Any]], jax.Array]:
+  """loss(params, batch): the mean cross-entropy of a batch, one function object per model
+  config (``matching.learn_alignment`` compiles once per loss function)."""
+  if model.config not in _LOSSES:
+    def loss(params, batch):
+      sums = evaluation.batch_metrics(model, params, batch)
+      return sums["loss"] / sums["count"]
+    _LOSSES[model.config] = loss
+  return _LOSSES[model.config]
+
+
+class PathEvaluator:
+  """Loss and accuracy along interpolation paths on a fixed evaluation set.
+
+  Args:
+    model: the ``models.Model`` both endpoints belong to.
+    batches: the evaluation batches (with "valid").
+    chunk_size: lambdas evaluated per compiled call.
+    bits_per_byte: report the loss in bits (a byte-level language model).
+  """
+
+  def __init__(self, model, batches: list[Mapping[str, np.ndarray]], *, chunk_size: int,
+               bits_per_byte: bool):
+    self.model = model
+    self.batches = batches
+    self.chunk_size = chunk_size
+    self.bits_per_byte = bits_per_byte
+    self._evaluator = compiled(model)[0]
+    mesh = inputs.create_mesh()
+    self._put = lambda b: inputs.shard_batch(b, mesh)
+
+  def __call__(self, params_a: Params, params_b: Params, lams: np.ndarray,
+               batches: Iterable[Mapping[str, np.ndarray]] | None = None) -> dict[str, list[float]]:
+    """{"loss": [len(lams)], "accuracy": [len(lams)]} on ``batches`` (default: the fixed set)."""
+    sums = lmc.evaluate_path(self._evaluator, params_a, params_b,
+                             self.batches if batches is None else batches, lams,
+                             chunk_size=self.chunk_size, put=self._put)
+    loss = sums["loss"] / sums["count"]
+    if self.bits_per_byte:
+      loss = loss / np.log(2.0)
+    return {"loss": loss.tolist(), "accuracy": (sums["correct"] / sums["count"]).tolist()}
+
+
+def curve_result(curve: Mapping[str, list[float]], lams: np.ndarray) -> dict[str, Any]:
+  """``curve`` with its loss and accuracy barriers (``lmc.barrier``)."""
+  return dict(curve, loss_barrier=lmc.barrier(lams, curve["loss"]),
+              accuracy_barrier=lmc.barrier(lams, curve["accuracy"], higher_is_better=True))
+
+
+def first_examples(batches: Iterable[Mapping[str, np.ndarray]], limit: int
+                   ) -> list[dict[str, np.ndarray]]:
+  """The batches that hold the first ``limit`` valid examples (every batch for 0), with
+  ``valid`` False past them: a fixed subset of the test split, in its stored order
+  (this process's share of it when several processes read)."""
+  out, seen = [], 0
+  for batch in batches:
+    if limit and seen >= limit:
+      break
+    batch = dict(batch)
+    valid = np.asarray(batch["valid"], bool)
+    if limit:
+      valid = valid & (np.cumsum(valid) + seen <= limit)
+    seen += int(valid.sum())
+    out.append({**batch, "valid": valid})
+  return out
+
+
+def examples_digest(batches: Iterable[Mapping[str, np.ndarray]]) -> str:
+  """Content hash of the evaluation examples (the rows whose "valid" is set), the same
+  whatever ``train.eval_batch_size`` cut them into."""
+  rows: dict[str, list[np.ndarray]] = {}
+  for batch in batches:
+    valid = np.asarray(batch["valid"], bool) if "valid" in batch else slice(None)
+    for k, v in batch.items():
+      if k != "valid":
+        rows.setdefault(k, []).append(np.asarray(v)[valid])
+  return fingerprints.tree_digest({k: np.concatenate(v) for k, v in rows.items()})

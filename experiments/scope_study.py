@@ -1,0 +1,343 @@
+"""The study of one re-initialisation scope: per-pair measurements and the scope's result.
+
+``ScopeStudy`` aligns every pair (A, B) of the scope's re-initialised seeds with
+each matching method (``matching.align_model`` restricted to the scope's
+parameter prefixes; "learned" through ``matching.learn_alignment``), keeps each
+alignment for the rest of the run, and measures, per pair and stage, each
+result kept by ``result_cache.cached`` under ``workdir/study/<scope>/pairs/``:
+
+* the interpolation path of every method (``path_evaluation``) and its barriers;
+* for the "first_attention" scope: Stage 2 after every head permutation (the
+  paper's Table 1 ablation) and the full method under every Stage 1 distance;
+* the accuracy of the endpoints and of each method's midpoint under input
+  noise (``input_noise``).
+
+``ScopeStudy.run`` assembles them into the scope's result: per-pair curves,
+means and ratios to naive (``report.summarise_methods``), the ablations'
+summaries and the robustness table.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from attn_symmetry import group_action
+from attn_symmetry import lmc
+from attn_symmetry import matching
+from attn_symmetry.spec import subtree
+from experiments import fingerprints
+from experiments import input_noise
+from experiments import inputs
+from experiments import path_evaluation
+from experiments import report
+from experiments import result_cache
+
+Params = dict[str, Any]
+log = logging.getLogger(__name__)
+log.setLevel(logging.INFO)
+
+
+# align_model's matching options and the config fields that set them.
+_OPTION_FIELDS = {"distance": "study.distance", "steps": "study.match_steps",
+                  "learning_rate": "study.match_learning_rate", "init": "study.match_init",
+                  "refine": "study.match_refine"}
+# What the "learned" method reads besides the full method's options: its own options and
+# the training and validation batches it learns from and chooses on.
+LEARNED_FIELDS = ("study.learn_steps", "study.learn_learning_rate", "study.learn_uniform_lambda",
+                  "study.learn_holdout_batches", "dataset.train_split",
+                  "dataset.validation_split", "train.batch_size", "dataset.augment")
+
+
+def matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
+                     **changes) -> dict[str, Any]:
+  """The keyword arguments of ``matching.align_model`` that ``method`` uses
+  (``matching.METHOD_OPTIONS``), from ``config.study``, with ``changes`` applied."""
+  s = config.study
+  values = dict(distance=s.distance, steps=s.match_steps, learning_rate=s.match_learning_rate,
+                init=s.match_init, refine=s.match_refine)
+  return {k: changes.get(k, values[k]) for k in matching.METHOD_OPTIONS[method]}
+
+
+def _option_fields(options: Mapping[str, Any], changes: Iterable[str] = ()) -> dict[str, Any]:
+  """Fingerprint fields of matching ``options``: by config field name, or "ablation <name>"
+  for an option an ablation sets."""
+  return {f"ablation {k}" if k in changes else _OPTION_FIELDS[k]: v for k, v in options.items()}
+
+
+class ScopeStudy:
+  """The study of one re-initialisation scope."""
+
+  def __init__(self, config, model, scope: str, checkpoints: Mapping[str, Params],
+               evaluator: path_evaluation.PathEvaluator | None, workdir: str,
+               data_fingerprint: str):
+    self.config, self.model, self.scope = config, model, scope
+    self.evaluator = evaluator
+    self.dir = os.path.join(workdir, "study", scope)
+    self.scope_paths = model.scope_paths(scope)
+    self.dataset = config.reinit.dataset or config.dataset.name  # the scope's fine-tuning data
+    self.seeds = list(config.reinit.seeds)
+    self.params = {s: checkpoints[f"reinit/{scope}/seed_{s}"] for s in self.seeds}
+    self.digests = {s: fingerprints.tree_digest(p) for s, p in self.params.items()}
+    self.lams = lmc.lambdas(config.study.num_lambdas)
+    self.data_fingerprint = data_fingerprint
+    self.reused = 0
+    self.computed = 0
+    self._announced: set[str] = set()
+    self._alignments: dict[tuple, tuple[Params, Params, dict]] = {}
+    self._elements: dict[tuple, tuple[dict, dict]] = {}
+    # g.theta compiled once: the ablation applies one element per head permutation.
+    self._apply = path_evaluation.compiled(model)[1]
+
+  def _cached(self, name: str, compute: Callable[[], dict], *, a: int, b: int,
+              **fields) -> dict:
+    """``result_cache.cached`` result of one stage of pair (a, b).
+
+    Its fields (``fingerprints.py``): the scope's parameter paths, the model,
+    the number of lambdas, the content hashes of both checkpoints and of the
+    evaluation data, and the stage's own ``fields`` (the options it uses). The
+    first stage of this scope recomputed for a given change logs it.
+    """
+    fields = {"scope paths": list(self.scope_paths),
+              **fingerprints.config_fields(self.config, ("model", "study.num_lambdas",
+                                                         "study.eval_examples")),
+              fingerprints.INPUT + "evaluation data": self.data_fingerprint,
+              fingerprints.INPUT + f"seed_{a} params": self.digests[a],
+              fingerprints.INPUT + f"seed_{b} params": self.digests[b], **fields}
+    start = time.perf_counter()
+    path = os.path.join(self.dir, f"pairs/seed_{a}-seed_{b}", name + ".json")
+    result, why = result_cache.cached(path, fields, compute)
+    if why is not None:
+      if why != "new" and why not in self._announced:
+        self._announced.add(why)
+        log.info("study %s: %s; recomputing the stages that depend on it (first: %s)",
+                 self.scope, why, os.path.relpath(path, self.dir))
+      log.info("%s seed %d-%d: %s took %.1fs", self.scope, a, b, name,
+               time.perf_counter() - start)
+    self.reused += why is None
+    self.computed += why is not None
+    return result
+
+  def _matching_options(self, method: str, **overrides) -> dict[str, Any]:
+    return matching_kwargs(self.config, method, **overrides)
+
+  def _method_fields(self, method: str) -> dict[str, Any]:
+    """Fingerprint fields of ``method``'s options (and, for "learned", what it learns from)."""
+    fields = _option_fields(self._matching_options(method))
+    if method == "learned":
+      fields.update(fingerprints.config_fields(self.config, LEARNED_FIELDS))
+    return fields
+
+  def align(self, a: int, b: int, method: str, **overrides) -> tuple[Params, Params, dict]:
+    """(theta_A, g.theta_B, matching info): B aligned to A in this scope.
+
+    When the alignment maps an orthogonal residual factor, both endpoints are
+    returned with their norm scales folded (``group_action.fold_norm_scales``,
+    which keeps each model's function), so the path joins like with like.
+    Alignments are kept for the rest of the run, so every stage that needs one
+    (paths, ablations, robustness) matches each pair once.
+    """
+    options = self._matching_options(method, **overrides)
+    key = (a, b, method, json.dumps(options, sort_keys=True))
+    if key not in self._alignments:
+      self._alignments[key] = self._align(a, b, method, options)
+    return self._alignments[key]
+
+  def _align(self, a: int, b: int, method: str, options: dict[str, Any]):
+    pa, pb = self.params[a], self.params[b]
+    if method == "naive":
+      return pa, pb, {}
+    element, info = self._element(a, b, method, options)
+    info = _jsonable(info)
+    if info.get("folded_norm_scales"):
+      pa, pb = (group_action.fold_norm_scales(self.model.spec, p) for p in (pa, pb))
+    return pa, self._apply(pb, element), info
+
+  def _element(self, a: int, b: int, method: str, options: dict[str, Any]):
+    """(element, info) of ``method`` for pair (a, b), kept for the rest of the run ("learned"
+    starts from the "full" element of the same options)."""
+    key = (a, b, method, json.dumps(options, sort_keys=True))
+    if key not in self._elements:
+      start = time.perf_counter()
+      if method == "learned":
+        full = {k: v for k, v in options.items() if k in matching.METHOD_OPTIONS["full"]}
+        element, info = self._learn(a, b, self._element(a, b, "full", full))
+      else:
+        element, info = matching.align_model(self.model.spec, self.params[a], self.params[b],
+                                             scope=self.scope_paths, method=method, **options)
+      jax.block_until_ready(element)  # dispatch is asynchronous: time the computation
+      self._elements[key] = element, dict(info, seconds=time.perf_counter() - start)
+    return self._elements[key]
+
+  def _learn(self, a: int, b: int, start: tuple[dict, dict]) -> tuple[dict, dict]:
+    """The "learned" method: ``start``'s attention matrices in scope trained on the loss of
+    the path's point at lambda (``matching.learn_alignment``), on batches of the training
+    slice (``dataset.train_split``) of the data set the scope was fine-tuned on, the best
+    iterate chosen on ``study.learn_holdout_batches`` batches of the validation slice. The
+    test split is not read."""
+    s = self.config.study
+    sites = [n for n in matching.active_names(self.model.spec, self.scope_paths)
+             if n in self.model.spec.attention]
+    holdout = list(itertools.islice(inputs.validation_batches(self.config, self.dataset),
+                                    s.learn_holdout_batches))
+    batches = inputs.train_batches(self.config, self.dataset, seed=1000 * a + b)
+    def progress(line):
+      log.info("%s seed %d-%d learned: step %d/%d, train loss %.4f, held-out barrier %.4f "
+               "(best %.4f), %.0f s", self.scope, a, b, line["step"], line["steps"],
+               line["train_loss"], line["holdout_barrier"], line["best_holdout_barrier"],
+               line["seconds"])
+    return matching.learn_alignment(
+        self.model.spec, self.params[a], self.params[b], start, sites=sites,
+        loss_fn=path_evaluation.mean_loss(self.model), batches=batches, holdout_batches=holdout, steps=s.learn_steps,
+        learning_rate=s.learn_learning_rate, lam="uniform" if s.learn_uniform_lambda else 0.5,
+        key=jax.random.key(1000 * a + b), progress=progress)
+
+  def pair(self, a: int, b: int) -> dict[str, Any]:
+    methods = {}
+    for method in self.config.study.methods:
+      def compute(method=method):
+        pa, aligned, info = self.align(a, b, method)
+        return dict(path_evaluation.curve_result(self.evaluator(pa, aligned, self.lams), self.lams), matching=info)
+      methods[method] = self._cached(method, compute, a=a, b=b, method=method,
+                                     **self._method_fields(method))
+      log.info("%s seed %d-%d %-5s loss barrier %.4f accuracy barrier %.4f", self.scope, a, b,
+                   method, methods[method]["loss_barrier"], methods[method]["accuracy_barrier"])
+    return {"a": f"seed_{a}", "b": f"seed_{b}", "methods": methods}
+
+  def permutation_ablation(self, a: int, b: int, naive: Mapping[str, float]) -> dict | None:
+    """Every head permutation + Stage 2 on the first attention layer (the paper's Table 1).
+
+    Runs for the "first_attention" scope, whose only symmetry is that layer's,
+    when it has at most ``study.max_exhaustive_heads`` heads.
+    """
+    if self.scope != "first_attention" or not self.config.study.permutation_ablation:
+      return None
+    (site,) = self.scope_paths  # the model's first attention site
+    if self.model.spec.attention[site].num_heads > self.config.study.max_exhaustive_heads:
+      return None
+    def compute():
+      pa, pb = self.params[a], self.params[b]
+      s = self.model.spec.attention[site]
+      elements, info = matching.match_attention_exhaustive(
+          subtree(pa, site), subtree(pb, site), group=s.group, rope_pairing=s.rope_pairing,
+          rotary_fraction=s.rotary_fraction, rope_axes=s.rope_axes, method="full",
+          **{k: v for k, v in self._matching_options("full").items() if k != "refine"})
+      chosen = int(info["stage1_index"])
+      identity = group_action.identity_model(self.model.spec)
+      barriers = []
+      for i in range(elements.perm.shape[0]):
+        element = dict(identity, **{site: jax.tree.map(lambda v, i=i: v[i], elements)})
+        aligned = self._apply(pb, element)
+        barriers.append(path_evaluation.curve_result(self.evaluator(pa, aligned, self.lams), self.lams))
+      out = {"chosen": chosen, "num_permutations": len(barriers),
+             "perms": np.asarray(info["perms"]).tolist()}
+      for metric in ("loss", "accuracy"):
+        values = [r[f"{metric}_barrier"] for r in barriers]
+        rank, lhat = report.rank_and_lhat(values[chosen], values, naive[f"{metric}_barrier"])
+        out |= {f"{metric}_barriers": values, f"{metric}_rank": rank, f"{metric}_lhat": lhat,
+                f"{metric}_curves": [r[metric] for r in barriers]}
+      return out
+    options = {k: v for k, v in self._matching_options("full").items() if k != "refine"}
+    return self._cached("ablation_permutations", compute, a=a, b=b, **_option_fields(options),
+                        **{"stored": "barriers and curves of every permutation"})
+
+  def distance_ablation(self, a: int, b: int) -> dict[str, dict]:
+    """The full method under every Stage 1 distance, for the "first_attention" scope
+    (as the paper's Appendix K)."""
+    out = {}
+    if self.scope != "first_attention":
+      return out
+    for distance in self.config.study.distances:
+      def compute(distance=distance):
+        pa, aligned, _ = self.align(a, b, "full", distance=distance)
+        return path_evaluation.curve_result(self.evaluator(pa, aligned, self.lams), self.lams)
+      out[distance] = self._cached(
+          f"ablation_distance_{distance}", compute, a=a, b=b,
+          **_option_fields(self._matching_options("full", distance=distance), ["distance"]))
+    return out
+
+  def robustness(self, a: int, b: int) -> dict[str, list[float]]:
+    """Accuracy of A, B and every method's midpoint at each noise level."""
+    def compute():
+      key = jax.random.key(self.config.seed)
+      ends = np.array([0.0, 0.5, 1.0])
+      out: dict[str, list[float]] = {"A": [], "B": []}
+      for method in self.config.study.methods:
+        pa, aligned, _ = self.align(a, b, method)
+        out[f"midpoint ({method})"] = []
+        for level in self.config.study.noise_levels:
+          batches = input_noise.noisy(self.evaluator.batches, level, key=key, input_key=self.model.input_key,
+                          vocab_size=getattr(self.model.config, "vocab_size", None))
+          acc = self.evaluator(pa, aligned, ends, batches)["accuracy"]
+          out[f"midpoint ({method})"].append(acc[1])
+          if method == "naive":
+            out["A"].append(acc[0])
+            out["B"].append(acc[2])
+      return out
+    options = {}
+    for m in self.config.study.methods:
+      options.update(self._method_fields(m))
+    return self._cached("robustness", compute, a=a, b=b, **options,
+                        **fingerprints.config_fields(
+                            self.config, ("seed", "study.noise_levels", "study.methods")))
+
+  def run(self) -> dict[str, Any]:
+    """Every pair's measurements (each reused from its cache file when unchanged), assembled
+    into the scope's result (the ``study/<scope>/results.json`` that reports are drawn from)."""
+    pairs, ablations, distances, robust = [], [], {d: [] for d in self.config.study.distances}, []
+    endpoints = {}
+    for a, b in itertools.combinations(self.seeds, 2):
+      entry = self.pair(a, b)
+      pairs.append(entry)
+      naive = entry["methods"]["naive"]
+      for seed, i in ((a, 0), (b, -1)):  # the naive path's ends are the checkpoints themselves
+        endpoints[f"seed_{seed}"] = {"loss": naive["loss"][i], "accuracy": naive["accuracy"][i]}
+      abl = self.permutation_ablation(a, b, entry["methods"]["naive"])
+      if abl is not None:
+        ablations.append(abl)
+      for d, res in self.distance_ablation(a, b).items():
+        distances[d].append({"methods": {"naive": entry["methods"]["naive"], "full": res}})
+      if self.config.study.noise_levels:
+        robust.append(self.robustness(a, b))
+    result: dict[str, Any] = {
+        "scope": self.scope, "scope_paths": self.scope_paths, "lambdas": self.lams.tolist(),
+        "loss_unit": "bits per byte" if self.evaluator.bits_per_byte else "cross-entropy (nats)",
+        "endpoints": endpoints, "pairs": pairs,
+        "methods": report.summarise_methods(pairs), "ablation": {}}
+    if ablations:
+      result["ablation"]["permutations"] = {
+          "num_permutations": ablations[0]["num_permutations"], "per_pair": ablations,
+          "summary": report.summarise_permutation_ablation(ablations)}
+    if any(distances.values()):
+      result["ablation"]["distances"] = {d: report.summarise_methods(v)["full"]
+                                         for d, v in distances.items() if v}
+    if robust:
+      models = list(robust[0])
+      result["robustness"] = {
+          "noise_levels": list(self.config.study.noise_levels), "models": models,
+          "accuracy": {m: np.mean([r[m] for r in robust], axis=0).tolist() for m in models}}
+    return result
+
+
+def _jsonable(tree: Any) -> Any:
+  """``tree`` with arrays as (nested) lists and scalars, keys as strings: JSON-ready.
+
+  A copy of ``attn_symmetry.align``'s; one library helper is to replace both.
+  """
+  if isinstance(tree, Mapping):
+    return {str(k): _jsonable(v) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)):
+    return [_jsonable(v) for v in tree]
+  if isinstance(tree, (jax.Array, np.ndarray, np.generic)):
+    arr = np.asarray(tree)
+    return arr.item() if arr.ndim == 0 else arr.tolist()
+  return tree
