@@ -24,7 +24,7 @@ Stages and their fields:
   nothing and are not keyed, so turning it on retrains), and, for every scope
   but "full", ``sha256 of base params``: the content hash of the base model's
   final parameters.
-* study stage (``study.py``, one JSON per pair and stage under
+* study stage (``scope_study.py``, one JSON per pair and stage under
   ``study/<scope>/pairs/``): the scope's parameter paths, the model fields,
   the content hash of the evaluation examples (through which the data set
   and its reader options enter), ``study.num_lambdas`` and

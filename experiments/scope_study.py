@@ -61,17 +61,27 @@ LEARNED_FIELDS = ("study.learn_steps", "study.learn_learning_rate", "study.learn
 def matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
                      **changes) -> dict[str, Any]:
   """The keyword arguments of ``matching.align_model`` that ``method`` uses
-  (``matching.METHOD_OPTIONS``), from ``config.study``, with ``changes`` applied."""
+  (``matching.METHODS[method].options``), from ``config.study``, with ``changes`` applied."""
   s = config.study
   values = dict(distance=s.distance, steps=s.match_steps, learning_rate=s.match_learning_rate,
                 init=s.match_init, refine=s.match_refine)
-  return {k: changes.get(k, values[k]) for k in matching.METHOD_OPTIONS[method]}
+  return {k: changes.get(k, values[k]) for k in matching.METHODS[method].options}
 
 
 def _option_fields(options: Mapping[str, Any], changes: Iterable[str] = ()) -> dict[str, Any]:
   """Fingerprint fields of matching ``options``: by config field name, or "ablation <name>"
   for an option an ablation sets."""
   return {f"ablation {k}" if k in changes else _OPTION_FIELDS[k]: v for k, v in options.items()}
+
+
+def align(spec, params_a: Params, params_b: Params, *, scope: list[str], method: str,
+          options: Mapping[str, Any]) -> tuple[dict, dict]:
+  """(element, info) of a method that reads no data (all but "learned"): a registered
+  method's own ``align`` (``matching.register_method``), else ``matching.align_model``."""
+  registered = matching.METHODS[method].align
+  if registered is not None:
+    return registered(spec, params_a, params_b, scope=scope, **options)
+  return matching.align_model(spec, params_a, params_b, scope=scope, method=method, **options)
 
 
 class ScopeStudy:
@@ -169,11 +179,11 @@ class ScopeStudy:
     if key not in self._elements:
       start = time.perf_counter()
       if method == "learned":
-        full = {k: v for k, v in options.items() if k in matching.METHOD_OPTIONS["full"]}
+        full = {k: v for k, v in options.items() if k in matching.METHODS["full"].options}
         element, info = self._learn(a, b, self._element(a, b, "full", full))
       else:
-        element, info = matching.align_model(self.model.spec, self.params[a], self.params[b],
-                                             scope=self.scope_paths, method=method, **options)
+        element, info = align(self.model.spec, self.params[a], self.params[b],
+                              scope=self.scope_paths, method=method, options=options)
       jax.block_until_ready(element)  # dispatch is asynchronous: time the computation
       self._elements[key] = element, dict(info, seconds=time.perf_counter() - start)
     return self._elements[key]

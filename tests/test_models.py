@@ -253,7 +253,7 @@ def test_bert_mask_hides_padding():
     ("bert", dict(width=30, num_heads=4), "num_heads 4 does not divide config.width 30"),
     ("llama", dict(width=12, num_heads=4, num_kv_heads=None), "odd head dim"),
     ("vit", dict(pos_encoding="rope2d", width=24, num_heads=4), "2 \\* rope_axes = 4"),
-    ("gpt2", dict(pos_encoding="rope2d"), "ViT only"),
+    ("gpt2", dict(pos_encoding="rope2d"), "for image models only"),
     ("llama", dict(num_kv_heads=3), "num_kv_heads 3 does not divide"),
     ("vit", dict(image_size=10), "patch_size 4 does not divide config.image_size 10"),
     ("gpt2", dict(head="classifier"), "not available for family 'gpt2'"),

@@ -14,6 +14,8 @@ Data sets (``DATASETS``):
   ``python -m attn_symmetry.data.prepare NAME`` (downloads; TFDS names need
   ``pip install -e '.[prepare]'`` for TensorFlow).
 
+``register_dataset`` adds a data set of one's own (docs/extending.md).
+
 Batches are dicts of numpy arrays, leading axis the per-process batch b:
 images {"image" float32 [b,Hi,Wi,C] in [-1, 1], "label" int32 [b]}; text
 classification {"tokens" int32 [b,T] (bytes), "mask" bool [b,T], "label" int32
@@ -42,6 +44,7 @@ from attn_symmetry.data._catalog import DATA_DIR_ENV
 from attn_symmetry.data._catalog import DATASETS
 from attn_symmetry.data._catalog import DEFAULT_SEQ_LEN
 from attn_symmetry.data._catalog import DatasetInfo
+from attn_symmetry.data._catalog import Entry
 from attn_symmetry.data._catalog import SplitRange
 from attn_symmetry.data._catalog import VOCAB_SIZE
 from attn_symmetry.data._catalog import dataset_info
@@ -49,14 +52,15 @@ from attn_symmetry.data._catalog import dataset_kind
 from attn_symmetry.data._catalog import default_data_dir
 from attn_symmetry.data._catalog import prepare_dataset
 from attn_symmetry.data._catalog import prepare_command
+from attn_symmetry.data._catalog import register_dataset
 from attn_symmetry.data._catalog import split_range
 from attn_symmetry.data._reader import eval_iterator
 from attn_symmetry.data._reader import train_iterator
 from attn_symmetry.data._text import tokenize
 
 __all__ = [
-    "DATASETS", "DATA_DIR_ENV", "DEFAULT_SEQ_LEN", "DatasetInfo", "FASHION_MNIST_APT",
+    "DATASETS", "DATA_DIR_ENV", "DEFAULT_SEQ_LEN", "DatasetInfo", "Entry", "FASHION_MNIST_APT",
     "SplitRange", "VOCAB_SIZE", "dataset_info", "dataset_kind", "default_data_dir",
-    "eval_iterator", "prepare_dataset", "prepare_command", "split_range", "tokenize",
-    "train_iterator",
+    "eval_iterator", "prepare_dataset", "prepare_command", "register_dataset", "split_range",
+    "tokenize", "train_iterator",
 ]

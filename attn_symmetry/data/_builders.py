@@ -381,5 +381,4 @@ with tfds.core.registered.skip_registration():
         yield i, {"text": f"{title}\n{content}".encode("utf-8"), "label": int(label) - 1}
 
 
-OFFLINE_BUILDERS = {b.name: b for b in (Digits, Mnist5k, FashionMnistDeb, WikiBytes, NewsgroupsMini)}
 DOWNLOAD_BUILDERS = {b.name: b for b in (Enwik8, Wikitext103, Dbpedia)}

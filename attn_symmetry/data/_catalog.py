@@ -25,6 +25,7 @@ from attn_symmetry.data import _builders
 DATA_DIR_ENV = "ATTN_SYMMETRY_DATA_DIR"
 DEFAULT_SEQ_LEN = 256
 DEFAULT_IMAGE_SIZE = 224  # Side of the square crop for data sets of variable image size.
+KINDS = ("image", "text", "stream")
 VOCAB_SIZE = 256  # Byte-level tokens, for language modelling and text classification.
 
 
@@ -45,10 +46,13 @@ class Entry:
 
   Attributes:
     kind: "image", "text" (text classification) or "stream" (language
-      modelling on the byte stream of the records, in order).
-    builder: one of our builder classes, or a TFDS name.
+      modelling on the byte stream of the records, in order): ``KINDS``.
+    builder: a TFDS builder class (ours in ``_builders``, or one's own; it
+      is prepared on first use unless it downloads, as ``DOWNLOAD_BUILDERS``),
+      or a TFDS name.
     convert: record of the data source -> canonical example: {"image" uint8
       [Hi,Wi,C], "label"} or {"text" bytes, "label"}; for streams {"text" bytes}.
+      None takes the record's "image" (or "text") and "label" as they are.
     flip: horizontal flips keep the label (natural images, clothes; not digits).
     separator: bytes put after each record of a stream (sentences of lm1b).
     manual: what a manual preparation needs (ImageNet), for the error message.
@@ -60,9 +64,17 @@ class Entry:
   separator: bytes = b""
   manual: str = ""
 
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"data set kind must be one of {KINDS}, got {self.kind!r}")
+    if self.convert is None and self.kind != "stream":
+      object.__setattr__(self, "convert", _image if self.kind == "image" else _text("text"))
+
   @property
   def offline(self) -> bool:
-    return isinstance(self.builder, type) and self.builder.name in _builders.OFFLINE_BUILDERS
+    """Prepared on first use: a builder class that needs no download."""
+    return (isinstance(self.builder, type)
+            and self.builder.name not in _builders.DOWNLOAD_BUILDERS)
 
   @property
   def tfds_name(self) -> str:
@@ -93,7 +105,20 @@ CATALOG: dict[str, Entry] = {
     "wikitext103": Entry("stream", _builders.Wikitext103),
 }
 
-DATASETS: tuple[str, ...] = tuple(CATALOG)
+# The data set names: a live view of ``CATALOG``, so a registered data set is listed too.
+DATASETS = CATALOG.keys()
+
+
+def register_dataset(name: str, e: Entry) -> None:
+  """Adds data set ``name`` read as ``e`` says: ``dataset_info``, the iterators, ``prepare``
+  and the experiment configs' ``dataset.name`` accept it from then on.
+
+  Raises:
+    ValueError: the name is taken.
+  """
+  if name in CATALOG:
+    raise ValueError(f"data set {name!r} is already registered")
+  CATALOG[name] = e
 
 
 def default_data_dir() -> str:
@@ -175,7 +200,8 @@ def prepare_dataset(name: str, data_dir: str, *, manual_dir: str | None = None,
   """
   e = entry(name)
   if isinstance(e.builder, type):
-    e.builder.check_sources()
+    if hasattr(e.builder, "check_sources"):  # ours name the install step of missing sources
+      e.builder.check_sources()
   elif not tensorflow_available():
     raise RuntimeError(f"Preparing TFDS dataset {name!r} needs TensorFlow: "
                        f"{prepare_command(name, data_dir)}")

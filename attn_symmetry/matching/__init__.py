@@ -11,6 +11,7 @@ Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.
   match_ffn                   Weight Matching of a spec's permutation/orthogonal factors.
   align_model                 all of it, for every factor and attention site in scope.
   learn_alignment             an element's attention matrices fitted to a task loss.
+  register_method             a whole-model method of one's own, next to the built-in ones.
   linear_assignment           exact LAP, batched and jittable (scipy on CPU hosts, optax elsewhere).
 
 Attention methods (``METHODS``, the paper's Table 1): "naive" (identity),
@@ -24,7 +25,9 @@ re-solves only when they lower the distance; ``refine`` (``REFINES``) chooses
 whether "full" refines at every attention step ("every_round", the default)
 or once after a Variant 2 descent ("final"). "learned" (``align_model`` only)
 starts from "full" and trains every attention site's QK and VO matrices on
-the task loss of the interpolated model (``learn_alignment``).
+the task loss of the interpolated model (``learn_alignment``). ``METHODS``
+maps every name to its ``Method`` (the options it reads), with the methods
+registered by ``register_method`` (docs/extending.md).
 
 bfloat16 and float16 parameters are matched in float32, and the elements are
 float32 (float32 and float64 parameters are matched in their own dtype);
@@ -37,13 +40,15 @@ from attn_symmetry.matching._assignment import linear_assignment
 from attn_symmetry.matching._attention import DEFAULT_LEARNING_RATE
 from attn_symmetry.matching._attention import DEFAULT_STEPS
 from attn_symmetry.matching._attention import INITS
-from attn_symmetry.matching._attention import METHODS
-from attn_symmetry.matching._attention import METHOD_OPTIONS
 from attn_symmetry.matching._attention import match_attention
 from attn_symmetry.matching._attention import match_attention_exhaustive
 from attn_symmetry.matching._features import DISTANCES
 from attn_symmetry.matching._features import head_distances
 from attn_symmetry.matching._learned import learn_alignment
+from attn_symmetry.matching._methods import ALIGN_OPTIONS
+from attn_symmetry.matching._methods import METHODS
+from attn_symmetry.matching._methods import Method
+from attn_symmetry.matching._methods import register_method
 from attn_symmetry.matching._model import DEFAULT_MAX_ROUNDS
 from attn_symmetry.matching._model import REFINES
 from attn_symmetry.matching._model import active_names

@@ -44,13 +44,9 @@ from attn_symmetry.matching import _assignment
 from attn_symmetry.matching import _features
 from attn_symmetry.matching import _stage2
 
-# The methods and the options of ``align_model`` each reads (callers key saved results by
-# them): Stage 1's distance; the "full" refinement's steps, learning rate, start and schedule.
 # "learned" (``_learned``) fits "full"'s element to a task loss: ``align_model`` only.
-_FULL_OPTIONS = ("distance", "steps", "learning_rate", "init", "refine")
-METHOD_OPTIONS = {"naive": (), "perm": ("distance",), "ortho": ("distance",),
-                  "full": _FULL_OPTIONS, "learned": _FULL_OPTIONS}
-METHODS = tuple(METHOD_OPTIONS)
+# ``_methods.METHODS`` holds these and the methods registered from outside.
+METHODS = ("naive", "perm", "ortho", "full", "learned")
 INITS = ("procrustes", "best")  # starts of the "full" refinement (module docstring)
 DEFAULT_STEPS = 200
 DEFAULT_LEARNING_RATE = 1e-2

@@ -9,9 +9,15 @@
 The modules are NNX modules; ``Model`` exposes them as pure functions over a
 plain parameter dict (see ``model.py``). Attention parameters sit at
 ``layers_i/attention`` in the canonical layout of ``attn_symmetry.attention``.
+A family registers itself next to its code (``register_family``; see
+docs/extending.md).
 """
 
-from attn_symmetry.models.config import FAMILIES, PRESETS, Config, make_config
+from attn_symmetry.models.config import FAMILIES, PRESETS, Config, Family, make_config
+from attn_symmetry.models.config import get_family, register_family
 from attn_symmetry.models.model import SCOPES, Model, build
+# The built-in families register themselves on import.
+from attn_symmetry.models import bert, decoder, vit  # pylint: disable=unused-import
 
-__all__ = ["FAMILIES", "PRESETS", "SCOPES", "Config", "Model", "build", "make_config"]
+__all__ = ["FAMILIES", "PRESETS", "SCOPES", "Config", "Family", "Model", "build", "get_family",
+           "make_config", "register_family"]

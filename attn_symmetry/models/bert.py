@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attn_symmetry import spec as spec_lib
+from attn_symmetry import tasks
 from attn_symmetry.models import core
-from attn_symmetry.models.config import Config
+from attn_symmetry.models.config import Config, Family, register_family
 
 
 class MlmHead(nnx.Module):
@@ -87,3 +88,11 @@ def symmetry_spec(cfg: Config) -> spec_lib.SymmetrySpec:
     axes |= core.dense_axes("pooler", (r, "pooler"), ("pooler",), True)
     axes |= core.dense_axes("head", ("pooler", None), (None,), True)
   return spec.build()
+
+
+register_family(Family(
+    "bert", Bert, symmetry_spec, input_key="tokens",
+    heads={"classifier": tasks.CLASSIFICATION, "mlm": tasks.MLM},
+    defaults=dict(pos_encoding="learned", norm="layer", norm_eps=1e-12, post_norm=True,
+                  activation="gelu", num_segments=2, tied_embeddings=True, num_classes=2),
+    presets={"base": dict(vocab_size=30522, max_len=512, num_classes=2)}, segments=True))

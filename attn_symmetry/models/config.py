@@ -1,4 +1,11 @@
-"""Model configuration: one frozen dataclass for all four families, and presets.
+"""Model configuration: one frozen dataclass for every family, the family registry, presets.
+
+A model family registers itself once, next to its code (``register_family``
+at the end of ``vit.py``, ``bert.py``, ``decoder.py``): its NNX module, its
+symmetry spec, the batch entry it reads, its heads and their tasks, its
+architecture defaults and its sizes per preset. ``FAMILIES`` lists the
+registered names; everything else (``make_config``, ``Config`` validation,
+``Model``, the experiment configs' checks) reads the registry.
 
 ``make_config(family, preset, **overrides)`` starts from the family's defaults
 (its architecture: GPT-2 is pre-LayerNorm with learned positions and a tied
@@ -11,19 +18,93 @@ with rotary positions.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from attn_symmetry import attention
 from attn_symmetry import tasks
 
-FAMILIES = ("vit", "bert", "gpt2", "llama")
 POS_ENCODINGS = ("none", "sinusoidal", "learned", "rope", "rope2d")
 NORMS = ("layer", "rms")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 POOLINGS = ("cls", "mean")
-# Each head and the task it is trained on (``attn_symmetry.tasks``).
-HEAD_TASKS = {"classifier": tasks.CLASSIFICATION, "lm": tasks.LM, "mlm": tasks.MLM}
-HEADS = tuple(HEAD_TASKS)
+INPUT_KEYS = ("image", "tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """Everything the package needs to know about one model family.
+
+  Attributes:
+    name: the family's name (``Config.family``).
+    module: the NNX module class: ``module(cfg, rngs=nnx.Rngs(...))`` builds it,
+      and calling it on (inputs, mask=None, segments=None) returns (logits,
+      intermediates) as ``Model.apply`` documents.
+    symmetry_spec: cfg -> the ``spec.SymmetrySpec`` of the module's parameters
+      (e.g. ``core.core_spec(cfg)`` extended, then ``build()``).
+    input_key: the batch entry its inputs are read from: "image" (float
+      [B, S, S, C]) or "tokens" (int [B, T]).
+    heads: each ``Config.head`` value the family accepts and its task
+      (``attn_symmetry.tasks``); the first is the default head.
+    defaults: the family's architecture, as ``Config`` fields.
+    presets: per size preset, the fields that differ from ``PRESETS``.
+    segments: whether it reads segment ids (``Config.num_segments`` > 0).
+    check: cfg -> None, raising ValueError for a config the family cannot
+      build (on top of the shared checks of ``Config``); None for none.
+  """
+  name: str
+  module: Callable[..., Any]
+  symmetry_spec: Callable[[Any], Any]
+  input_key: str
+  heads: Mapping[str, str]
+  defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  presets: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+  segments: bool = False
+  check: Callable[[Any], None] | None = None
+
+
+# The registered families by name (``register_family``); FAMILIES is a live view of its names.
+_REGISTRY: dict[str, Family] = {}
+FAMILIES = _REGISTRY.keys()
+
+
+def register_family(family: Family) -> Family:
+  """Adds ``family`` to the registry, after checking what it declares; returns it.
+
+  Raises:
+    ValueError: the name is taken, or an input key, head, task, preset or
+      default field that the package does not know.
+  """
+  if family.name in _REGISTRY:
+    raise ValueError(f"model family {family.name!r} is already registered")
+  if family.input_key not in INPUT_KEYS:
+    raise ValueError(f"family {family.name!r}: input_key must be one of {INPUT_KEYS}, "
+                     f"got {family.input_key!r}")
+  if not family.heads:
+    raise ValueError(f"family {family.name!r} declares no head")
+  for head, task in family.heads.items():
+    if task not in tasks.TASKS:
+      raise ValueError(f"family {family.name!r}: head {head!r} has task {task!r}; tasks are "
+                       f"{tasks.TASKS}")
+  unknown = sorted(set(family.presets) - set(PRESETS))
+  if unknown:
+    raise ValueError(f"family {family.name!r}: unknown presets {unknown}; presets are "
+                     f"{tuple(PRESETS)}")
+  fields = {f.name for f in dataclasses.fields(Config)} - {"family"}
+  for where, values in [("defaults", family.defaults), *((f"presets[{p!r}]", v)
+                                                         for p, v in family.presets.items())]:
+    unknown = sorted(set(values) - fields)
+    if unknown:
+      raise ValueError(f"family {family.name!r}: {where} sets unknown config fields {unknown}")
+  _REGISTRY[family.name] = family
+  return family
+
+
+def get_family(name: str) -> Family:
+  """The registered family ``name``; ValueError naming the registered ones otherwise."""
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown model family {name!r}; choose from {tuple(FAMILIES)}")
+  return _REGISTRY[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +112,8 @@ class Config:
   """Architecture of one model.
 
   Attributes:
-    family: "vit", "bert", "gpt2" or "llama" (chooses inputs and head).
+    family: a registered family (``FAMILIES``: "vit", "bert", "gpt2",
+      "llama", ...), which chooses the module, inputs and heads.
     width: D, the residual stream width.
     depth: L, the number of Transformer layers.
     num_heads: N query heads; must divide ``width`` (head dim H = D / N).
@@ -92,8 +174,9 @@ class Config:
   head: str = "classifier"
 
   def __post_init__(self):
-    choices = {"family": FAMILIES, "pos_encoding": POS_ENCODINGS, "norm": NORMS,
-               "activation": ACTIVATIONS, "pooling": POOLINGS, "head": HEADS}
+    fam = get_family(self.family)
+    choices = {"pos_encoding": POS_ENCODINGS, "norm": NORMS, "activation": ACTIVATIONS,
+               "pooling": POOLINGS}
     for name, allowed in choices.items():
       if getattr(self, name) not in allowed:
         raise ValueError(f"config.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -108,19 +191,17 @@ class Config:
                        f"{self.num_heads}")
     if self.rotary:
       attention.rotary_dims(self.head_dim, self.rotary_fraction, self.rope_axes)
-    vision = self.family == "vit"
-    if self.pos_encoding == "rope2d" and not vision:
-      raise ValueError("config.pos_encoding 'rope2d' (axial RoPE over a patch grid) is for ViT only")
-    if vision and self.image_size % self.patch_size:
-      raise ValueError(f"config.patch_size {self.patch_size} does not divide config.image_size "
-                       f"{self.image_size}")
-    allowed_heads = {"vit": ("classifier",), "bert": ("classifier", "mlm"), "gpt2": ("lm",),
-                     "llama": ("lm",)}[self.family]
-    if self.head not in allowed_heads:
+    if self.pos_encoding == "rope2d" and fam.input_key != "image":
+      raise ValueError("config.pos_encoding 'rope2d' (axial RoPE over a patch grid) is for image "
+                       f"models only; family {self.family!r} reads {fam.input_key}")
+    if self.head not in fam.heads:
       raise ValueError(f"config.head {self.head!r} is not available for family {self.family!r}; "
-                       f"choose from {allowed_heads}")
-    if self.num_segments and self.family != "bert":
-      raise ValueError("config.num_segments (segment embeddings) is for BERT only")
+                       f"choose from {tuple(fam.heads)}")
+    if self.num_segments and not fam.segments:
+      raise ValueError(f"config.num_segments (segment embeddings) is for families that read "
+                       f"segments (BERT); family {self.family!r} does not")
+    if fam.check is not None:
+      fam.check(self)
 
   @property
   def head_dim(self) -> int:
@@ -144,23 +225,9 @@ class Config:
 
   @property
   def task(self) -> str:
-    """The head's task: one of ``attn_symmetry.tasks.TASKS``."""
-    return HEAD_TASKS[self.head]
+    """The head's task (its family's ``heads``): one of ``attn_symmetry.tasks.TASKS``."""
+    return _REGISTRY[self.family].heads[self.head]
 
-
-# Architecture of each family (overridable field by field).
-FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "vit": dict(pos_encoding="learned", norm="layer", norm_eps=1e-12, activation="gelu",
-                pooling="cls", head="classifier"),
-    "bert": dict(pos_encoding="learned", norm="layer", norm_eps=1e-12, post_norm=True,
-                 activation="gelu", num_segments=2, tied_embeddings=True, head="classifier",
-                 num_classes=2),
-    "gpt2": dict(pos_encoding="learned", norm="layer", norm_eps=1e-5, activation="gelu_tanh",
-                 causal=True, tied_embeddings=True, head="lm"),
-    "llama": dict(pos_encoding="rope", rope_pairing="half", norm="rms", norm_eps=1e-6,
-                  activation="silu", gated_mlp=True, causal=True, use_bias=False,
-                  tied_embeddings=False, head="lm"),
-}
 
 _SMALL = dict(width=256, depth=6, num_heads=4, mlp_dim=1024, max_len=256, vocab_size=256,
               image_size=32, patch_size=4)
@@ -174,14 +241,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "base": dict(width=768, depth=12, num_heads=12, mlp_dim=3072, max_len=1024,
                  image_size=224, patch_size=16, num_classes=1000),
 }
-FAMILY_PRESETS: dict[tuple[str, str], dict[str, Any]] = {
-    ("llama", "tiny"): dict(num_kv_heads=2),
-    ("llama", "small"): dict(mlp_dim=704),
-    ("llama", "paper"): dict(mlp_dim=704),
-    ("llama", "base"): dict(num_kv_heads=4, mlp_dim=2048, vocab_size=32000, max_len=2048),
-    ("gpt2", "base"): dict(vocab_size=50257),
-    ("bert", "base"): dict(vocab_size=30522, max_len=512, num_classes=2),
-}
 
 
 def make_config(family: str, preset: str = "tiny", **overrides: Any) -> Config:
@@ -191,14 +250,13 @@ def make_config(family: str, preset: str = "tiny", **overrides: Any) -> Config:
     ValueError: unknown family, preset or field, or an invalid combination
       (e.g. heads not dividing the width, RoPE with an odd head dim).
   """
-  if family not in FAMILIES:
-    raise ValueError(f"unknown model family {family!r}; choose from {FAMILIES}")
+  fam = get_family(family)
   if preset not in PRESETS:
     raise ValueError(f"unknown preset {preset!r}; choose from {tuple(PRESETS)}")
   fields = {f.name for f in dataclasses.fields(Config)} - {"family"}
   unknown = sorted(set(overrides) - fields)
   if unknown:
     raise ValueError(f"unknown config fields {unknown}; valid fields are {sorted(fields)}")
-  values = {**FAMILY_DEFAULTS[family], **PRESETS[preset], **FAMILY_PRESETS.get((family, preset), {}),
-            **overrides}
+  values = {"head": next(iter(fam.heads)), **fam.defaults, **PRESETS[preset],
+            **fam.presets.get(preset, {}), **overrides}
   return Config(family=family, **values)

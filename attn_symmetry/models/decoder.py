@@ -14,8 +14,9 @@ from __future__ import annotations
 from flax import nnx
 
 from attn_symmetry import spec as spec_lib
+from attn_symmetry import tasks
 from attn_symmetry.models import core
-from attn_symmetry.models.config import Config
+from attn_symmetry.models.config import Config, Family, register_family
 
 
 class Decoder(core.TextCore):
@@ -42,3 +43,18 @@ def symmetry_spec(cfg: Config) -> spec_lib.SymmetrySpec:
     spec.axes["head/kernel"] = (spec.r, None)
     spec.readers["final_norm/scale"] = ("head/kernel",)
   return spec.build()
+
+
+register_family(Family(
+    "gpt2", Decoder, symmetry_spec, input_key="tokens", heads={"lm": tasks.LM},
+    defaults=dict(pos_encoding="learned", norm="layer", norm_eps=1e-5, activation="gelu_tanh",
+                  causal=True, tied_embeddings=True),
+    presets={"base": dict(vocab_size=50257)}))
+register_family(Family(
+    "llama", Decoder, symmetry_spec, input_key="tokens", heads={"lm": tasks.LM},
+    defaults=dict(pos_encoding="rope", rope_pairing="half", norm="rms", norm_eps=1e-6,
+                  activation="silu", gated_mlp=True, causal=True, use_bias=False,
+                  tied_embeddings=False),
+    presets={"tiny": dict(num_kv_heads=2), "small": dict(mlp_dim=704),
+             "paper": dict(mlp_dim=704),
+             "base": dict(num_kv_heads=4, mlp_dim=2048, vocab_size=32000, max_len=2048)}))

@@ -20,21 +20,10 @@ import numpy as np
 from flax import nnx
 
 from attn_symmetry import spec as spec_lib
-from attn_symmetry.models import bert
-from attn_symmetry.models import decoder
-from attn_symmetry.models import vit
-from attn_symmetry.models.config import Config, make_config
+from attn_symmetry.models.config import Config, get_family, make_config
 
 Params = dict[str, Any]
 SCOPES = ("first_attention", "all_attention", "first_layer", "full")
-
-_FAMILIES = {  # module, symmetry spec, the batch entry that holds the inputs
-    "vit": (vit.VisionTransformer, vit.symmetry_spec, "image"),
-    "bert": (bert.Bert, bert.symmetry_spec, "tokens"),
-    "gpt2": (decoder.Decoder, decoder.symmetry_spec, "tokens"),
-    "llama": (decoder.Decoder, decoder.symmetry_spec, "tokens"),
-}
-
 
 class Model:
   """A model family at one config, in the pure view.
@@ -50,12 +39,13 @@ class Model:
 
   def __init__(self, config: Config):
     self.config = config
-    self._module_class, spec_fn, self.input_key = _FAMILIES[config.family]
+    family = get_family(config.family)
+    self._module_class, self.input_key = family.module, family.input_key
     abstract = nnx.eval_shape(lambda: self._module_class(config, rngs=nnx.Rngs(0)))
     self._graphdef, state = nnx.split(abstract)
     self.param_shapes: dict[str, tuple[int, ...]] = {
         path: tuple(leaf.shape) for path, leaf in spec_lib.flatten(nnx.to_pure_dict(state)).items()}
-    self.spec = spec_fn(config)
+    self.spec = family.symmetry_spec(config)
 
   def __repr__(self) -> str:
     return f"Model({self.config})"

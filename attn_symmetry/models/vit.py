@@ -21,8 +21,9 @@ import numpy as np
 from flax import nnx
 
 from attn_symmetry import spec as spec_lib
+from attn_symmetry import tasks
 from attn_symmetry.models import core
-from attn_symmetry.models.config import Config
+from attn_symmetry.models.config import Config, Family, register_family
 
 
 def num_tokens(cfg: Config) -> int:
@@ -97,3 +98,17 @@ def symmetry_spec(cfg: Config) -> spec_lib.SymmetrySpec:
   spec.axes |= core.dense_axes("head", (r, None), (None,), True)
   spec.readers["final_norm/scale"] = ("head/kernel",)
   return spec.build()
+
+
+def _check(cfg: Config) -> None:
+  if cfg.image_size % cfg.patch_size:
+    raise ValueError(f"config.patch_size {cfg.patch_size} does not divide config.image_size "
+                     f"{cfg.image_size}")
+
+
+register_family(Family(
+    "vit", VisionTransformer, symmetry_spec, input_key="image",
+    heads={"classifier": tasks.CLASSIFICATION},
+    defaults=dict(pos_encoding="learned", norm="layer", norm_eps=1e-12, activation="gelu",
+                  pooling="cls"),
+    check=_check))
