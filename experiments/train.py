@@ -354,7 +354,13 @@ def check_data(config: ml_collections.ConfigDict) -> None:
 
 
 def _first_nonfinite(steps: list[int], metrics: list[dict[str, np.ndarray]]):
-  """(step, loss) of the first non-finite training loss, or None."""
+  """(step, loss) of the first non-finite training loss, or None.
+
+  The run stops there, keeping its last good checkpoint (``_loop``), rather
+  than skipping the step as ``optax.apply_if_finite`` would: a skipped step
+  leaves a run that no longer follows its schedule and data order, which the
+  study's reruns and resumes rely on to reproduce it bit for bit.
+  """
   for step, m in zip(steps, metrics):
     if not np.isfinite(m["loss"]):
       return step, m["loss"]

@@ -26,7 +26,12 @@ _cache_lock = threading.Lock()
 
 
 def cached(key: Hashable, load: Callable[[], Any]) -> Any:
-  """``load()``, computed once per process for ``key`` (the last few splits are kept)."""
+  """``load()``, computed once per process for ``key`` (the last few splits are kept).
+
+  Not ``functools.lru_cache``: it keys on the arguments (``load`` is a new
+  closure per reader) and may compute a value twice when threads ask for it
+  at once, where this lock decodes each split once, in one thread.
+  """
   with _cache_lock:
     if key in _cache:
       _cache.move_to_end(key)
