@@ -17,9 +17,10 @@ generalised):
 * attention sites: two-stage matching (``_attention``) of A's layer against
   B's layer with the current factors applied.
 
-Steps are batched where they are independent: factors of one kind and size
-that share no leaf (the FFNs of all layers) form one step with one batched
-LAP, attention sites of one configuration one step with ``vmap`` over layers.
+Steps group what is independent: factors of one kind and size that share no
+leaf (the FFNs of all layers) form one step, solved one factor after another
+(one n x n score matrix held at a time), and attention sites of one
+configuration one step with ``vmap`` over layers.
 A step is rerun only when a step sharing a leaf with it changed after it last
 ran, and the loop ends when no step is pending (or after ``max_rounds``). In
 the first round a factor reads only the leaves whose other factors and sites
@@ -209,47 +210,79 @@ def _tolerance(dtype: Any) -> float:
   return 100 * float(jnp.finfo(dtype).eps)
 
 
-def _factor_scores(spec: spec_lib.SymmetrySpec, plan: list[_Step], step: _Step, flat_a, flat_b,
-                   element, leaves: frozenset[str]) -> jax.Array:
-  """[F, n + 2, n] for the F factors of ``step``, read from ``leaves`` only: the scores
-  M[j, i] = <A_j, B_i> (rows :n) and the squared norms of the A and B parts read (rows n, n + 1),
-  with everything else in ``element`` applied to B."""
-  b_moved = _with_attention(spec, plan, flat_b, element, leaves)
-  out = []
-  for f in step.names:
-    n = spec.factors[f].size
-    m, norm_a, norm_b = jnp.zeros((n, n), flat_a[next(iter(leaves))].dtype), 0.0, 0.0
-    for path in sorted(leaves):
-      if spec.factors[f].kind == "orthogonal" and path in spec.norm_scales:
-        continue
-      for axis in (i for i, g in enumerate(spec.axes[path]) if g == f):
-        a, b = flat_a[path], _transform(spec, b_moved[path], path, element, axis)
-        # Norms of the leaves as laid out: XLA:CPU reduces a transposed view ~100x slower.
-        norm_a, norm_b = norm_a + jnp.sum(a * a), norm_b + jnp.sum(b * b)
-        a, b = (jnp.moveaxis(x, axis, 0).reshape(n, -1) for x in (a, b))
-        m = m + jnp.matmul(a, b.T, precision=_features.HIGHEST)  # [new (A), old (B)]
-    out.append(jnp.concatenate([m, jnp.broadcast_to(jnp.stack([norm_a, norm_b])[:, None], (2, n))]))
-  return jnp.stack(out)
+def _factor_scores(spec: spec_lib.SymmetrySpec, plan: list[_Step], f: str, flat_a, flat_b,
+                   element, leaves: frozenset[str]) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(M, ||A||^2, ||B||^2) of factor ``f``, read from ``leaves`` only: the scores
+  M[j, i] = <A_j, B_i> [n, n] and the squared norms of the A and B parts read, with
+  everything else in ``element`` applied to B."""
+  own = sorted(p for p in leaves if f in spec.axes[p]
+               and not (spec.factors[f].kind == "orthogonal" and p in spec.norm_scales))
+  b_moved = _with_attention(spec, plan, flat_b, element, own)
+  n = spec.factors[f].size
+  m, norm_a, norm_b = jnp.zeros((n, n), flat_a[next(iter(leaves))].dtype), 0.0, 0.0
+  for path in own:
+    for axis in (i for i, g in enumerate(spec.axes[path]) if g == f):
+      a, b = flat_a[path], _transform(spec, b_moved[path], path, element, axis)
+      # Norms of the leaves as laid out: XLA:CPU reduces a transposed view ~100x slower.
+      norm_a, norm_b = norm_a + jnp.sum(a * a), norm_b + jnp.sum(b * b)
+      a, b = (jnp.moveaxis(x, axis, 0).reshape(n, -1) for x in (a, b))
+      m = m + jnp.matmul(a, b.T, precision=_features.HIGHEST)  # [new (A), old (B)]
+  return m, jnp.asarray(norm_a, m.dtype), jnp.asarray(norm_b, m.dtype)
 
 
-def _factor_update(spec: spec_lib.SymmetrySpec, step: _Step, scores: jax.Array,
-                   element) -> tuple[dict[str, Any], jax.Array]:
-  """The best value of every factor of ``step`` given its ``_factor_scores``; (element, changed)."""
-  n = scores.shape[-1]
-  m, scale = scores[:, :n], jnp.sqrt(scores[:, n, 0] * scores[:, n + 1, 0])  # ||A|| ||B||
-  old = jnp.stack([element[f] for f in step.names])
-  if spec.factors[step.names[0]].kind == "permutation":
+def _factor_update(spec: spec_lib.SymmetrySpec, f: str, scores: tuple[jax.Array, ...],
+                   old: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The best value of factor ``f`` given its ``_factor_scores``, accepted only if it gains
+  more than the tolerance: (value, whether it changed)."""
+  m, norm_a, norm_b = scores
+  scale = jnp.sqrt(norm_a * norm_b)  # ||A|| ||B||
+  if spec.factors[f].kind == "permutation":
     new = _assignment.linear_assignment(-m).astype(old.dtype)
     gain = _assignment.assignment_cost(m, new) - _assignment.assignment_cost(m, old)
-    differs = jnp.any(new != old, axis=-1)
+    differs = jnp.any(new != old)
   else:
-    new = _stage2.polar(jnp.swapaxes(m, -1, -2))
-    gain = jnp.sum((new - old) * jnp.swapaxes(m, -1, -2), axis=(-2, -1))
+    new = _stage2.polar(m.T)
+    gain = jnp.sum((new - old) * m.T)
     differs = True
   accept = gain > _tolerance(m.dtype) * scale
-  chosen = jnp.where(accept.reshape(-1, *[1] * (new.ndim - 1)), new, old)
-  element = dict(element, **{f: chosen[i] for i, f in enumerate(step.names)})
-  return element, jnp.any(accept & differs)
+  return jnp.where(accept, new, old), accept & differs
+
+
+def _factor_step(spec: spec_lib.SymmetrySpec, plan: list[_Step], step: _Step, flat_a, flat_b,
+                 element, first_leaves: frozenset[str] | None, rounds: jax.Array
+                 ) -> tuple[dict[str, Any], jax.Array]:
+  """Solves every factor of ``step`` given the rest of ``element``; (element, changed).
+
+  In round one a factor reads ``first_leaves`` (None: all of its leaves), from
+  round two on all of them (``_first_round_leaves``). The factors are solved
+  one after another (a loop over a switch on the factor), so that one factor's
+  n x n scores are held at a time: a step holds the FFNs of every layer.
+  """
+  def solve(f, values):
+    scores = lambda leaves: _factor_scores(spec, plan, f, flat_a, flat_b, element, leaves)
+    if first_leaves is None:
+      total = scores(step.leaves)
+    else:  # the leaves of round one, and the others from round two on
+      known = scores(first_leaves)
+      rest = jax.lax.cond(rounds == 0, lambda: jax.tree.map(jnp.zeros_like, known),
+                          lambda: scores(step.leaves - first_leaves))
+      total = jax.tree.map(jnp.add, known, rest)
+    i = step.names.index(f)
+    value, moved = _factor_update(spec, f, total, values[i])
+    return values[:i] + (value,) + values[i + 1:], moved
+
+  values = tuple(element[f] for f in step.names)
+  if len(step.names) == 1:
+    values, changed = solve(step.names[0], values)
+  else:
+    branches = [lambda values, f=f: solve(f, values) for f in step.names]
+
+    def body(i, state):
+      values, changed = jax.lax.switch(i, branches, state[0])
+      return values, state[1] | changed
+
+    values, changed = jax.lax.fori_loop(0, len(step.names), body, (values, jnp.bool_(False)))
+  return dict(element, **dict(zip(step.names, values))), changed
 
 
 def _stack(trees: list[Any]) -> Any:
@@ -368,14 +401,7 @@ def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps,
     if step.attention:
       return _attention_step(spec, step, flat_a, flat_b, element, learning_rate, rounds == 0,
                              method=descent, distance=distance, steps=steps, init=init)
-    scores = lambda leaves: _factor_scores(spec, plan, step, flat_a, flat_b, element, leaves)
-    if first[i] is None:
-      total = scores(step.leaves)
-    else:  # the leaves of round one, and the others from round two on
-      known = scores(first[i])
-      total = known + jax.lax.cond(rounds == 0, lambda: jnp.zeros_like(known),
-                                   lambda: scores(step.leaves - first[i]))
-    return _factor_update(spec, step, total, element)
+    return _factor_step(spec, plan, step, flat_a, flat_b, element, first[i], rounds)
 
   def body(state):
     element, dirty, rounds = state
