@@ -1,0 +1,61 @@
+"""attn_symmetry.runtime: JSON values, the BLAS thread limit and heap release."""
+
+import json
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import threadpoolctl
+
+from attn_symmetry import runtime
+
+
+def test_jsonable_turns_arrays_and_keys_into_json():
+  tree = {1: (jnp.arange(3), np.float32(0.5)), "m": {"x": np.eye(2), "s": jnp.asarray(2)},
+          "keep": "text"}
+  out = runtime.jsonable(tree)
+  assert out == {"1": [[0, 1, 2], 0.5], "m": {"x": [[1.0, 0.0], [0.0, 1.0]], "s": 2},
+                 "keep": "text"}
+  assert json.loads(json.dumps(out)) == out
+  assert type(out["m"]["s"]) is int and type(out["1"][1]) is float
+
+
+def _blas_threads():
+  return {i["filepath"]: i["num_threads"] for i in threadpoolctl.threadpool_info()
+          if i["user_api"] == "blas"}
+
+
+def test_single_threaded_blas_limits_jaxlibs_lapack_and_restores():
+  with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+    before = _blas_threads()
+    with runtime.single_threaded_blas():
+      inside = _blas_threads()
+      x = jnp.linalg.inv(jnp.eye(4) * 2.0)  # runs on the limited LAPACK
+    after = _blas_threads()
+    assert {k: after[k] for k in before} == before
+  # scipy's OpenBLAS (jaxlib's LAPACK) is loaded by the block itself and limited.
+  assert any("scipy" in path for path in inside)
+  assert inside and set(inside.values()) == {1}
+  np.testing.assert_allclose(x, np.eye(4) / 2)
+
+
+def _rss_bytes():
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or
+                    getattr(runtime._libc(), "malloc_trim", None) is None,  # pylint: disable=protected-access
+                    reason="malloc_trim is glibc's")
+def test_release_free_memory_returns_freed_heap_pages():
+  # 120 MB in 4 kB heap blocks, all freed but the last, which keeps the heap's top in use:
+  # glibc keeps the freed pages resident until they are trimmed.
+  blocks = [bytearray(4000) for _ in range(30_000)]
+  last = blocks[-1]
+  del blocks
+  held = _rss_bytes()
+  assert runtime.release_free_memory() is True
+  assert held - _rss_bytes() > 50e6
+  del last
