@@ -36,6 +36,15 @@ symmetry only once the norm scales are folded into the weights that read them
 (``group_action.fold_norm_scales``). When the alignment uses one, A and B' are
 compared, merged and saved folded: the same functions, with norm weights of one.
 
+Memory and time. Peak memory stays within 3x the two checkpoints' size: the
+models are read one tensor at a time, B' is computed one top-level group of
+leaves at a time with B's group released after it (B is kept only for an
+evaluation), the merged model is computed leaf by leaf as it is written, and
+the C heap's free pages are returned to the system after every stage
+(``runtime.release_free_memory``). jaxlib's LAPACK kernels run on one OpenBLAS
+thread during the call (``runtime.single_threaded_blas``): with OpenBLAS's own
+threads, matching's batched inverses ran about 7x slower on 2 cores.
+
 Outputs are written into a temporary folder inside DIR and then moved into
 place; with ``overwrite`` the earlier outputs of this tool in DIR are replaced
 and other files left alone. DIR may neither be nor contain nor lie inside
@@ -65,6 +74,7 @@ from attn_symmetry import _eval_files
 from attn_symmetry import group_action
 from attn_symmetry import lmc
 from attn_symmetry import matching
+from attn_symmetry import runtime
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.models import SCOPES, Model
 from attn_symmetry.models import convert
@@ -258,15 +268,39 @@ def _learned_options(model: Model, inputs: _Inputs, say: Callable[[str], None]) 
               progress=progress)
 
 
-def _jsonable(value: Any) -> Any:
-  """``value`` with numpy and JAX numbers and arrays as Python floats, ints and lists."""
-  if isinstance(value, dict):
-    return {str(k): _jsonable(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_jsonable(v) for v in value]
-  if isinstance(value, (np.ndarray, np.generic, jax.Array)):
-    return np.asarray(value).tolist()
-  return value
+def _part_spec(spec: spec_lib.SymmetrySpec, paths: set[str]) -> spec_lib.SymmetrySpec:
+  """``spec`` on the leaves ``paths`` alone: their factors, the sites among them, their norms."""
+  axes = {p: a for p, a in spec.axes.items() if p in paths}
+  used = {f for a in axes.values() for f in a if f is not None}
+  attention = {s: site for s, site in spec.attention.items()
+               if any(p.startswith(s + "/") for p in paths)}
+  norm_scales = {s: tuple(r for r in readers if r in paths)
+                 for s, readers in spec.norm_scales.items() if s in paths}
+  return spec_lib.SymmetrySpec({f: spec.factors[f] for f in used}, axes, attention, norm_scales)
+
+
+def _apply_by_group(spec: spec_lib.SymmetrySpec, params: Params, element: dict[str, Any], *,
+                    consume: bool) -> Params:
+  """g . params (``group_action.apply_model``), one top-level group of leaves (``layers_i``,
+  ``embed``, ...) at a time, op by op: under one jit, jaxlib 0.10's CPU LAPACK kernels (the
+  sites' inverses) could deadlock when two ran side by side. With ``consume``, each group is
+  removed from ``params`` once transformed, so that one model and one group are held, not two
+  models (every attention site lies inside one group)."""
+  out: Params = {}
+  for group in list(params):
+    part = _part_spec(spec, set(spec_lib.flatten({group: params[group]})))
+    names = set(part.factors) | set(part.attention)
+    out[group] = group_action.apply_model(part, {group: params[group]},
+                                          {k: v for k, v in element.items() if k in names})[group]
+    jax.block_until_ready(out[group])
+    if consume:
+      del params[group]
+  return out
+
+
+# One fused program per leaf shape: the merged model is written leaf by leaf, and eagerly each
+# leaf would take three leaf-sized buffers ((1 - lam) a, lam b and their sum).
+_interpolate = jax.jit(lmc.interpolate)
 
 
 def _natural(name: str) -> list[Any]:
@@ -333,6 +367,7 @@ def _save(out: str, overwrite: bool, writers: dict[str, Callable[[str], None]]) 
   try:
     for name, write in writers.items():
       write(os.path.join(tmp, name))
+      runtime.release_free_memory()
     for name in OUTPUTS if overwrite else ():
       target = os.path.join(out, name)
       if os.path.isdir(target) and not os.path.islink(target):
@@ -356,6 +391,7 @@ def _write_json(value: Any) -> Callable[[str], None]:
 # ----------------------------------------------------------------------------- the function
 
 
+@runtime.single_threaded_blas()  # jaxlib's LAPACK kernels: one thread each (runtime)
 def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
                       out: str | os.PathLike | None = None, method: str = "full",
                       scope: str | Sequence[str] = "full", merge: float | None = None,
@@ -417,6 +453,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
   except ValueError as e:
     raise InputError(str(e)) from None
   times["load"] = time.perf_counter() - start
+  runtime.release_free_memory()  # each stage starts from the live arrays (runtime's docstring)
   say(f"load: both models in float32 ({times['load']:.1f} s)")
 
   start = time.perf_counter()
@@ -424,20 +461,23 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
     options = dict(options, **_learned_options(model, inputs, say))
   element, info = matching.align_model(model.spec, params_a, params_b, scope=inputs.scope,
                                        method=method, **options)
+  jax.block_until_ready(element)
+  times["align_model"] = time.perf_counter() - start
+  runtime.release_free_memory()
   raw = (params_a, params_b) if inputs.batches is not None else None
   folded = bool(info.get("folded_norm_scales"))
   if folded:
     params_a = group_action.fold_norm_scales(model.spec, params_a)
     params_b = group_action.fold_norm_scales(model.spec, params_b)
-  # Op by op: under one jit, jaxlib 0.10's CPU LAPACK kernels (the sites' inverses) can deadlock
-  # when two run side by side.
-  aligned = group_action.apply_model(model.spec, params_b, element)
   before = _distances(params_a, params_b)
+  aligned = _apply_by_group(model.spec, params_b, element, consume=raw is None or folded)
   del params_b
   after = _distances(params_a, aligned)
   times["align"] = time.perf_counter() - start
+  runtime.release_free_memory()
   say(f"align: method {method}, distance {before['total']:.6g} -> {after['total']:.6g} "
-      f"(relative {before['relative']:.4g} -> {after['relative']:.4g}) ({times['align']:.1f} s)")
+      f"(relative {before['relative']:.4g} -> {after['relative']:.4g}) ({times['align']:.1f} s, "
+      f"of which matching {times['align_model']:.1f} s)")
 
   curves = None
   if inputs.batches is not None:
@@ -446,6 +486,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
                        num_lambdas)
     del raw
     times["evaluate"] = time.perf_counter() - start
+    runtime.release_free_memory()
     say(f"evaluate: {num_lambdas} lambdas x 2 paths on {len(inputs.batches)} batches, loss barrier "
         f"{curves['before']['barrier']['loss']:.4g} -> {curves['after']['barrier']['loss']:.4g} "
         f"({times['evaluate']:.1f} s)")
@@ -462,7 +503,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
       "distance": {"before": before, "after": after},
   }
   if "learned" in info:
-    report["learned"] = _jsonable(info["learned"])
+    report["learned"] = runtime.jsonable(info["learned"])
   if curves is not None:
     report["barrier"] = {name: curves[name]["barrier"] for name in ("before", "after")}
     report["eval"] = {"text": os.fspath(eval_text) if eval_text else None,
@@ -478,8 +519,10 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
     start = time.perf_counter()
     writers = {"aligned_b": lambda p: safetensors_io.save_params(p, b, model, aligned, dtype=dtype)}
     if merge is not None:
+      flat_a = spec_lib.flatten(params_a)
       writers["merged"] = lambda p: safetensors_io.save_params(
-          p, a, model, lmc.interpolate(params_a, aligned, merge), dtype=dtype)
+          p, a, model, aligned, dtype=dtype,
+          leaf_fn=lambda path, leaf: _interpolate(flat_a[path], leaf, merge))
     if curves is not None:
       writers["interpolation.json"] = _write_json(curves)
       writers["interpolation.png"] = lambda p: _plot(curves, p)

@@ -1,13 +1,16 @@
 r"""``attn-symmetry align`` on two GPT-2-small-shaped random checkpoints on disk.
 
-    python benchmarks/bench_align_checkpoints.py [--quick] [--dtype=float32|bfloat16] [--workdir=DIR]
+    python benchmarks/bench_align_checkpoints.py [--quick] [--layers=N] [--dtype=float32|bfloat16]
+                                                 [--workdir=DIR]
 
 Writes two random GPT-2 checkpoints (124M parameters at GPT-2 small's shape;
-``--quick``: width 256, 4 layers) as Hugging Face folders, with numpy and
+``--quick``: width 256, 4 layers; ``--layers``: another depth, e.g. 2 for a
+quicker proxy at GPT-2 small's width) as Hugging Face folders, with numpy and
 safetensors only, then runs ``python -m attn_symmetry.align A B --out DIR
 --merge 0.5`` in a child process twice: with an empty compilation cache (a
 first alignment of the architecture) and with the cache the first run filled.
-Prints each run's load, align and save times (from its report) and its peak
+Prints each run's load, align (with matching, ``align_model``, on its own) and
+save times (from its report) and its peak
 RSS (the child's VmHWM) against the two checkpoints' size (goal: <= 3x); the
 RSS of a child that only imports the command (JAX, Flax) is part of every peak.
 """
@@ -78,19 +81,22 @@ def child_peak_rss(code: str, *args: str) -> tuple[float, float, str]:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="width 256, 4 layers")
+  parser.add_argument("--layers", type=int, help="number of layers (default: GPT-2 small's 12)")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   parser.add_argument("--workdir", help="where the checkpoints go (default: a temporary folder)")
   parser.add_argument("--method", default="full")
   args = parser.parse_args()
 
-  hf_config = {**GPT2, **SIZES["quick" if args.quick else "full"], "dtype": args.dtype}
+  sizes = dict(SIZES["quick" if args.quick else "full"])
+  if args.layers:
+    sizes["n_layer"] = args.layers
+  hf_config = {**GPT2, **sizes, "dtype": args.dtype}
   with tempfile.TemporaryDirectory(dir=args.workdir) as work:
     start = time.perf_counter()
     a, b, out = (os.path.join(work, name) for name in ("a", "b", "out"))
     write_checkpoint(a, hf_config, 0, args.dtype)
     write_checkpoint(b, hf_config, 1, args.dtype)
     size = sum(os.path.getsize(os.path.join(d, safetensors_io.WEIGHTS)) for d in (a, b))
-    sizes = SIZES["quick" if args.quick else "full"]
     print(f"checkpoints: 2 x GPT-2 {sizes} in {args.dtype}, {size / 2**20:.0f} MiB together "
           f"(written in {time.perf_counter() - start:.1f} s)")
     base, _, _ = child_peak_rss("import attn_symmetry.align")
@@ -104,7 +110,8 @@ def main():
         report = json.load(f)
       t = report["time_s"]
       print(f"{run}:\n{log}")
-      print(f"  load {t['load']:.1f} s | align {t['align']:.1f} s | save {t['save']:.1f} s "
+      print(f"  load {t['load']:.1f} s | align {t['align']:.1f} s (matching {t['align_model']:.1f} s, "
+            f"{report['rounds']} rounds) | save {t['save']:.1f} s "
             f"(aligned_b and merged) | whole command {wall:.1f} s")
       print(f"  peak RSS {peak / 2**20:.0f} MiB = {peak / size:.2f} x the checkpoints (goal <= 3)")
 

@@ -307,7 +307,8 @@ def test_readme_command_runs_without_torch(tmp_path):
   assert report["distance"]["after"]["relative"] <= TOL < report["distance"]["before"]["relative"]
   assert set(report["distance"]["after"]["per_layer"]) == {"embed", "pos_embed", "layers_0",
                                                            "layers_1", "final_norm"}
-  assert set(report["time_s"]) == {"check", "load", "align", "evaluate", "save"}
+  assert set(report["time_s"]) == {"check", "load", "align", "align_model", "evaluate",
+                                    "save"}
   curves = json.load(open(os.path.join(out, "interpolation.json")))
   assert len(curves["lambdas"]) == len(curves["after"]["accuracy"]) == 11  # the default
   assert report["barrier"]["after"]["loss"] <= 1e-4

@@ -36,7 +36,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -69,6 +69,7 @@ _PREFIXES = {"gpt2": "transformer.", "llama": "model.", "mistral": "model.", "be
 _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|position_ids)$")
 # Files of a model folder copied next to rewritten weights (tokenizer, generation config, ...).
 _SIDE_FILES = (".json", ".txt", ".model", ".jinja")
+LeafFn = Callable[[str, Any], Any]  # (parameter path, leaf) -> the leaf to write
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,15 +275,22 @@ def load_params(ckpt: Checkpoint, model: Model) -> dict[str, Any]:
 
 
 def _hf_tensor(entries: list[tuple[str, convert.Source]], flat: Mapping[str, Any],
-               shape: tuple[int, ...]) -> np.ndarray:
-  parts = {src.part: convert.leaf_to_hf(np.asarray(flat[path], np.float32), src, shape)
+               shape: tuple[int, ...], leaf_fn: LeafFn | None) -> np.ndarray:
+  leaf = (lambda path: flat[path]) if leaf_fn is None else lambda path: leaf_fn(path, flat[path])
+  parts = {src.part: convert.leaf_to_hf(np.asarray(leaf(path), np.float32), src, shape)
            for path, src in entries}
   return np.concatenate([parts[i] for i in range(3)], -1) if None not in parts else parts[None]
 
 
 def save_params(path: str | os.PathLike, like: Checkpoint, model: Model, params: Mapping[str, Any],
-                *, dtype: str = "keep") -> None:
+                *, dtype: str = "keep", leaf_fn: LeafFn | None = None) -> None:
   """Writes ``params`` as a model folder laid out as ``like``: its tensor names and shards.
+
+  With ``leaf_fn``, ``leaf_fn(path, leaf)`` is written for each leaf of
+  ``params`` instead (its parameter path, e.g. "layers_0/attention/query/kernel"), computed
+  right before its tensor: a model derived leaf by leaf, such as an
+  interpolation with another model, is never held whole besides the file's
+  tensors.
 
   Every tensor takes its stored dtype in ``like`` (``dtype="keep"``) or float32
   (``dtype="float32"``, which ``config.json`` then says too); buffers are copied
@@ -304,7 +312,7 @@ def save_params(path: str | os.PathLike, like: Checkpoint, model: Model, params:
       name = state_name[key]
       source = aliases.get(name, name)
       if source in by_key:
-        value = _hf_tensor(by_key[source], flat, like.tensors[key].shape)
+        value = _hf_tensor(by_key[source], flat, like.tensors[key].shape, leaf_fn)
         target = DTYPES[like.tensors[key].dtype] if dtype == "keep" else np.dtype(np.float32)
         value = np.ascontiguousarray(value, dtype=target)
       else:
