@@ -36,14 +36,16 @@ symmetry only once the norm scales are folded into the weights that read them
 (``group_action.fold_norm_scales``). When the alignment uses one, A and B' are
 compared, merged and saved folded: the same functions, with norm weights of one.
 
-Memory and time. Peak memory stays within 3x the two checkpoints' size: the
+Memory and time. Peak memory stays within 3x the two checkpoints' size
+(``benchmarks/bench_align_checkpoints.py``, GPT-2 small in float32): the
 models are read one tensor at a time, B' is computed one top-level group of
 leaves at a time with B's group released after it (B is kept only for an
 evaluation), the merged model is computed leaf by leaf as it is written, and
-the C heap's free pages are returned to the system after every stage
-(``runtime.release_free_memory``). jaxlib's LAPACK kernels run on one OpenBLAS
-thread during the call (``runtime.single_threaded_blas``): with OpenBLAS's own
-threads, matching's batched inverses ran about 7x slower on 2 cores.
+the C heap's free pages are returned to the system after every stage and
+between compiling the matching program and running it (``runtime``). jaxlib's
+LAPACK kernels run on one OpenBLAS thread during the call
+(``runtime.single_threaded_blas``): with OpenBLAS's own threads, matching's
+batched inverses made GPT-2 small's alignment about 10x slower on 2 cores.
 
 Outputs are written into a temporary folder inside DIR and then moved into
 place; with ``overwrite`` the earlier outputs of this tool in DIR are replaced
@@ -459,9 +461,10 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
   start = time.perf_counter()
   if method == "learned":
     options = dict(options, **_learned_options(model, inputs, say))
-  element, info = matching.align_model(model.spec, params_a, params_b, scope=inputs.scope,
-                                       method=method, **options)
-  jax.block_until_ready(element)
+  with runtime.release_memory_after_compiles():
+    element, info = matching.align_model(model.spec, params_a, params_b, scope=inputs.scope,
+                                         method=method, **options)
+    jax.block_until_ready(element)
   times["align_model"] = time.perf_counter() - start
   runtime.release_free_memory()
   raw = (params_a, params_b) if inputs.batches is not None else None

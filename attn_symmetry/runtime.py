@@ -24,7 +24,10 @@ ends), that memory stays in the process's resident set, and fragments of it
 are not reused by the next stage's differently sized buffers: resident memory
 grows stage after stage while the live arrays do not. ``release_free_memory``
 returns those pages (glibc's ``malloc_trim``; nothing happens on other C
-libraries).
+libraries). Compiling a large program leaves such pages too (XLA's and LLVM's
+working memory), and a jitted call runs the program right after compiling it:
+``release_memory_after_compiles`` returns them in between, so that they do not
+sit beside the program's temporaries at its peak.
 """
 
 from __future__ import annotations
@@ -84,3 +87,21 @@ def _libc() -> ctypes.CDLL | None:
     return ctypes.CDLL(name) if name else None
   except OSError:
     return None
+
+
+@contextlib.contextmanager
+def release_memory_after_compiles(min_seconds: float = 1.0) -> Iterator[None]:
+  """Within the block, ``release_free_memory`` runs after every XLA compilation that took at
+  least ``min_seconds`` (``jax.monitoring``'s backend-compile event), before the program runs."""
+  def listener(event: str, seconds: float, **_):
+    if event == _BACKEND_COMPILE and seconds >= min_seconds:
+      release_free_memory()
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"

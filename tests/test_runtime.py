@@ -4,6 +4,7 @@ import json
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,3 +60,14 @@ def test_release_free_memory_returns_freed_heap_pages():
   assert runtime.release_free_memory() is True
   assert held - _rss_bytes() > 50e6
   del last
+
+
+def test_release_memory_after_compiles_runs_after_each_compile_in_the_block(monkeypatch):
+  calls = []
+  monkeypatch.setattr(runtime, "release_free_memory", lambda: calls.append(1))
+  with runtime.release_memory_after_compiles(min_seconds=0.0):
+    jax.jit(lambda x: x * 3.0 + 1.0)(jnp.ones(7)).block_until_ready()
+  assert calls
+  compiled_inside = len(calls)
+  jax.jit(lambda x: x * 5.0 - 2.0)(jnp.ones(9)).block_until_ready()  # outside: listener gone
+  assert len(calls) == compiled_inside
