@@ -34,6 +34,7 @@ import numpy as np
 from attn_symmetry import group_action
 from attn_symmetry import lmc
 from attn_symmetry import matching
+from attn_symmetry import runtime
 from attn_symmetry.spec import subtree
 from experiments import fingerprints
 from experiments import input_noise
@@ -167,7 +168,7 @@ class ScopeStudy:
     if method == "naive":
       return pa, pb, {}
     element, info = self._element(a, b, method, options)
-    info = _jsonable(info)
+    info = runtime.jsonable(info)
     if info.get("folded_norm_scales"):
       pa, pb = (group_action.fold_norm_scales(self.model.spec, p) for p in (pa, pb))
     return pa, self._apply(pb, element), info
@@ -336,18 +337,3 @@ class ScopeStudy:
           "noise_levels": list(self.config.study.noise_levels), "models": models,
           "accuracy": {m: np.mean([r[m] for r in robust], axis=0).tolist() for m in models}}
     return result
-
-
-def _jsonable(tree: Any) -> Any:
-  """``tree`` with arrays as (nested) lists and scalars, keys as strings: JSON-ready.
-
-  A copy of ``attn_symmetry.align``'s; one library helper is to replace both.
-  """
-  if isinstance(tree, Mapping):
-    return {str(k): _jsonable(v) for k, v in tree.items()}
-  if isinstance(tree, (list, tuple)):
-    return [_jsonable(v) for v in tree]
-  if isinstance(tree, (jax.Array, np.ndarray, np.generic)):
-    arr = np.asarray(tree)
-    return arr.item() if arr.ndim == 0 else arr.tolist()
-  return tree
