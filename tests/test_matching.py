@@ -14,6 +14,7 @@ from attn_symmetry import attention
 from attn_symmetry import group_action as ga
 from attn_symmetry import matching
 from attn_symmetry import spec as spec_lib
+from attn_symmetry.matching import _assignment
 from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _stage2
 
@@ -98,19 +99,34 @@ def _assert_optimal(cost, perm):
     np.testing.assert_allclose(c[np.arange(n), p].sum(), c[rows, cols].sum(), rtol=1e-12)
 
 
+def _use_solver(monkeypatch, solver):
+  """Forces linear_assignment's host (scipy) or device (optax) solver for every size."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu" if solver == "host" else "gpu")
+  monkeypatch.setattr(_assignment, "HOST_MIN_SIZE", 0)
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (5, 5), (3, 9, 9), (2, 3, 9, 9), (17, 17)])
-@pytest.mark.parametrize("backend", ["cpu", "gpu"])
-def test_linear_assignment_is_optimal(x64, monkeypatch, shape, backend):
-  """Host solver on CPU, optax's vmapped Hungarian algorithm elsewhere: both paths, on this machine."""
-  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+@pytest.mark.parametrize("solver", ["host", "device"])
+def test_linear_assignment_is_optimal(x64, monkeypatch, shape, solver):
+  """Both solvers, on this machine: scipy on the host, optax's vmapped Hungarian algorithm."""
+  _use_solver(monkeypatch, solver)
   cost = np.random.default_rng(sum(shape)).normal(size=shape)
   _assert_optimal(cost, jax.jit(matching.linear_assignment)(cost))
 
 
-@pytest.mark.parametrize("backend", ["cpu", "gpu"])
-def test_linear_assignment_under_vmap_and_in_a_loop(x64, monkeypatch, backend):
+def test_linear_assignment_keeps_small_problems_on_the_device(monkeypatch):
+  """Below HOST_MIN_SIZE no host callback enters the program (it stays persistently cacheable)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  small = jax.jit(matching.linear_assignment).lower(jnp.zeros((8, 8))).as_text()
+  large = jax.jit(matching.linear_assignment).lower(
+      jnp.zeros((_assignment.HOST_MIN_SIZE,) * 2)).as_text()
+  assert "callback" not in small and "callback" in large
+
+
+@pytest.mark.parametrize("solver", ["host", "device"])
+def test_linear_assignment_under_vmap_and_in_a_loop(x64, monkeypatch, solver):
   """The host callback batches under vmap and runs inside lax loops like the device solver."""
-  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  _use_solver(monkeypatch, solver)
   cost = np.random.default_rng(3).normal(size=(4, 2, 6, 6))
   _assert_optimal(cost, jax.jit(jax.vmap(matching.linear_assignment))(cost))
 

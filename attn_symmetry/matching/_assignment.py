@@ -11,18 +11,28 @@ import numpy as np
 import optax
 
 
+# The smallest n solved on the host on a CPU backend (see linear_assignment).
+HOST_MIN_SIZE = 512
+
+
 def linear_assignment(cost: jax.Array) -> jax.Array:
   """The permutation that minimises sum_i cost[i, perm[i]], batched over leading axes.
 
-  Two exact solvers, chosen by the backend the computation is traced for:
+  Two exact solvers, chosen when the call is traced:
 
-  * CPU: scipy's ``linear_sum_assignment`` (a shortest-augmenting-path
-    solver in C++) on the host, through ``jax.pure_callback``: the call stays
-    jittable, vmappable and usable inside ``lax`` loops. scipy is imported only
-    when this path runs.
-  * GPU/TPU: ``optax.assignment.hungarian_algorithm`` on the device
+  * CPU backend and n >= ``HOST_MIN_SIZE``: scipy's ``linear_sum_assignment``
+    (a shortest-augmenting-path solver in C++) on the host, through
+    ``jax.pure_callback``: the call stays jittable, vmappable and usable inside
+    ``lax`` loops. scipy is imported only when this path runs. A program with a
+    host callback is not stored in JAX's persistent compilation cache, hence
+    the size threshold: below it the device solver costs under a millisecond
+    more per problem, and the programs that only meet small problems (head
+    assignments, narrow models) stay cacheable.
+  * Otherwise ``optax.assignment.hungarian_algorithm`` on the device
     (O(n^3), a ``while_loop`` whose trip count depends on the costs), vmapped
     over the batch: every problem runs as many iterations as the slowest one.
+    On CPU it is about 4x slower than scipy on random 1024^2 costs, 1.5x on
+    near-permutation ones (``benchmarks/bench_matching.py --lap_only``).
 
   Both return an optimal assignment; they can differ only where several
   assignments tie for the optimum.
@@ -34,7 +44,7 @@ def linear_assignment(cost: jax.Array) -> jax.Array:
     int32 [..., n] permutation: row i is assigned column perm[i].
   """
   cost = jnp.asarray(cost)
-  if jax.default_backend() == "cpu":
+  if jax.default_backend() == "cpu" and cost.shape[-1] >= HOST_MIN_SIZE:
     return _host_assignment(cost)
   return _device_assignment(cost)
 
