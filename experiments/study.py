@@ -44,6 +44,7 @@ import time
 import ml_collections
 
 from attn_symmetry import matching
+from attn_symmetry import runtime
 from attn_symmetry import tasks
 from experiments import atomic_io
 from experiments import config_checks
@@ -99,7 +100,8 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
   for scope in config.reinit.scopes:
     study = scope_study.ScopeStudy(config, model, scope, checkpoints, evaluator, workdir, data_fp)
     start = time.perf_counter()
-    res = study.run()
+    with runtime.single_threaded_blas():  # Stage 2's batched LAPACK calls (runtime's docstring)
+      res = study.run()
     log.info("study of scope %s: %d stage(s) computed, %d reused, %.1fs", scope, study.computed,
              study.reused, time.perf_counter() - start)
     results[scope] = res
