@@ -6,6 +6,9 @@
       element, info = matching.align_model(spec, params_a, params_b)
       jax.block_until_ready(element)
     del params_b; runtime.release_free_memory()   # hand freed heap pages back to the system
+    with runtime.CompileClock() as clock:          # JAX's tracing, lowering and compiling time
+      ...
+    print(clock.summary(wall_seconds))
 
 On CPU, jaxlib runs its LAPACK kernels (``jnp.linalg.inv``, ``solve``, ``svd``:
 the batched H x H solves of attention matching, for example) from
@@ -105,3 +108,51 @@ def release_memory_after_compiles(min_seconds: float = 1.0) -> Iterator[None]:
 
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+# jax.monitoring's duration events of the three phases of turning a function into a program.
+COMPILE_PHASES = {"tracing": "/jax/core/compile/jaxpr_trace_duration",
+                  "lowering": "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "compiling": _BACKEND_COMPILE}
+
+
+class CompileClock(contextlib.AbstractContextManager):
+  """Adds up, within a ``with`` block, the seconds JAX spends tracing, lowering and compiling.
+
+  Reads ``jax.monitoring``'s duration events (``COMPILE_PHASES``), so it counts
+  every jit, pmap and eager primitive compilation of the process while the block
+  is open, whichever thread triggers it; a program found in the persistent
+  compilation cache adds its tracing and lowering but no compiling.
+
+  Attributes:
+    seconds: {phase: seconds} for "tracing", "lowering" and "compiling".
+    programs: how many programs were compiled by XLA.
+  """
+
+  def __init__(self):
+    self.seconds = dict.fromkeys(COMPILE_PHASES, 0.0)
+    self.programs = 0
+    self._phase = {event: phase for phase, event in COMPILE_PHASES.items()}
+
+  def _listener(self, event: str, seconds: float, **_):
+    phase = self._phase.get(event)
+    if phase is not None:
+      self.seconds[phase] += seconds
+      self.programs += phase == "compiling"
+
+  def __enter__(self) -> CompileClock:
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listener)
+
+  @property
+  def total(self) -> float:
+    return sum(self.seconds.values())
+
+  def summary(self, wall_seconds: float) -> str:
+    """One line: each phase's seconds, their sum and its share of ``wall_seconds``."""
+    phases = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.seconds.items())
+    share = 100 * self.total / wall_seconds if wall_seconds > 0 else 0.0
+    return (f"JAX compilation: {self.total:.1f} s of {wall_seconds:.1f} s wall ({share:.0f} %; "
+            f"{phases}; {self.programs} programs compiled)")

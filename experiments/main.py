@@ -15,6 +15,7 @@ Multi-host: start this command once per host with ``--multihost`` (see
 import os
 import sys
 import tempfile
+import time
 
 import jax
 from absl import app
@@ -22,6 +23,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from attn_symmetry import runtime
 from experiments import checkpoints
 from experiments import config_checks
 from experiments import study
@@ -81,13 +83,16 @@ def main(argv):
     sys.exit(f"FATAL {e}")
   workdir = FLAGS.workdir or default_workdir(config_flags.get_config_filename(FLAGS["config"]))
   train.log.info("workdir: %s", workdir)
+  start = time.perf_counter()
   try:
-    for stage in STAGES:
-      outputs = stage(FLAGS.config, workdir)
+    with runtime.CompileClock() as clock:
+      for stage in STAGES:
+        outputs = stage(FLAGS.config, workdir)
   except checkpoints.CorruptCheckpointError as e:  # one line naming the file, no traceback
     sys.exit(f"FATAL {e}")
   for name, path in outputs.items():  # the study's reports
     print(f"{name}: {path}")
+  print(clock.summary(time.perf_counter() - start))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from attn_symmetry import runtime
 from experiments import atomic_io
 from experiments import config_checks
 from experiments import study
@@ -80,9 +81,11 @@ def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str) 
   started, start = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
   code = _git_state()  # the code the run starts from
   train.log.info("%s: workdir %s", setting, workdir)
-  trained = train.train_and_evaluate(config, workdir)
-  study.run_study(config, workdir)
+  with runtime.CompileClock() as clock:
+    trained = train.train_and_evaluate(config, workdir)
+    study.run_study(config, workdir)
   seconds = time.perf_counter() - start
+  train.log.info("%s: %s", setting, clock.summary(seconds))
   copied = []
   source = os.path.join(workdir, "study")
   for scope in config.reinit.scopes:
@@ -99,6 +102,7 @@ def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str) 
   record = {"setting": setting, "reduced": reduced, "command": command(setting, reduced),
             **code, "started": started.isoformat(timespec="seconds"),
             "wall_seconds": round(seconds, 1),
+            "compile_seconds": {k: round(v, 1) for k, v in clock.seconds.items()},
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "devices": [str(d) for d in jax.devices()], "jax": jax.__version__},
             "training": {name: {k: v for k, v in m.items()} for name, m in trained.items()},

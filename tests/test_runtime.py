@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -71,3 +72,17 @@ def test_release_memory_after_compiles_runs_after_each_compile_in_the_block(monk
   compiled_inside = len(calls)
   jax.jit(lambda x: x * 5.0 - 2.0)(jnp.ones(9)).block_until_ready()  # outside: listener gone
   assert len(calls) == compiled_inside
+
+
+def test_compile_clock_counts_the_compiles_inside_its_block_only():
+  unique = float(time.time_ns() % 10**9)  # a program no persistent cache can hold yet
+  f = jax.jit(lambda x: jnp.sin(x) * unique + x.sum())
+  with runtime.CompileClock() as clock:
+    f(jnp.ones(7)).block_until_ready()
+    f(jnp.ones(7)).block_until_ready()  # cached in memory: nothing more to count
+  assert clock.programs >= 1 and all(s > 0 for s in clock.seconds.values())
+  inside = dict(clock.seconds)
+  f(jnp.ones(9)).block_until_ready()  # a new shape, compiled after the block
+  assert clock.seconds == inside
+  line = clock.summary(wall_seconds=10 * clock.total)
+  assert line.startswith(f"JAX compilation: {clock.total:.1f} s of") and "(10 %;" in line
