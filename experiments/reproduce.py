@@ -125,11 +125,13 @@ def _cell(row: dict[str, Any] | None, key: str) -> str:
 def results_table(results_root: str) -> str:
   """Markdown table of every committed setting under ``results_root``: per setting and
   scope, the naive loss barrier, each method's loss barrier as % of naive (mean ± std over
-  pairs [95 % CI half-width]), Stage 1's rank and L-hat, and the wall time and command."""
+  pairs [95 % CI half-width]), Stage 1's rank and L-hat, the wall time, the commit the run
+  started from and its command."""
   methods = ("perm", "ortho", "full", "learned")
   lines = ["| setting | scope | pairs | naive loss barrier | Variant 1 (%) | Variant 2 (%) | "
-           "full (%) | learned (%) | rank of Stage 1 (of 24) | L̂ (%) | wall time | command |",
-           "|" + "---|" * 12]
+           "full (%) | learned (%) | rank of Stage 1 (of 24) | L̂ (%) | wall time | commit | "
+           "command |",
+           "|" + "---|" * 13]
   for setting in sorted(os.listdir(results_root)):
     run_path = os.path.join(results_root, setting, "run.json")
     if not os.path.exists(run_path):
@@ -151,8 +153,16 @@ def results_table(results_root: str) -> str:
           f"| {setting} | {scope} | {naive['num_pairs']} | "
           f"{naive['loss_barrier_mean']:.4f} ± {naive['loss_barrier_std']:.4f} | "
           + " | ".join(_cell(rows.get(m), "loss_barrier_ratio_pct") for m in methods)
-          + f" | {rank} | {lhat} | {run['wall_seconds'] / 60:.0f} min | `{run['command']}` |")
+          + f" | {rank} | {lhat} | {run['wall_seconds'] / 60:.0f} min | {_commit(run)} | "
+          f"`{run['command']}` |")
   return "\n".join(lines)
+
+
+def _commit(run: dict[str, Any]) -> str:
+  """The short commit a run started from, marked when tracked files differed from it."""
+  commit, _, edited = run.get("commit", "unknown").partition("+")  # older records: "<sha>+..."
+  edited = edited or run.get("uncommitted")
+  return commit[:7] + (" (with edits)" if edited else "")
 
 
 def write_table(results_root: str) -> str:

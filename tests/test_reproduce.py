@@ -57,3 +57,18 @@ def test_reduced_rerun_gives_the_committed_numbers(tmp_path):
   with open(os.path.join(COMMITTED, "summary.md")) as f:
     committed_summary = f.read()
   assert "## Re-initialisation scope: first_attention" in committed_summary
+
+
+def test_readme_table_is_generated_from_the_committed_runs():
+  """results/README.md's table is exactly what --table makes of results/*/run.json and the
+  results beside them, one row per setting and scope, with the commit each run started from."""
+  root = os.path.join(REPO, "results")
+  with open(os.path.join(root, "README.md")) as f:
+    text = f.read()
+  table = text.split(reproduce._MARK_BEGIN, 1)[1].split(reproduce._MARK_END, 1)[0].strip()
+  assert table == reproduce.results_table(root)
+  runs = [d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "run.json"))]
+  for setting in runs:
+    with open(os.path.join(root, setting, "run.json")) as f:
+      commit = json.load(f)["commit"][:7]
+    assert f"| {setting} |" in table and f"| {commit}" in table
