@@ -1,7 +1,11 @@
-"""Reference multi-head attention on the canonical parameter layout.
+"""The canonical attention layer: its parameter layout, and reference attention on it.
 
-The layout (docs/symmetries.md, 'The canonical attention layer') is a nested
-dict, head-major as in Flax's ``DenseGeneral`` attention, MaxText and Gemma::
+This module is the one home of the layout (docs/symmetries.md, 'The canonical
+attention layer'): ``LEAVES`` and ``leaf_shapes`` say what a canonical layer
+is, ``layer_shapes`` checks one leaf by leaf, ``bias_or_zeros`` reads an
+optional bias and ``kv_heads`` the number of kv heads; group actions, matching
+and the models use these. The layout is a nested dict, head-major as in
+Flax's ``DenseGeneral`` attention, MaxText and Gemma::
 
     query/kernel [D, N, H]   query/bias [N, H]   (biases optional)
     key/kernel   [D, K, H]   key/bias   [K, H]
@@ -26,6 +30,7 @@ e.g. the 2-D patch grid of a ViT).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -139,8 +144,76 @@ def sinusoidal_position_encoding(num_positions: int, dim: int, *, base: float = 
   return jnp.asarray(table, dtype)
 
 
+PROJECTIONS = ("query", "key", "value", "out")
+LEAVES = ("query/kernel", "key/kernel", "value/kernel", "out/kernel", "query/bias", "key/bias",
+          "value/bias", "out/bias")
+
+
+def kv_heads(num_heads: int, num_kv_heads: int | None = None) -> int:
+  """K: ``num_kv_heads``, or N (plain multi-head attention) when it is None."""
+  return num_heads if num_kv_heads is None else num_kv_heads
+
+
+def leaf_shapes(width: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                lead: tuple[int, ...] = ()) -> dict[str, tuple[int, ...]]:
+  """The shape of every leaf of ``LEAVES`` (module docstring's table), after ``lead`` axes."""
+  d, n, k, h = width, num_heads, num_kv_heads, head_dim
+  return {"query/kernel": (*lead, d, n, h), "key/kernel": (*lead, d, k, h),
+          "value/kernel": (*lead, d, k, h), "out/kernel": (*lead, n, h, d),
+          "query/bias": (*lead, n, h), "key/bias": (*lead, k, h), "value/bias": (*lead, k, h),
+          "out/bias": (*lead, d)}
+
+
+def layer_shapes(params: Params, prefix: str = "") -> tuple[tuple[int, ...], int, int, int, int]:
+  """(lead, D, N, K, H) of a canonical layer or a stack with leading axes ``lead``.
+
+  Every leaf is checked against ``leaf_shapes``; ``prefix`` (the layer's path)
+  goes in front of the leaf paths in errors.
+
+  Raises:
+    ValueError: naming the leaf, for a leaf outside ``LEAVES``, a missing
+      kernel, kv heads that do not divide the query heads, or a shape that
+      disagrees with the query and key kernels.
+  """
+  flat = {}
+  for name, node in params.items():
+    for leaf, v in (node.items() if isinstance(node, Mapping) else [("", node)]):
+      flat[f"{name}/{leaf}"] = v
+  for path, leaf in flat.items():
+    if path not in LEAVES or isinstance(leaf, Mapping):
+      raise ValueError(f"{prefix}{path} is not a leaf of a canonical attention layer {LEAVES}")
+  for name in PROJECTIONS:
+    if f"{name}/kernel" not in flat:
+      raise ValueError(f"attention params lack {prefix}{name}/kernel")
+  query = flat["query/kernel"]
+  if query.ndim < 3:
+    raise ValueError(f"{prefix}query/kernel must be [..., D, N, H], got shape {tuple(query.shape)}")
+  *lead, d, n, h = query.shape
+  lead = tuple(lead)
+  k = flat["key/kernel"].shape[-2] if flat["key/kernel"].ndim == query.ndim else -1
+  if k <= 0 or n % k:
+    raise ValueError(f"{prefix}key/kernel has shape {tuple(flat['key/kernel'].shape)}: its kv heads "
+                     f"must divide the {n} query heads of {prefix}query/kernel {tuple(query.shape)}")
+  expected = leaf_shapes(d, n, k, h, lead)
+  for path, leaf in flat.items():
+    if tuple(leaf.shape) != expected[path]:
+      raise ValueError(f"{prefix}{path} has shape {tuple(leaf.shape)}, expected {expected[path]} "
+                       f"(D={d}, N={n}, K={k}, H={h} from {prefix}query/kernel and key/kernel)")
+  return lead, d, n, k, h
+
+
+def bias_or_zeros(params: Params, name: str) -> jax.Array:
+  """The bias of projection ``name`` ("query", "key", "value"): [..., N|K, H], zeros if absent."""
+  kernel = params[name]["kernel"]
+  bias = params[name].get("bias")
+  if bias is None:
+    bias = jnp.zeros(kernel.shape[:-3] + kernel.shape[-2:], kernel.dtype)
+  return bias
+
+
 def attention_shapes(params: Params) -> tuple[int, int, int, int]:
-  """(D, N, K, H) of one canonical attention layer, read from its kernels."""
+  """(D, N, K, H) of one canonical attention layer, read from its kernels (unchecked;
+  ``layer_shapes`` checks every leaf)."""
   d, n, h = params["query"]["kernel"].shape[-3:]
   k = params["key"]["kernel"].shape[-2]
   return d, n, k, h
@@ -213,16 +286,13 @@ def init_attention(key: jax.Array, *, width: int, num_heads: int, head_dim: int,
                    num_kv_heads: int | None = None, use_bias: bool = True,
                    dtype: Any = jnp.float32) -> Params:
   """Random canonical attention parameters (LeCun-normal kernels, small random biases)."""
-  k_heads = num_heads if num_kv_heads is None else num_kv_heads
-  shapes = {"query": ((width, num_heads, head_dim), (num_heads, head_dim)),
-            "key": ((width, k_heads, head_dim), (k_heads, head_dim)),
-            "value": ((width, k_heads, head_dim), (k_heads, head_dim)),
-            "out": ((num_heads, head_dim, width), (width,))}
+  shapes = leaf_shapes(width, num_heads, kv_heads(num_heads, num_kv_heads), head_dim)
   params = {}
-  for i, (name, (kernel_shape, bias_shape)) in enumerate(shapes.items()):
+  for i, name in enumerate(PROJECTIONS):
     kk, kb = jax.random.split(jax.random.fold_in(key, i))
     fan_in = width if name != "out" else num_heads * head_dim
-    params[name] = {"kernel": jax.random.normal(kk, kernel_shape, dtype) / math.sqrt(fan_in)}
+    params[name] = {"kernel": jax.random.normal(kk, shapes[f"{name}/kernel"], dtype)
+                              / math.sqrt(fan_in)}
     if use_bias:
-      params[name]["bias"] = 0.1 * jax.random.normal(kb, bias_shape, dtype)
+      params[name]["bias"] = 0.1 * jax.random.normal(kb, shapes[f"{name}/bias"], dtype)
   return params

@@ -2,7 +2,7 @@
 
 Attention (docs/symmetries.md, 'The group of one layer'). An element g = (tau, (A_k, B_k)_k) of
 G = S_N x| (GL(H) x GL(H))^K (QK part in the RoPE commutant H(H) when the layer
-uses RoPE) acts on a canonical attention layer (``attention.py``) by
+uses RoPE) acts on a canonical attention layer (``attention.py``, the one home of its layout) by
 
     W^Q_n <- W^Q_{tau(n)} A_{k(n)}          b^Q likewise
     W^K_k <- W^K_{sigma(k)} A_k^{-T}        b^K likewise
@@ -48,7 +48,6 @@ Params = dict[str, Any]
 ModelElement = dict[str, Any]
 
 GROUPS = ("permutation", "orthogonal", "gl", "rope")
-_LAYER_KEYS = ("query", "key", "value", "out")
 # Largest condition number accepted in a concrete element (float64 inverse stays accurate).
 MAX_CONDITION = 1e8
 
@@ -99,20 +98,19 @@ def kv_permutation(perm: jax.Array, num_kv_heads: int) -> jax.Array:
 
 def identity(num_heads: int, head_dim: int, num_kv_heads: int | None = None, *,
              batch_shape: tuple[int, ...] = (), dtype: Any = None) -> AttentionElement:
-  """The identity element, optionally stacked to ``batch_shape``."""
-  k = num_heads if num_kv_heads is None else num_kv_heads
+  """The identity element (int32 perm), optionally stacked to ``batch_shape``."""
+  k = attention.kv_heads(num_heads, num_kv_heads)
   dtype = dtype or jnp.asarray(0.0).dtype
   eye = jnp.broadcast_to(jnp.eye(head_dim, dtype=dtype), (*batch_shape, k, head_dim, head_dim))
-  perm = jnp.broadcast_to(jnp.arange(num_heads), (*batch_shape, num_heads))
+  perm = jnp.broadcast_to(jnp.arange(num_heads, dtype=jnp.int32), (*batch_shape, num_heads))
   return AttentionElement(perm, eye, eye)
 
 
-def rope_commutant(ab: jax.Array, rest: jax.Array | None, *, head_dim: int,
-                   rope_pairing: str = "half", rotary_fraction: float = 1.0,
-                   rope_axes: int = 1) -> jax.Array:
+def rope_commutant(ab: jax.Array, rest: jax.Array | None,
+                   site: spec_lib.AttentionSite) -> jax.Array:
   """An element of H(H), the matrices that commute with every RoPE rotation R_k.
 
-  On pair p = (i, j) of ``attention.rope_pairs`` the matrix is the 2x2 block
+  On pair p = (i, j) of ``site.rope_pairs()`` the matrix is the 2x2 block
   [[a_p, b_p], [-b_p, a_p]] (rows i, j; columns i, j): acting on row vectors
   (x_i, x_j) -> (x_i, x_j) C, it is multiplication of x_i + i x_j by the
   complex number a_p + i b_p; on the unrotated dims (partial rotary) it is
@@ -121,13 +119,13 @@ def rope_commutant(ab: jax.Array, rest: jax.Array | None, *, head_dim: int,
   Args:
     ab: [..., P, 2] the (a_p, b_p) of every pair.
     rest: [..., H - r, H - r] block on the unrotated dims, or None when r = H.
-    head_dim, rope_pairing, rotary_fraction, rope_axes: the RoPE layout.
+    site: the layer (its head dim H and RoPE layout).
 
   Returns:
     [..., H, H] matrix C with R_k C = C R_k for every k.
   """
-  pairs = attention.rope_pairs(head_dim, pairing=rope_pairing, rotary_fraction=rotary_fraction,
-                               rope_axes=rope_axes)
+  head_dim = spec_lib.check_site(site).head_dim
+  pairs = site.rope_pairs()
   a, b = ab[..., 0], ab[..., 1]
   c = jnp.zeros((*ab.shape[:-2], head_dim, head_dim), ab.dtype)
   i, j = pairs[:, 0], pairs[:, 1]
@@ -153,44 +151,47 @@ def _random_gl(key, shape, n, dtype):
       _random_orthogonal(kv, shape, n, dtype), -1, -2)
 
 
-def _random_rope(key, shape, head_dim, dtype, *, rope_pairing, rotary_fraction, rope_axes):
-  r = attention.rotary_dims(head_dim, rotary_fraction, rope_axes)
+def _random_rope(key, shape, site, dtype):
+  head_dim, r = site.head_dim, site.rotary_dims()
   k_mod, k_ang, k_rest = jax.random.split(key, 3)
   modulus = jnp.exp(jax.random.uniform(k_mod, (*shape, r // 2), dtype, -0.5, 0.5))
   angle = jax.random.uniform(k_ang, (*shape, r // 2), dtype, -np.pi, np.pi)
   ab = jnp.stack([modulus * jnp.cos(angle), modulus * jnp.sin(angle)], axis=-1)
   rest = _random_gl(k_rest, shape, head_dim - r, dtype) if r < head_dim else None
-  return rope_commutant(ab, rest, head_dim=head_dim, rope_pairing=rope_pairing,
-                        rotary_fraction=rotary_fraction, rope_axes=rope_axes)
+  return rope_commutant(ab, rest, site)
 
 
-def random_element(key: jax.Array, *, num_heads: int, head_dim: int, group: str,
-                   num_kv_heads: int | None = None, rope_pairing: str = "half",
-                   rotary_fraction: float = 1.0, rope_axes: int = 1,
+def random_element(key: jax.Array, site: spec_lib.AttentionSite, *, group: str | None = None,
                    batch_shape: tuple[int, ...] = (), dtype: Any = None) -> AttentionElement:
   """A random group element.
 
   Args:
     key: PRNG key.
-    num_heads, head_dim, num_kv_heads: layer shape (K defaults to N).
-    group: "permutation" (A = B = I), "orthogonal" (A, B orthogonal), "gl"
-      (A, B in GL(H), condition number <= e) or "rope" (A in H(H) for the given
-      RoPE layout, moduli in [e^-0.5, e^0.5]; B in GL(H)).
-    rope_pairing, rotary_fraction, rope_axes: RoPE layout for group "rope".
+    site: the layer (``spec.AttentionSite``: heads, head dim, kv heads, group
+      and RoPE layout).
+    group: the subgroup drawn from, ``site.group`` by default: "permutation"
+      (A = B = I), "orthogonal" (A, B orthogonal), "gl" (A, B in GL(H),
+      condition number <= e) or "rope" (A in H(H) for the site's RoPE layout,
+      moduli in [e^-0.5, e^0.5]; B in GL(H)).
     batch_shape: leading shape, e.g. (L,) for a layer stack.
     dtype: float dtype of the matrices (default: JAX's default float).
 
   Returns:
     An ``AttentionElement``; the head permutation is uniform over those that
     map kv groups onto kv groups.
+
+  Raises:
+    TypeError: ``site`` is not an ``AttentionSite``.
+    ValueError: an unknown group, or group "rope" with a layout that does not
+      fit the head dim.
   """
+  spec_lib.check_site(site)
+  group = site.group if group is None else group
   if group not in GROUPS:
     raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
-  k = num_heads if num_kv_heads is None else num_kv_heads
-  if num_heads % k:
-    raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {k}")
   if group == "rope":  # validate the layout before drawing anything
-    attention.rotary_dims(head_dim, rotary_fraction, rope_axes)
+    site.rotary_dims()
+  num_heads, head_dim, k = site.num_heads, site.head_dim, site.kv_heads
   dtype = dtype or jnp.asarray(0.0).dtype
   g = num_heads // k
   k_kv, k_in, k_qk, k_vo = jax.random.split(key, 4)
@@ -207,8 +208,7 @@ def random_element(key: jax.Array, *, num_heads: int, head_dim: int, group: str,
   vo = _random_gl(k_vo, shape, head_dim, dtype)
   if group == "gl":
     return AttentionElement(perm, _random_gl(k_qk, shape, head_dim, dtype), vo)
-  return AttentionElement(perm, _random_rope(k_qk, shape, head_dim, dtype, rope_pairing=rope_pairing,
-                                             rotary_fraction=rotary_fraction, rope_axes=rope_axes), vo)
+  return AttentionElement(perm, _random_rope(k_qk, shape, site, dtype), vo)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -257,22 +257,15 @@ def check_element(element: AttentionElement, *, name: str = "element") -> None:
 
 
 def _check_layer(params: Params, element: AttentionElement) -> None:
-  unknown = set(params) - set(_LAYER_KEYS)
-  if unknown or not set(_LAYER_KEYS) <= set(params):
-    raise ValueError(f"attention params must have exactly the keys {_LAYER_KEYS}, got {sorted(params)}")
-  lead = element.batch_shape
-  n, k, h = element.num_heads, element.num_kv_heads, element.head_dim
-  d = params["out"]["kernel"].shape[-1]
-  expected = {"query/kernel": (*lead, d, n, h), "key/kernel": (*lead, d, k, h),
-              "value/kernel": (*lead, d, k, h), "out/kernel": (*lead, n, h, d),
-              "query/bias": (*lead, n, h), "key/bias": (*lead, k, h),
-              "value/bias": (*lead, k, h), "out/bias": (*lead, d)}
-  for path, leaf in spec_lib.flatten(params).items():
-    if path not in expected:
-      raise ValueError(f"attention params: unexpected leaf {path!r}")
-    if tuple(leaf.shape) != expected[path]:
-      raise ValueError(f"attention params: {path} has shape {tuple(leaf.shape)}, expected "
-                       f"{expected[path]} for element with batch {lead}, N={n}, K={k}, H={h}")
+  lead, d, n, k, h = attention.layer_shapes(params)
+  want = (element.batch_shape, element.num_heads, element.num_kv_heads, element.head_dim)
+  if (lead, n, k, h) != want:
+    expected = attention.leaf_shapes(d, *want[1:], lead=want[0])
+    path = next(p for p in ("query/kernel", "key/kernel", "value/kernel")
+                if tuple(spec_lib.subtree(params, p).shape) != expected[p])
+    raise ValueError(f"attention params: {path} has shape {tuple(spec_lib.subtree(params, path).shape)}"
+                     f", expected {expected[path]} for element with batch {want[0]}, N={want[1]}, "
+                     f"K={want[2]}, H={want[3]}")
 
 
 # ----------------------------------------------------------------------------- attention action
@@ -363,6 +356,39 @@ def _act_on_axis(leaf: jax.Array, axis: int, value: jax.Array, kind: str) -> jax
   return jnp.moveaxis(jnp.tensordot(leaf, value, axes=(axis, 0)), -1, axis).astype(leaf.dtype)
 
 
+def apply_leaf(spec: spec_lib.SymmetrySpec, path: str, leaf: jax.Array, element: ModelElement, *,
+               skip_axis: int | None = None) -> jax.Array:
+  """One leaf of a model under the factors of ``element`` (attention sites act through ``apply``).
+
+  Every axis of ``leaf`` that ``spec.axes[path]`` maps with a factor is mapped
+  by it (a permutation by ``take``, an orthogonal O by x -> x O), except
+  ``skip_axis``. An orthogonal factor leaves a norm scale of
+  ``spec.norm_scales`` as it is, which is right for folded (all-ones) scales
+  only; a concrete scale that is not all ones raises (``fold_norm_scales``).
+  No checks of shapes or of the element (``apply_model`` makes them); jittable.
+
+  Args:
+    spec: the model's spec.
+    path: the leaf's path, a key of ``spec.axes``.
+    leaf: its value, [...] with one axis per entry of ``spec.axes[path]``.
+    element: a model element (its factors are read).
+    skip_axis: an axis left unmapped (matching scores one factor with the
+      others applied).
+
+  Returns:
+    The mapped leaf, same shape; an orthogonal map keeps the leaf's dtype.
+  """
+  for axis, f in enumerate(spec.axes[path]):
+    if f is None or axis == skip_axis:
+      continue
+    kind = spec.factors[f].kind
+    if kind == "orthogonal" and path in spec.norm_scales:
+      _check_folded(path, leaf)  # ones commute with O: left as they are
+      continue
+    leaf = _act_on_axis(leaf, axis, element[f], kind)
+  return leaf
+
+
 def _check_model_element(spec: spec_lib.SymmetrySpec, element: Mapping[str, Any]) -> None:
   expected = set(spec.factors) | set(spec.attention)
   if set(element) != expected:
@@ -411,16 +437,8 @@ def apply_model(spec: spec_lib.SymmetrySpec, params: Params, element: ModelEleme
   _check_model_element(spec, element)
   dtypes = {p: x.dtype for p, x in spec_lib.flatten(params).items()}
   wide = lambda d: jnp.promote_types(d, jnp.float32) if jnp.issubdtype(d, jnp.floating) else d
-  flat = {p: x.astype(wide(x.dtype)) for p, x in spec_lib.flatten(params).items()}
-  for path, axes in spec.axes.items():
-    for axis, f in enumerate(axes):
-      if f is None:
-        continue
-      kind = spec.factors[f].kind
-      if kind == "orthogonal" and path in spec.norm_scales:
-        _check_folded(path, flat[path])  # ones commute with O: left as they are
-        continue
-      flat[path] = _act_on_axis(flat[path], axis, element[f], kind)
+  flat = {p: apply_leaf(spec, p, x.astype(wide(x.dtype)), element)
+          for p, x in spec_lib.flatten(params).items()}
   out = spec_lib.unflatten(flat)
   for site in spec.attention:
     node = out
@@ -432,11 +450,13 @@ def apply_model(spec: spec_lib.SymmetrySpec, params: Params, element: ModelEleme
 
 
 def identity_model(spec: spec_lib.SymmetrySpec, dtype: Any = None) -> ModelElement:
-  """The identity element of a model's group."""
+  """The identity element of a model's group: int32 permutations (as matching returns),
+  matrices in ``dtype`` (default: JAX's default float)."""
   dtype = dtype or jnp.asarray(0.0).dtype
   out: ModelElement = {}
   for name, f in spec.factors.items():
-    out[name] = jnp.arange(f.size) if f.kind == "permutation" else jnp.eye(f.size, dtype=dtype)
+    out[name] = (jnp.arange(f.size, dtype=jnp.int32) if f.kind == "permutation"
+                 else jnp.eye(f.size, dtype=dtype))
   for name, site in spec.attention.items():
     out[name] = identity(site.num_heads, site.head_dim, site.num_kv_heads, dtype=dtype)
   return out
@@ -459,9 +479,7 @@ def random_model_element(key: jax.Array, spec: spec_lib.SymmetrySpec, *,
                  else _random_orthogonal(k, (), f.size, dtype))
   for i, (name, site) in enumerate(sorted(spec.attention.items())):
     k = jax.random.fold_in(key, len(spec.factors) + i)
-    out[name] = random_element(k, num_heads=site.num_heads, head_dim=site.head_dim,
-                               num_kv_heads=site.num_kv_heads, group=attention_group or site.group,
-                               dtype=dtype, **site.rope_kwargs)
+    out[name] = random_element(k, site, group=attention_group, dtype=dtype)
   return out
 
 

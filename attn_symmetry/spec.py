@@ -30,6 +30,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from attn_symmetry import attention
+
 FACTOR_KINDS = ("permutation", "orthogonal")
 ATTENTION_GROUPS = ("gl", "rope")
 
@@ -47,11 +49,22 @@ class Factor:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSite:
-  """The per-head symmetry of one canonical attention layer.
+  """The per-head symmetry of one canonical attention layer: its shape and RoPE layout.
 
-  ``group`` is "gl" (no or absolute position encoding: QK and VO in GL(H)) or
-  "rope" (QK in the commutant H(H) of the rotations for this pairing, VO in
-  GL(H)).
+  The one object that carries a layer's group through the library: the
+  spec's ``attention`` entries, ``group_action.random_element`` and
+  ``rope_commutant``, ``matching.match_attention`` and the matching stages
+  all take it whole (docs/symmetries.md, 'The group of one layer').
+
+  Attributes:
+    num_heads: N query heads.
+    head_dim: H.
+    num_kv_heads: K kv heads (None: K = N, plain multi-head attention).
+    group: "gl" (no or absolute position encoding: QK and VO in GL(H)) or
+      "rope" (QK in the commutant H(H) of the rotations for this layout, VO
+      in GL(H)).
+    rope_pairing, rotary_fraction, rope_axes: the RoPE layout
+      (``attention.rope_pairs``); read for group "rope" and checked then.
   """
   num_heads: int
   head_dim: int
@@ -66,15 +79,30 @@ class AttentionSite:
       raise ValueError(f"AttentionSite group must be one of {ATTENTION_GROUPS}, got {self.group!r}")
     if self.num_heads % self.kv_heads:
       raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}")
+    if self.group == "rope":
+      self.rope_pairs()  # the layout fits the head dim (ValueError naming the field otherwise)
 
   @property
   def kv_heads(self) -> int:
-    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+    return attention.kv_heads(self.num_heads, self.num_kv_heads)
 
-  @property
-  def rope_kwargs(self) -> dict[str, Any]:
-    return dict(rope_pairing=self.rope_pairing, rotary_fraction=self.rotary_fraction,
-                rope_axes=self.rope_axes)
+  def rotary_dims(self) -> int:
+    """r, the rotated coordinates of a head (``attention.rotary_dims``)."""
+    return attention.rotary_dims(self.head_dim, self.rotary_fraction, self.rope_axes)
+
+  def rope_pairs(self) -> Any:
+    """[r / 2, 2] coordinate pairs RoPE rotates together (``attention.rope_pairs``)."""
+    return attention.rope_pairs(self.head_dim, pairing=self.rope_pairing,
+                                rotary_fraction=self.rotary_fraction, rope_axes=self.rope_axes)
+
+
+def check_site(site: Any, name: str = "site") -> AttentionSite:
+  """``site`` if it is an ``AttentionSite``; TypeError saying what to pass otherwise."""
+  if not isinstance(site, AttentionSite):
+    raise TypeError(f"{name} must be a spec.AttentionSite (the layer's heads, head dim, kv heads, "
+                    f"group and RoPE layout), got {type(site).__name__}: e.g. "
+                    f"AttentionSite(num_heads=4, head_dim=16, group='rope')")
+  return site
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +134,8 @@ class SymmetrySpec:
       raise ValueError(f"unknown factors or attention sites: {sorted(unknown)}")
     factors = {k: v for k, v in self.factors.items() if k in names}
     axes = {p: tuple(f if f in factors else None for f in a) for p, a in self.axes.items()}
-    attention = {k: v for k, v in self.attention.items() if k in names}
-    return SymmetrySpec(factors, axes, attention, dict(self.norm_scales))
+    sites = {k: v for k, v in self.attention.items() if k in names}
+    return SymmetrySpec(factors, axes, sites, dict(self.norm_scales))
 
   def check(self, params: Mapping[str, Any]) -> None:
     """Raises ValueError, naming the leaf, if ``params`` does not fit this spec."""
@@ -131,7 +159,14 @@ class SymmetrySpec:
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-  """{"a": {"b": x}} -> {"a/b": x}."""
+  """{"a": {"b": x}} -> {"a/b": x}, in the tree's insertion order.
+
+  ``flax.traverse_util.flatten_dict(tree, sep="/")`` does the same, but this
+  module is part of the pure core (``group_action`` and ``matching`` import it
+  and import jax, numpy and optax only), so it cannot import Flax. JAX's own
+  ``tree_flatten_with_path`` is no substitute: it sorts dict keys, and the
+  order of the leaves fixes the order of the sums in matching's objectives.
+  """
   out = {}
   for k, v in tree.items():
     path = f"{prefix}{k}"
@@ -143,7 +178,7 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
-  """{"a/b": x} -> {"a": {"b": x}}."""
+  """{"a/b": x} -> {"a": {"b": x}}; the inverse of ``flatten`` (``flatten``: why not Flax's)."""
   out: dict[str, Any] = {}
   for path, v in flat.items():
     node = out

@@ -329,7 +329,8 @@ def attention_only(sizes, *, steps, learning_rate, with_reference=True):
   a, b = planted_attention(**sizes)
   layers = a["query"]["kernel"].shape[0]
   a_dev, b_dev = jax.device_put(a), jax.device_put(b)
-  run = lambda: matching.match_attention(a_dev, b_dev, steps=steps, learning_rate=learning_rate,
+  site = spec_lib.AttentionSite(*a["query"]["kernel"].shape[-2:])  # N heads, head dim H; GL(H)
+  run = lambda: matching.match_attention(a_dev, b_dev, site, steps=steps, learning_rate=learning_rate,
                                          init="best")  # the reference's starts
   (element, info), first = _timed(run)
   ours = min(_timed(run)[1] for _ in range(2))
@@ -369,7 +370,8 @@ def attention_scaling(base, *, steps, learning_rate):
                                                            else (layers, d), np.float32)}
                     for k, s in shapes.items()}
     a, b = jax.device_put(make()), jax.device_put(make())
-    run = lambda: matching.match_attention(a, b, steps=steps, learning_rate=learning_rate)
+    site = spec_lib.AttentionSite(n, h)
+    run = lambda: matching.match_attention(a, b, site, steps=steps, learning_rate=learning_rate)
     _, first = _timed(run)
     t = min(_timed(run)[1] for _ in range(2))
     print(f"  N={n:3d} H={h:3d} L={layers:3d}: {t:6.3f} s ({first - t:5.1f} s)")

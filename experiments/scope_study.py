@@ -237,10 +237,8 @@ class ScopeStudy:
       return None
     def compute():
       pa, pb = self.params[a], self.params[b]
-      s = self.model.spec.attention[site]
       elements, info = matching.match_attention_exhaustive(
-          subtree(pa, site), subtree(pb, site), group=s.group, rope_pairing=s.rope_pairing,
-          rotary_fraction=s.rotary_fraction, rope_axes=s.rope_axes, method="full",
+          subtree(pa, site), subtree(pb, site), self.model.spec.attention[site], method="full",
           **{k: v for k, v in self._matching_options("full").items() if k != "refine"})
       chosen = int(info["stage1_index"])
       identity = group_action.identity_model(self.model.spec)

@@ -12,6 +12,7 @@ import pytest
 
 from attn_symmetry import attention
 from attn_symmetry import group_action as ga
+from attn_symmetry.spec import AttentionSite
 from tests import tiny_transformer as tiny
 
 D, N, H, T, B = 16, 4, 8, 7, 2
@@ -53,9 +54,9 @@ def test_output_invariant_under_group(x64, kind, bias, causal, kv):
   pe, pairing, fraction = PE_KINDS[kind]
   params = _layer(jax.random.key(0), kv=kv, bias=bias)
   x = _inputs(jax.random.key(1), pe)
-  element = ga.random_element(jax.random.key(2), num_heads=N, head_dim=H, num_kv_heads=kv,
-                              group="rope" if pe == "rope" else "gl", rope_pairing=pairing,
-                              rotary_fraction=fraction)
+  site = AttentionSite(N, H, num_kv_heads=kv, group="rope" if pe == "rope" else "gl",
+                       rope_pairing=pairing, rotary_fraction=fraction)
+  element = ga.random_element(jax.random.key(2), site)
   kw = dict(pos_encoding=pe, rope_pairing=pairing, rotary_fraction=fraction, causal=causal)
   moved = ga.apply(params, element)
   assert _max_diff(moved["query"]["kernel"], params["query"]["kernel"]) > 1e-2  # it really moved
@@ -67,7 +68,7 @@ def test_output_invariant_under_group(x64, kind, bias, causal, kv):
 def test_gl_on_rope_qk_changes_output(x64, pairing):
   params = _layer(jax.random.key(0))
   x = _inputs(jax.random.key(1), "rope")
-  e = ga.random_element(jax.random.key(2), num_heads=N, head_dim=H, group="gl")
+  e = ga.random_element(jax.random.key(2), AttentionSite(N, H, group="gl"))
   kw = dict(pos_encoding="rope", rope_pairing=pairing)
   y, y_moved = (attention.multi_head_attention(p, x, **kw) for p in (params, ga.apply(params, e)))
   assert _max_diff(y, y_moved) > 1e-3
@@ -87,9 +88,10 @@ def _rotation(offset, head_dim, pairing, fraction=1.0, rope_axes=1):
 @pytest.mark.parametrize("pairing", ["half", "interleaved"])
 @pytest.mark.parametrize("fraction,rope_axes", [(1.0, 1), (0.5, 1), (1.0, 2)])
 def test_rope_element_commutes_with_rotations(x64, pairing, fraction, rope_axes):
-  e = ga.random_element(jax.random.key(3), num_heads=N, head_dim=H, group="rope",
-                        rope_pairing=pairing, rotary_fraction=fraction, rope_axes=rope_axes)
-  gl = ga.random_element(jax.random.key(3), num_heads=N, head_dim=H, group="gl")
+  site = AttentionSite(N, H, group="rope", rope_pairing=pairing, rotary_fraction=fraction,
+                       rope_axes=rope_axes)
+  e = ga.random_element(jax.random.key(3), site)
+  gl = ga.random_element(jax.random.key(3), site, group="gl")
   for offset in (1, 2, 5, 37):
     r = _rotation(offset, H, pairing, fraction, rope_axes)
     np.testing.assert_allclose(r @ r.T, np.eye(H), atol=1e-12)  # a rotation
@@ -102,8 +104,8 @@ def test_rope_element_commutes_with_rotations(x64, pairing, fraction, rope_axes)
 
 
 def _element(seed, group, kv, batch_shape=()):
-  return ga.random_element(jax.random.key(seed), num_heads=N, head_dim=H, num_kv_heads=kv,
-                           group=group, batch_shape=batch_shape)
+  return ga.random_element(jax.random.key(seed), AttentionSite(N, H, num_kv_heads=kv), group=group,
+                           batch_shape=batch_shape)
 
 
 def _assert_params_close(a, b, tol=1e-9):
@@ -241,7 +243,7 @@ def test_bad_params_raise_naming_the_leaf(x64):
   bad = dict(params, key={"kernel": params["key"]["kernel"][:, :, :4]})
   with pytest.raises(ValueError, match="key/kernel has shape"):
     ga.apply(bad, e)
-  with pytest.raises(ValueError, match="exactly the keys"):
+  with pytest.raises(ValueError, match="extra/kernel is not a leaf of a canonical attention layer"):
     ga.apply(dict(params, extra={"kernel": params["out"]["kernel"]}), e)
   with pytest.raises(ValueError, match="query/kernel has shape"):
     ga.apply(_layer(jax.random.key(0), heads=2), e)
@@ -250,8 +252,10 @@ def test_bad_params_raise_naming_the_leaf(x64):
 @pytest.mark.parametrize("head_dim,fraction", [(7, 1.0), (8, 0.125), (8, 0.0)])
 def test_rope_with_bad_head_dim_raises(head_dim, fraction):
   with pytest.raises(ValueError, match="rotary_fraction|rotated dims"):
-    ga.random_element(jax.random.key(0), num_heads=N, head_dim=head_dim, group="rope",
-                      rotary_fraction=fraction)
+    AttentionSite(N, head_dim, group="rope", rotary_fraction=fraction)
+  with pytest.raises(ValueError, match="rotary_fraction|rotated dims"):
+    ga.random_element(jax.random.key(0), AttentionSite(N, head_dim, rotary_fraction=fraction),
+                      group="rope")
   x = jnp.zeros((B, T, N, head_dim))
   with pytest.raises(ValueError, match="rotary_fraction|rotated dims"):
     attention.apply_rope(x, jnp.arange(T), rotary_fraction=fraction)

@@ -327,6 +327,6 @@ def test_learned_needs_align_model():
   spec, a, b = _pair(False, dtype=jnp.float32)
   with pytest.raises(ValueError, match="align_model"):
     matching.match_attention(a["layers_0"]["attention"], b["layers_0"]["attention"],
-                             method="learned")
+                             spec.attention["layers_0/attention"], method="learned")
   with pytest.raises(ValueError, match="method 'learned'"):
     matching.align_model(spec, a, b, method="full", loss_fn=_loss_gl)

@@ -48,25 +48,29 @@ def _stack(seed, *, kv=None, bias=True, layers=L, width=D):
 
 
 _act = jax.jit(ga.apply)
-_random_element = jax.jit(ga.random_element, static_argnames=(
-    "num_heads", "head_dim", "group", "num_kv_heads", "rope_pairing", "rotary_fraction",
-    "batch_shape", "dtype"))
+_random_element = jax.jit(ga.random_element, static_argnames=("site", "group", "batch_shape",
+                                                               "dtype"))
+
+
+def _site(case):
+  group, kv, _, pairing, fraction = CASES[case]
+  return spec_lib.AttentionSite(N, H, num_kv_heads=kv, group=group, rope_pairing=pairing,
+                                rotary_fraction=fraction)
 
 
 def _planted(case, seed=0, noise=0.0, element_group=None):
-  """(A, B = g A (+ noise), g, matching options) for one of CASES."""
-  group, kv, bias, pairing, fraction = CASES[case]
+  """(A, B = g A (+ noise), g, the layers' AttentionSite) for one of CASES."""
+  _, kv, bias, _, _ = CASES[case]
+  site = _site(case)
   a = _stack(seed, kv=kv, bias=bias)
-  g = _random_element(jax.random.key(seed), num_heads=N, head_dim=H, num_kv_heads=kv,
-                      group=element_group or group, rope_pairing=pairing, rotary_fraction=fraction,
-                      batch_shape=(L,), dtype=jnp.float64)
+  g = _random_element(jax.random.key(seed), site, group=element_group, batch_shape=(L,),
+                      dtype=jnp.float64)
   g = g._replace(perm=np.asarray(g.perm, np.int32))  # as matching returns it: one trace of _act
   b = jax.tree.map(np.asarray, _act(a, g))
   if noise:
     rng = np.random.default_rng(seed + 1)
     b = jax.tree.map(lambda x: x + noise * np.std(x) * rng.normal(size=x.shape), b)
-  options = dict(group=group, rope_pairing=pairing, rotary_fraction=fraction)
-  return a, b, g, options
+  return a, b, g, site
 
 
 def _inverse_perm(g):
@@ -156,7 +160,7 @@ def _circuits(layer, n, site):
   aug = lambda name, i: np.concatenate([layer[name]["kernel"][:, i], layer[name]["bias"][None, i]])
   q, key, v = aug("query", n), aug("key", k), aug("value", k)
   if site.group == "rope":
-    pairs = attention.rope_pairs(H, pairing=site.rope_pairing, rotary_fraction=site.rotary_fraction)
+    pairs = site.rope_pairs()
     blocks = [list(p) for p in pairs] + [sorted(set(range(H)) - set(pairs.reshape(-1)))]
     qk = [q[:, b] @ key[:, b].T for b in blocks if b]
   else:
@@ -176,11 +180,10 @@ def _brute_force_distance(x, y, distance):
 @pytest.mark.parametrize("case", ["gl_gqa", "rope_interleaved_partial"])
 def test_head_distances_equal_brute_force_circuits(x64, case):
   """The Gram/trace expansions equal distances of the explicitly formed D x D circuits."""
-  group, kv, _, pairing, fraction = CASES[case]
-  a, b = (jax.tree.map(lambda x: np.asarray(x[0]), _stack(s, kv=kv, layers=1)) for s in (0, 1))
-  site = spec_lib.AttentionSite(N, H, num_kv_heads=kv, group=group, rope_pairing=pairing,
-                                rotary_fraction=fraction)
-  costs = jax.jit(lambda a, b: [matching.head_distances(a, b, site=site, distance=d)
+  site = _site(case)
+  a, b = (jax.tree.map(lambda x: np.asarray(x[0]), _stack(s, kv=site.num_kv_heads, layers=1))
+          for s in (0, 1))
+  costs = jax.jit(lambda a, b: [matching.head_distances(a, b, site, distance=d)
                                 for d in matching.DISTANCES])(a, b)
   for distance, cost in zip(matching.DISTANCES, costs):
     for n, m in itertools.product(range(N), range(N)):
@@ -196,8 +199,8 @@ def test_head_distances_equal_brute_force_circuits(x64, case):
                                   "rope_interleaved_partial"])
 def test_planted_recovery(x64, case):
   """init="best" (least-squares starts, exact on planted problems) recovers g to rounding."""
-  a, b, g, options = _planted(case)
-  element, info = matching.match_attention(a, b, init="best", **options)
+  a, b, g, site = _planted(case)
+  element, info = matching.match_attention(a, b, site, init="best")
   np.testing.assert_array_equal(element.perm, _inverse_perm(g))
   moved = spec_lib.flatten(_act(b, element))
   for path, leaf in spec_lib.flatten(a).items():
@@ -205,10 +208,10 @@ def test_planted_recovery(x64, case):
   # The Gram-based objectives are the squared parameter distances.
   np.testing.assert_allclose(info["objective"]["naive"].sum(), _squared_distance(a, b), rtol=1e-9)
   assert float(info["objective"]["full"].sum()) <= 1e-10 * float(info["objective"]["naive"].sum())
-  if options["group"] == "rope":
+  if site.group == "rope":
     qk = np.asarray(element.qk)
-    for r in np.asarray(_rotations(jnp.array([1.0, 2.0, 7.0]), pairing=options["rope_pairing"],
-                                   fraction=options["rotary_fraction"])):
+    for r in np.asarray(_rotations(jnp.array([1.0, 2.0, 7.0]), pairing=site.rope_pairing,
+                                   fraction=site.rotary_fraction)):
       np.testing.assert_allclose(r @ qk, qk @ r, atol=1e-10)
 
 
@@ -217,14 +220,14 @@ def test_init_chooses_the_start(x64):
   (equal to "ortho"), the exact least-squares solution of a planted problem for "best".
   With the default 200 steps from Procrustes the planted element is nearly recovered
   (measured 4e-9 to 7e-6 of naive over CASES, against 4.5e-2 for Procrustes alone)."""
-  a, b, g, options = _planted("gl")
-  ortho, _ = matching.match_attention(a, b, method="ortho", **options)
-  start, info = matching.match_attention(a, b, steps=0, **options)
+  a, b, g, site = _planted("gl")
+  ortho, _ = matching.match_attention(a, b, site, method="ortho")
+  start, info = matching.match_attention(a, b, site, steps=0)
   np.testing.assert_array_equal(start.qk, ortho.qk)
   np.testing.assert_array_equal(start.vo, ortho.vo)
-  _, info = matching.match_attention(a, b, steps=0, init="best", **options)
+  _, info = matching.match_attention(a, b, site, steps=0, init="best")
   assert float(info["objective"]["full"].sum()) <= 1e-10 * float(info["objective"]["ortho"].sum())
-  element, info = matching.match_attention(a, b, **options)
+  element, info = matching.match_attention(a, b, site)
   objective = {k: float(v.sum()) for k, v in info["objective"].items()}
   np.testing.assert_array_equal(element.perm, _inverse_perm(g))
   assert objective["full"] <= 1e-4 * objective["naive"] < 1e-2 * objective["ortho"]
@@ -233,14 +236,14 @@ def test_init_chooses_the_start(x64):
 @pytest.mark.parametrize("case", ["gl", "rope_half_gqa"])
 def test_noise_orders_the_methods(x64, case):
   """B = g A + noise: perm >= ortho >= full, and full well below naive."""
-  a, b, _, options = _planted(case, seed=3, noise=0.2)
-  element, info = matching.match_attention(a, b, **options)
+  a, b, _, site = _planted(case, seed=3, noise=0.2)
+  element, info = matching.match_attention(a, b, site)
   objective = {k: float(v.sum()) for k, v in info["objective"].items()}
   assert objective["perm"] >= objective["ortho"] >= objective["full"]
   assert objective["full"] <= 0.1 * objective["naive"]
   np.testing.assert_allclose(objective["full"], _squared_distance(a, b, element), rtol=1e-9)
   if case == "gl":  # the Variant 2 element itself gives the reported distance
-    variant, _ = matching.match_attention(a, b, method="ortho", **options)
+    variant, _ = matching.match_attention(a, b, site, method="ortho")
     np.testing.assert_allclose(_squared_distance(a, b, variant), objective["ortho"], rtol=1e-9)
     assert objective["ortho"] > 1.5 * objective["full"]  # refinement matters for GL(H)
 
@@ -248,12 +251,12 @@ def test_noise_orders_the_methods(x64, case):
 def test_refinement_guard_keeps_matrices_well_conditioned(x64):
   """A rank-deficient key head and a huge learning rate: the result stays finite,
   invertible and never worse than the best start."""
-  a, b, _, options = _planted("gl", seed=5, noise=0.3)
+  a, b, _, site = _planted("gl", seed=5, noise=0.3)
   b["key"]["kernel"] = np.asarray(b["key"]["kernel"]).copy()
   b["key"]["kernel"][:, :, 1, 1:] = 0.0
   b["key"]["bias"] = np.asarray(b["key"]["bias"]).copy()
   b["key"]["bias"][:, 1, 1:] = 0.0
-  element, info = matching.match_attention(a, b, learning_rate=10.0, **options)
+  element, info = matching.match_attention(a, b, site, learning_rate=10.0)
   ga.check_element(element)  # finite, condition number <= ga.MAX_CONDITION
   assert np.isfinite(np.asarray(element.qk)).all()
   assert float(info["objective"]["full"].sum()) <= float(info["objective"]["ortho"].sum())
@@ -274,14 +277,14 @@ def test_refinement_guard_keeps_matrices_well_conditioned(x64):
 def test_half_precision(x64, dtype):
   """Half-precision layers are matched in float32 (x64 on: float32 whatever JAX's default):
   the planted permutation exactly, the distance down to the rounding of the parameters."""
-  a, b, g, options = _planted("rope_half_gqa")
+  a, b, g, site = _planted("rope_half_gqa")
   half = lambda t: jax.tree.map(lambda x: np.asarray(x).astype(dtype), t)
-  element, info = matching.match_attention(half(a), half(b), **options)
+  element, info = matching.match_attention(half(a), half(b), site)
   assert element.qk.dtype == element.vo.dtype == info["objective"]["full"].dtype == jnp.float32
   np.testing.assert_array_equal(element.perm, _inverse_perm(g))
   objective = {k: float(v.sum()) for k, v in info["objective"].items()}
   assert objective["full"] <= (2e-5 if dtype == jnp.bfloat16 else 1e-6) * objective["naive"]
-  elements, info = matching.match_attention_exhaustive(half(a), half(b), method="ortho", **options)
+  elements, info = matching.match_attention_exhaustive(half(a), half(b), site, method="ortho")
   assert elements.qk.dtype == jnp.float32
   perms = np.asarray(info["perms"])
   np.testing.assert_array_equal(perms[np.asarray(info["stage1_index"])], _inverse_perm(g))
@@ -293,8 +296,8 @@ def test_half_precision(x64, dtype):
 @pytest.mark.parametrize("case,method,element_group", [("gl", "full", None),
                                                        ("gl_gqa", "ortho", "orthogonal")])
 def test_exhaustive_best_permutation_is_stage1s(x64, case, method, element_group):
-  a, b, g, options = _planted(case, seed=7, element_group=element_group)
-  elements, info = matching.match_attention_exhaustive(a, b, method=method, init="best", **options)
+  a, b, g, site = _planted(case, seed=7, element_group=element_group)
+  elements, info = matching.match_attention_exhaustive(a, b, site, method=method, init="best")
   perms = np.asarray(info["perms"])
   assert len(perms) == (24 if g.num_kv_heads == N else 8)
   assert elements.perm.shape == (len(perms), L, N) and info["objective"].shape == (len(perms), L)
@@ -316,9 +319,9 @@ def test_one_trace_per_shape(x64, monkeypatch):
   monkeypatch.setattr(_attention, "_match_jit", counted)
   for seed, bias, lr in ((0, True, 1e-2), (1, False, 3e-3), (2, True, 0.5)):
     a, b = (_stack(seed + s, bias=bias) for s in (0, 10))
-    matching.match_attention(a, b, method="perm", learning_rate=lr)
+    matching.match_attention(a, b, _site("gl"), method="perm", learning_rate=lr)
   with pytest.raises(AssertionError, match="traced > 1"):  # a new shape traces again
-    matching.match_attention(*(_stack(s, layers=3) for s in (0, 1)), method="perm")
+    matching.match_attention(*(_stack(s, layers=3) for s in (0, 1)), _site("gl"), method="perm")
 
 
 def _bad_input(case):
@@ -351,7 +354,7 @@ def _bad_input(case):
 def test_bad_input_names_the_leaf(x64, case):
   a, b, message = _bad_input(case)
   with pytest.raises(ValueError, match=message):
-    matching.match_attention(a, b)
+    matching.match_attention(a, b, _site("gl"))
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -360,11 +363,23 @@ def test_bad_input_names_the_leaf(x64, case):
     (dict(steps=-1), "steps must be"),
     (dict(group="rope", rotary_fraction=0.25), "rotated dims"),
     (dict(group="so"), "group must be one of"),
+    (dict(num_heads=2), "have N=4, K=4, H=4, but the site has N=2, K=2, H=4"),
 ])
 def test_bad_options(x64, kwargs, message):
   a = _stack(0)
+  site_fields = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("method", "distance", "steps")}
   with pytest.raises(ValueError, match=message):
-    matching.match_attention(a, a, **kwargs)
+    site = spec_lib.AttentionSite(**{"num_heads": N, "head_dim": H, **site_fields})
+    matching.match_attention(a, a, site, **kwargs)
+
+
+def test_site_must_be_an_attention_site(x64):
+  a = _stack(0)
+  for call in (matching.match_attention, matching.match_attention_exhaustive):
+    with pytest.raises(TypeError, match="site must be a spec.AttentionSite.*got dict"):
+      call(a, a, {"group": "gl"})
+  with pytest.raises(TypeError, match="got str"):
+    ga.random_element(jax.random.key(0), "rope")
 
 
 def test_exhaustive_refuses_many_heads(x64):
@@ -372,6 +387,6 @@ def test_exhaustive_refuses_many_heads(x64):
   big = {name: {"kernel": np.ones((D, 9, 2))} for name in ("query", "key", "value")}
   big["out"] = {"kernel": np.ones((9, 2, D))}
   with pytest.raises(ValueError, match="N = 9"):
-    matching.match_attention_exhaustive(big, big)
+    matching.match_attention_exhaustive(big, big, spec_lib.AttentionSite(9, 2))
   with pytest.raises(ValueError, match="Stage 2 method"):
-    matching.match_attention_exhaustive(a, a, method="naive")
+    matching.match_attention_exhaustive(a, a, _site("gl"), method="naive")

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import scipy.optimize
 
-from attn_symmetry import attention
 from attn_symmetry import group_action as ga
 from attn_symmetry import matching
 from attn_symmetry import spec as spec_lib
@@ -121,7 +120,7 @@ def _random_element(spec, rng):
     qk = gl(k)
     if site.group == "rope":
       qk = np.zeros((k, H, H))
-      for i, j in attention.rope_pairs(H, pairing=site.rope_pairing):
+      for i, j in site.rope_pairs():
         modulus, angle = np.exp(rng.uniform(-0.5, 0.5, k)), rng.uniform(-np.pi, np.pi, k)
         a, b = modulus * np.cos(angle), modulus * np.sin(angle)
         qk[:, i, i] = qk[:, j, j] = a

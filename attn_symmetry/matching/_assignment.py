@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from attn_symmetry import attention
+
 
 # The smallest n solved on the host on a CPU backend (see linear_assignment).
 HOST_MIN_SIZE = 512
@@ -122,7 +124,7 @@ def head_permutations(num_heads: int, num_kv_heads: int | None = None) -> np.nda
     int32 [P, N] with P = K! (G!)^K (N! for plain multi-head attention), in
     lexicographic order; row 0 is the identity.
   """
-  k = num_heads if num_kv_heads is None else num_kv_heads
+  k = attention.kv_heads(num_heads, num_kv_heads)
   g = num_heads // k
   perms = []
   for sigma in itertools.permutations(range(k)):

@@ -51,9 +51,6 @@ INITS = ("procrustes", "best")  # starts of the "full" refinement (module docstr
 DEFAULT_STEPS = 200
 DEFAULT_LEARNING_RATE = 1e-2
 MAX_EXHAUSTIVE_HEADS = 8
-_PROJECTIONS = ("query", "key", "value", "out")
-_LEAVES = ("query/kernel", "key/kernel", "value/kernel", "out/kernel", "query/bias", "key/bias",
-           "value/bias", "out/bias")
 
 Params = dict[str, Any]
 
@@ -107,42 +104,20 @@ def upcast(tree: Any) -> Any:
   return jax.tree.map(cast, tree)
 
 
-def layer_shapes(params: Params, prefix: str = "") -> tuple[tuple[int, ...], int, int, int, int]:
-  """(batch shape, D, N, K, H) of a canonical attention layer (stack); ValueError naming the leaf."""
-  flat = spec_lib.flatten(params)
-  for path in flat:
-    if path not in _LEAVES:
-      raise ValueError(f"{prefix}{path} is not a leaf of a canonical attention layer {_LEAVES}")
-  for name in _PROJECTIONS:
-    if f"{name}/kernel" not in flat:
-      raise ValueError(f"attention params lack {prefix}{name}/kernel")
-  query = flat["query/kernel"]
-  if query.ndim < 3:
-    raise ValueError(f"{prefix}query/kernel must be [..., D, N, H], got shape {tuple(query.shape)}")
-  *lead, d, n, h = query.shape
-  lead = tuple(lead)
-  k = flat["key/kernel"].shape[-2] if flat["key/kernel"].ndim == query.ndim else -1
-  if k <= 0 or n % k:
-    raise ValueError(f"{prefix}key/kernel has shape {tuple(flat['key/kernel'].shape)}: its kv heads "
-                     f"must divide the {n} query heads of {prefix}query/kernel {tuple(query.shape)}")
-  expected = {"query/kernel": (*lead, d, n, h), "key/kernel": (*lead, d, k, h),
-              "value/kernel": (*lead, d, k, h), "out/kernel": (*lead, n, h, d),
-              "query/bias": (*lead, n, h), "key/bias": (*lead, k, h), "value/bias": (*lead, k, h),
-              "out/bias": (*lead, d)}
-  for path, leaf in flat.items():
-    if tuple(leaf.shape) != expected[path]:
-      raise ValueError(f"{prefix}{path} has shape {tuple(leaf.shape)}, expected {expected[path]} "
-                       f"(D={d}, N={n}, K={k}, H={h} from {prefix}query/kernel and key/kernel)")
-  return lead, d, n, k, h
+def check_site_fits(site: spec_lib.AttentionSite, params: Params, prefix: str = "") -> None:
+  """ValueError naming the leaves when a canonical layer (stack) is not shaped as ``site`` says."""
+  _, _, n, k, h = attention.layer_shapes(params, prefix)
+  if (n, k, h) != (site.num_heads, site.kv_heads, site.head_dim):
+    raise ValueError(f"{prefix}query/kernel and {prefix}key/kernel have N={n}, K={k}, H={h}, but "
+                     f"the site has N={site.num_heads}, K={site.kv_heads}, H={site.head_dim}")
 
 
-def _check_pair(params_a: Params, params_b: Params) -> tuple[tuple[int, ...], int, int, int]:
+def _check_pair(params_a: Params, params_b: Params, site: spec_lib.AttentionSite) -> None:
+  check_site_fits(site, params_a)
   flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
-  lead, _, n, k, h = layer_shapes(params_a)
   check_same_leaves(flat_a, flat_b)
   check_finite(flat_a, "params_a")
   check_finite(flat_b, "params_b")
-  return lead, n, k, h
 
 
 # ----------------------------------------------------------------------------- the solver
@@ -304,22 +279,15 @@ _match_jit = jax.jit(_match_core, static_argnames=_STATIC)
 _exhaustive_jit = jax.jit(_exhaustive_core, static_argnames=_STATIC)
 
 
-def _prepare(params_a, params_b, *, group, rope_pairing, rotary_fraction, rope_axes, method,
-             distance, steps, learning_rate, init):
+def _prepare(params_a, params_b, site, *, method, distance, steps, learning_rate, init):
   """Checks everything, then ((A, B, learning rate) in the compute dtype, static jit options)."""
+  spec_lib.check_site(site)
   check_options(method, distance, steps, init)
   if method == "learned":
     raise ValueError("method 'learned' trains the element on a task loss, which one layer does "
                      "not have: use matching.align_model(spec, params_a, params_b, "
                      "method='learned', loss_fn=..., batches=..., holdout_batches=...)")
-  _, n, k, h = _check_pair(params_a, params_b)
-  if group not in spec_lib.ATTENTION_GROUPS:
-    raise ValueError(f"group must be one of {spec_lib.ATTENTION_GROUPS}, got {group!r}")
-  if group == "rope":
-    attention.rope_pairs(h, pairing=rope_pairing, rotary_fraction=rotary_fraction,
-                         rope_axes=rope_axes)
-  site = spec_lib.AttentionSite(n, h, num_kv_heads=k, group=group, rope_pairing=rope_pairing,
-                                rotary_fraction=rotary_fraction, rope_axes=rope_axes)
+  _check_pair(params_a, params_b, site)
   dtype = compute_dtype(params_a["query"]["kernel"].dtype)
   args = (upcast(canonical_layer(params_a)), upcast(canonical_layer(params_b)),
           jnp.asarray(learning_rate, dtype))
@@ -333,15 +301,11 @@ def canonical_layer(params: Params) -> Params:
   """The leaves that matching reads, with zero biases where absent (one trace with or without)."""
   out = {"out": {"kernel": params["out"]["kernel"]}}
   for name in ("query", "key", "value"):
-    kernel, bias = params[name]["kernel"], params[name].get("bias")
-    if bias is None:
-      bias = np.zeros(kernel.shape[:-3] + kernel.shape[-2:], kernel.dtype)
-    out[name] = {"kernel": kernel, "bias": bias}
+    out[name] = {"kernel": params[name]["kernel"], "bias": attention.bias_or_zeros(params, name)}
   return out
 
 
-def match_attention(params_a: Params, params_b: Params, *, group: str = "gl",
-                    rope_pairing: str = "half", rotary_fraction: float = 1.0, rope_axes: int = 1,
+def match_attention(params_a: Params, params_b: Params, site: spec_lib.AttentionSite, *,
                     method: str = "full", distance: str = "frobenius",
                     steps: int = DEFAULT_STEPS, learning_rate: float = DEFAULT_LEARNING_RATE,
                     init: str = INITS[0]) -> tuple[group_action.AttentionElement, dict[str, Any]]:
@@ -352,9 +316,11 @@ def match_attention(params_a: Params, params_b: Params, *, group: str = "gl",
       floating dtype (``attention.py``; biases optional), one layer ([D, N, H]
       query kernel) or a stack with leading axes ([L, D, N, H]). bfloat16 and
       float16 parameters are matched in float32.
-    group: "gl" (no or absolute position encoding) or "rope" (the QK matrix
-      is restricted to H(H), and Stage 1 compares per-frequency-pair circuits).
-    rope_pairing, rotary_fraction, rope_axes: the RoPE layout, for "rope".
+    site: the layers' ``spec.AttentionSite``: heads, head dim and kv heads
+      (checked against the parameters) and group, "gl" (no or absolute
+      position encoding) or "rope" (the QK matrix is restricted to H(H) of
+      the site's RoPE layout, and Stage 1 compares per-frequency-pair
+      circuits).
     method: "naive", "perm", "ortho" or "full".
     distance: Stage 1 distance, "frobenius" (default), "squared",
       "normalised" or "cosine", of the QK and VO circuits (summed).
@@ -373,20 +339,19 @@ def match_attention(params_a: Params, params_b: Params, *, group: str = "gl",
     the optimal Stage 1 cost (not for "naive").
 
   Raises:
+    TypeError: ``site`` is not an ``AttentionSite``.
     ValueError: before any computation, naming the leaf or option, if the
       layers differ in leaves, shapes or dtypes, are not canonical, have kv
-      heads that do not divide the query heads, or hold NaN or Inf.
+      heads that do not divide the query heads, are not shaped as ``site``
+      says, or hold NaN or Inf.
   """
-  args, static = _prepare(
-      params_a, params_b, group=group, rope_pairing=rope_pairing, rotary_fraction=rotary_fraction,
-      rope_axes=rope_axes, method=method, distance=distance, steps=steps,
-      learning_rate=learning_rate, init=init)
+  args, static = _prepare(params_a, params_b, site, method=method, distance=distance, steps=steps,
+                          learning_rate=learning_rate, init=init)
   return _match_jit(*args, **static)
 
 
-def match_attention_exhaustive(params_a: Params, params_b: Params, *, group: str = "gl",
-                               rope_pairing: str = "half", rotary_fraction: float = 1.0,
-                               rope_axes: int = 1, method: str = "full",
+def match_attention_exhaustive(params_a: Params, params_b: Params,
+                               site: spec_lib.AttentionSite, *, method: str = "full",
                                distance: str = "frobenius", steps: int = DEFAULT_STEPS,
                                learning_rate: float = DEFAULT_LEARNING_RATE, init: str = INITS[0]
                                ) -> tuple[group_action.AttentionElement, dict[str, Any]]:
@@ -405,10 +370,8 @@ def match_attention_exhaustive(params_a: Params, params_b: Params, *, group: str
     (``_assignment.head_permutations`` order), info["stage1_index"] [...]
     the row of the permutation that Stage 1 picks with ``distance``.
   """
-  args, static = _prepare(
-      params_a, params_b, group=group, rope_pairing=rope_pairing, rotary_fraction=rotary_fraction,
-      rope_axes=rope_axes, method=method, distance=distance, steps=steps,
-      learning_rate=learning_rate, init=init)
+  args, static = _prepare(params_a, params_b, site, method=method, distance=distance, steps=steps,
+                          learning_rate=learning_rate, init=init)
   if method == "naive":
     raise ValueError("exhaustive matching needs a Stage 2 method: 'perm', 'ortho' or 'full'")
   if static["site"].num_heads > MAX_EXHAUSTIVE_HEADS:

@@ -60,11 +60,8 @@ class Grams(NamedTuple):
 
 def augmented(layer: dict[str, Any], name: str) -> jax.Array:
   """[W; b] of the query, key or value projection: [..., D + 1, N|K, H] (b = 0 if absent)."""
-  kernel = layer[name]["kernel"]
-  bias = layer[name].get("bias")
-  if bias is None:
-    bias = jnp.zeros(kernel.shape[:-3] + kernel.shape[-2:], kernel.dtype)
-  return jnp.concatenate([kernel, bias[..., None, :, :]], axis=-3)
+  bias = attention.bias_or_zeros(layer, name)
+  return jnp.concatenate([layer[name]["kernel"], bias[..., None, :, :]], axis=-3)
 
 
 def layer_grams(params_a: dict[str, Any], params_b: dict[str, Any]) -> Grams:
@@ -86,8 +83,7 @@ def qk_block_mask(site: spec_lib.AttentionSite) -> np.ndarray:
   h = site.head_dim
   if site.group != "rope":
     return np.ones((h, h))
-  pairs = attention.rope_pairs(h, pairing=site.rope_pairing, rotary_fraction=site.rotary_fraction,
-                               rope_axes=site.rope_axes)
+  pairs = site.rope_pairs()
   block = np.full(h, len(pairs))
   block[pairs[:, 0]] = block[pairs[:, 1]] = np.arange(len(pairs))
   return (block[:, None] == block[None, :]).astype(np.float64)
@@ -127,14 +123,15 @@ def head_cost(g: Grams, site: spec_lib.AttentionSite, distance: str) -> jax.Arra
   return _distance(qk_a, qk_b, qk_cross, distance) + _distance(vo_a, vo_b, vo_cross, distance)
 
 
-def head_distances(params_a: dict[str, Any], params_b: dict[str, Any], *,
-                   site: spec_lib.AttentionSite, distance: str = "frobenius") -> jax.Array:
+def head_distances(params_a: dict[str, Any], params_b: dict[str, Any],
+                   site: spec_lib.AttentionSite, *, distance: str = "frobenius") -> jax.Array:
   """Stage 1 costs [..., N, N] between the heads of two canonical layers (stacks).
 
   cost[..., n, m] = d(M^QK_{A,n}, M^QK_{B,m}) + d(M^VO_{A,n}, M^VO_{B,m}) for
   the chosen distance, per-frequency-pair QK circuits when ``site.group`` is
   "rope". Jittable.
   """
+  spec_lib.check_site(site)
   if distance not in DISTANCES:
     raise ValueError(f"distance must be one of {DISTANCES}, got {distance!r}")
   lead = params_a["query"]["kernel"].shape[:-3]

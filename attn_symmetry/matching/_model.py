@@ -176,19 +176,6 @@ def _first_round_leaves(spec: spec_lib.SymmetrySpec,
 # ----------------------------------------------------------------------------- steps
 
 
-def _transform(spec: spec_lib.SymmetrySpec, leaf: jax.Array, path: str, element: dict[str, Any],
-               skip_axis: int | None = None) -> jax.Array:
-  """A leaf of B with the element's factors applied to its axes (but ``skip_axis``)."""
-  for axis, f in enumerate(spec.axes[path]):
-    if f is None or axis == skip_axis:
-      continue
-    kind = spec.factors[f].kind
-    if kind == "orthogonal" and path in spec.norm_scales:
-      continue  # folded to ones, which every orthogonal map leaves alone
-    leaf = group_action._act_on_axis(leaf, axis, element[f], kind)  # pylint: disable=protected-access
-  return leaf
-
-
 def _with_attention(spec: spec_lib.SymmetrySpec, plan: list[_Step], flat_b: dict[str, Any],
                     element: dict[str, Any], paths) -> dict[str, Any]:
   """B's leaves among ``paths``, with the attention elements of their sites applied
@@ -222,7 +209,8 @@ def _factor_scores(spec: spec_lib.SymmetrySpec, plan: list[_Step], f: str, flat_
   m, norm_a, norm_b = jnp.zeros((n, n), flat_a[next(iter(leaves))].dtype), 0.0, 0.0
   for path in own:
     for axis in (i for i, g in enumerate(spec.axes[path]) if g == f):
-      a, b = flat_a[path], _transform(spec, b_moved[path], path, element, axis)
+      b = group_action.apply_leaf(spec, path, b_moved[path], element, skip_axis=axis)
+      a = flat_a[path]
       # Norms of the leaves as laid out: XLA:CPU reduces a transposed view ~100x slower.
       norm_a, norm_b = norm_a + jnp.sum(a * a), norm_b + jnp.sum(b * b)
       a, b = (jnp.moveaxis(x, axis, 0).reshape(n, -1) for x in (a, b))
@@ -294,11 +282,11 @@ def _site_grams(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, elemen
   """Grams [S, ...] of the S sites of ``step``, B with the factors applied, and the
   squared norms [S] of both layers (the scale of the acceptance tolerance)."""
   layers_a, layers_b = [], []
+  act = lambda p: group_action.apply_leaf(spec, p, flat_b[p], element)
   for s in step.names:
     leaves = _site_leaves(spec, s)
     layers_a.append(spec_lib.unflatten({p[len(s) + 1:]: flat_a[p] for p in leaves}))
-    layers_b.append(spec_lib.unflatten({p[len(s) + 1:]: _transform(spec, flat_b[p], p, element)
-                                        for p in leaves}))
+    layers_b.append(spec_lib.unflatten({p[len(s) + 1:]: act(p) for p in leaves}))
   layer_a, layer_b = _stack(layers_a), _stack(layers_b)
   squares = lambda t: sum(jnp.sum(x * x, axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(t))
   return jax.vmap(_features.layer_grams)(layer_a, layer_b), squares(layer_a) + squares(layer_b)
@@ -351,22 +339,11 @@ def _refine_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, eleme
 # ----------------------------------------------------------------------------- the loop
 
 
-def _identity(spec: spec_lib.SymmetrySpec, dtype: Any) -> dict[str, Any]:
-  out: dict[str, Any] = {}
-  for name, f in spec.factors.items():
-    out[name] = (jnp.arange(f.size, dtype=jnp.int32) if f.kind == "permutation"
-                 else jnp.eye(f.size, dtype=dtype))
-  for name, site in spec.attention.items():
-    h = site.head_dim
-    eye = jnp.broadcast_to(jnp.eye(h, dtype=dtype), (site.kv_heads, h, h))
-    out[name] = group_action.AttentionElement(jnp.arange(site.num_heads, dtype=jnp.int32), eye, eye)
-  return out
-
-
 def _distance(spec: spec_lib.SymmetrySpec, plan: list[_Step], flat_a, flat_b, element) -> jax.Array:
   """||theta_A - element . theta_B||^2 over every leaf."""
   moved = _with_attention(spec, plan, flat_b, element, list(flat_b))
-  return sum(jnp.sum((a - _transform(spec, moved[p], p, element)) ** 2) for p, a in flat_a.items())
+  act = lambda p: group_action.apply_leaf(spec, p, moved[p], element)
+  return sum(jnp.sum((a - act(p)) ** 2) for p, a in flat_a.items())
 
 
 class _StaticSpec:
@@ -412,7 +389,7 @@ def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps,
       dirty = (dirty.at[i].set(rerun) | (changed & neighbours[i]))
     return element, dirty, rounds + 1
 
-  element = _identity(spec, dtype)
+  element = group_action.identity_model(spec, dtype)
   state = (element, jnp.ones(len(plan), bool), jnp.int32(0))
   cond = lambda s: jnp.any(s[1]) & (s[2] < max_rounds)
   element, _, rounds = jax.lax.while_loop(cond, body, state)
@@ -443,11 +420,7 @@ def _check_model_pair(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: P
   flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
   _attention.check_same_leaves(flat_a, flat_b)
   for s, site in spec.attention.items():
-    layer = spec_lib.subtree(params_a, s)
-    _, _, n, k, h = _attention.layer_shapes(layer, prefix=s + "/")
-    if (n, k, h) != (site.num_heads, site.kv_heads, site.head_dim):
-      raise ValueError(f"{s}/query/kernel and {s}/key/kernel have N={n}, K={k}, H={h}, but the "
-                       f"spec's site has N={site.num_heads}, K={site.kv_heads}, H={site.head_dim}")
+    _attention.check_site_fits(site, spec_lib.subtree(params_a, s), prefix=s + "/")
   _attention.check_finite(flat_a, "params_a")
   _attention.check_finite(flat_b, "params_b")
 
@@ -469,7 +442,7 @@ def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps
                              spec=_StaticSpec(active), method=method, distance=distance,
                              steps=int(steps), max_rounds=int(max_rounds), init=init,
                              refine=refine)
-  full = _identity(spec, dtype)
+  full = group_action.identity_model(spec, dtype)
   full.update(element)
   info["folded_norm_scales"] = needs_folding
   return full, info

@@ -51,7 +51,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from attn_symmetry import attention
 from attn_symmetry import group_action
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.matching._features import HIGHEST, Grams
@@ -127,12 +126,11 @@ def to_matrix(params: Any, rope: spec_lib.AttentionSite | None) -> jax.Array:
   """The [H, H] matrix of group parameters (the matrix itself for GL(H))."""
   if rope is None:
     return params
-  return group_action.rope_commutant(params["ab"], params.get("rest"), head_dim=rope.head_dim,
-                                     **rope.rope_kwargs)
+  return group_action.rope_commutant(params["ab"], params.get("rest"), rope)
 
 
 def _rope_template(rope: spec_lib.AttentionSite, dtype: Any) -> dict[str, jax.Array]:
-  r = attention.rotary_dims(rope.head_dim, rope.rotary_fraction, rope.rope_axes)
+  r = rope.rotary_dims()
   params = {"ab": jnp.zeros((r // 2, 2), dtype)}
   if r < rope.head_dim:
     params["rest"] = jnp.zeros((rope.head_dim - r, rope.head_dim - r), dtype)
@@ -193,8 +191,7 @@ def procrustes(c_qk: jax.Array, c_vo: jax.Array,
                            jnp.array([1, 0], ab.dtype))
   if "rest" not in params:
     return jax.vmap(lambda p: to_matrix(p, rope))(params), polar(c_vo)
-  pairs = attention.rope_pairs(h, pairing=rope.rope_pairing, rotary_fraction=rope.rotary_fraction,
-                               rope_axes=rope.rope_axes)
+  pairs = rope.rope_pairs()
   rest = np.setdiff1d(np.arange(h), pairs.reshape(-1))
   embedded = jnp.broadcast_to(jnp.eye(h, dtype=c_qk.dtype), c_qk.shape)
   embedded = embedded.at[:, rest[:, None], rest[None, :]].set(params["rest"])

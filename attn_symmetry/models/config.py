@@ -209,7 +209,7 @@ class Config:
 
   @property
   def kv_heads(self) -> int:
-    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+    return attention.kv_heads(self.num_heads, self.num_kv_heads)
 
   @property
   def rotary(self) -> bool:
