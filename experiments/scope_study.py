@@ -77,11 +77,8 @@ def _option_fields(options: Mapping[str, Any], changes: Iterable[str] = ()) -> d
 
 def align(spec, params_a: Params, params_b: Params, *, scope: list[str], method: str,
           options: Mapping[str, Any]) -> tuple[dict, dict]:
-  """(element, info) of a method that reads no data (all but "learned"): a registered
-  method's own ``align`` (``matching.register_method``), else ``matching.align_model``."""
-  registered = matching.METHODS[method].align
-  if registered is not None:
-    return registered(spec, params_a, params_b, scope=scope, **options)
+  """(element, info) of a method that reads no data (all but "learned"), built-in or
+  registered (``matching.align_model`` calls a registered method's own ``align``)."""
   return matching.align_model(spec, params_a, params_b, scope=scope, method=method, **options)
 
 

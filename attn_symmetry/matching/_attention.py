@@ -58,9 +58,11 @@ Params = dict[str, Any]
 # ----------------------------------------------------------------------------- validation
 
 
-def check_options(method: str, distance: str, steps: int, init: str = INITS[0]) -> None:
-  if method not in METHODS:
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+def check_options(method: str, distance: str, steps: int, init: str = INITS[0],
+                  methods=METHODS) -> None:
+  """ValueError naming the option that is not one of its values (``methods``: the known names)."""
+  if method not in methods:
+    raise ValueError(f"method must be one of {tuple(methods)}, got {method!r}")
   if init not in INITS:
     raise ValueError(f"init must be one of {INITS}, got {init!r}")
   if distance not in _features.DISTANCES:

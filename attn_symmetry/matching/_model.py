@@ -74,6 +74,7 @@ from attn_symmetry.matching import _assignment
 from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _features
 from attn_symmetry.matching import _learned
+from attn_symmetry.matching import _methods
 from attn_symmetry.matching import _stage2
 
 DEFAULT_MAX_ROUNDS = 10
@@ -471,7 +472,9 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       the factors, or "learned": "full" (with the default ``steps`` and
       ``learning_rate``), then its attention matrices in scope trained on
       ``loss_fn`` of the interpolated model (``learn_alignment``, where
-      ``steps`` and ``learning_rate`` are those of the training).
+      ``steps`` and ``learning_rate`` are those of the training), or a
+      method of ``register_method``: its ``align`` is called with ``scope``
+      and the options it names (``matching.METHODS[method].options``).
     distance, steps, learning_rate, init: attention matching options
       (``match_attention``).
     max_rounds: most rounds of coordinate descent.
@@ -500,7 +503,7 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       parameters do not fit the spec or each other, hold NaN or Inf, a scope
       prefix matches nothing, or an option is unknown.
   """
-  _attention.check_options(method, distance, steps, init)
+  _attention.check_options(method, distance, steps, init, methods=_methods.METHODS)
   if refine not in REFINES:
     raise ValueError(f"refine must be one of {REFINES}, got {refine!r}")
   _check_model_pair(spec, params_a, params_b)
@@ -519,6 +522,12 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
   if given or learned_options:
     raise ValueError(f"{given + sorted(learned_options)} are options of method 'learned' only, "
                      f"not of {method!r}")
+  registered = _methods.METHODS[method]
+  if registered.align is not None:  # register_method's: it reads the options it names
+    values = dict(distance=distance, steps=steps, learning_rate=learning_rate, init=init,
+                  refine=refine)
+    return registered.align(spec, params_a, params_b, scope=scope,
+                            **{k: values[k] for k in registered.options})
   if method == "naive":
     dtype = _attention.compute_dtype(next(iter(spec_lib.flatten(params_a).values())).dtype)
     return group_action.identity_model(spec, dtype), {"folded_norm_scales": False}
