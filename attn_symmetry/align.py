@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -203,6 +204,13 @@ def _check(path_a, path_b, *, out, overwrite, method, scope, merge, dtype, eval_
     raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
   if eval_text is not None and eval_images is not None:
     raise InputError("give --eval-text or --eval-images, not both")
+  evaluated = eval_text is not None or eval_images is not None
+  needed = {"tokenizers": eval_text is not None, "PIL": eval_images is not None,
+            "matplotlib": evaluated and out is not None}  # the tokenizer, images, the plot
+  missing = [m for m, need in needed.items() if need and importlib.util.find_spec(m) is None]
+  if missing:
+    raise InputError(f"the evaluation needs {', '.join(missing)}, which is not installed: "
+                     f"pip install 'attn_symmetry[align]'")
   for name, value, least in (("--lambdas", num_lambdas, 3), ("--batch-size", batch_size, 1),
                              ("--seq-len", seq_len, 1), ("--eval-batches", eval_batches, 1)):
     if int(value) != value or value < least:

@@ -39,6 +39,13 @@ decoded once per process and read from memory; larger ones are read from the
 array_record files batch by batch (``num_workers`` adds reader processes).
 """
 
+try:
+  import grain  # pylint: disable=unused-import
+  import tensorflow_datasets  # pylint: disable=unused-import
+except ImportError as e:
+  raise ImportError(f"attn_symmetry.data needs the experiments extra ({e.name} is not installed): "
+                    f"pip install 'attn_symmetry[experiments]'") from e
+
 from attn_symmetry.data._builders import FASHION_MNIST_APT
 from attn_symmetry.data._catalog import DATA_DIR_ENV
 from attn_symmetry.data._catalog import DATASETS
