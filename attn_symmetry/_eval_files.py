@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from attn_symmetry import tasks
 from attn_symmetry.models.model import Model
 
 Batch = dict[str, np.ndarray]
@@ -109,12 +110,13 @@ def text_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, A
   """Batches of the text file ``path`` for ``model`` (module docstring), at most
   ``max_batches``, tokenised with ``folder``'s tokenizer.json."""
   cfg = model.config
-  if cfg.family == "vit":
-    raise ValueError("--eval-text needs a text model; this checkpoint is a ViT (use --eval-images)")
+  if model.input_key != "tokens":
+    raise ValueError(f"--eval-text needs a text model; this checkpoint ({cfg.family}) reads "
+                     f"{model.input_key!r} (use --eval-images)")
   seq_len = min(seq_len, cfg.max_len)
   lines, tok = _read_lines(path), _tokenizer(folder)
   rows = batch_size * max_batches
-  if model.task == "lm":
+  if model.task == tasks.LM:
     ids: list[int] = []
     for line in lines:
       ids += tok.encode(line + "\n", add_special_tokens=False).ids
@@ -129,7 +131,7 @@ def text_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, A
     return _batches({"inputs": tokens[:, :-1], "labels": tokens[:, 1:],
                      "weights": np.ones((n, seq_len), np.float32)}, batch_size)
   labels = []
-  if model.task == "classification":
+  if model.task == tasks.CLASSIFICATION:
     for i, line in enumerate(lines[:rows]):
       if "\t" not in line:
         raise ValueError(f"--eval-text {path}: line {i + 1} is not LABEL<TAB>text, as a "
@@ -147,7 +149,7 @@ def text_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, A
     inputs[i, : len(e.ids[:seq_len])] = e.ids[:seq_len]
     mask[i, : len(e.ids[:seq_len])] = True
   _check_ids(inputs, cfg.vocab_size, path)
-  if model.task == "classification":
+  if model.task == tasks.CLASSIFICATION:
     return _batches({"inputs": inputs, "mask": mask, "labels": np.asarray(labels, np.int32),
                      "weights": np.ones(len(labels), np.float32)}, batch_size)
   mask_id = tok.token_to_id("[MASK]")
@@ -169,8 +171,9 @@ def image_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, 
                   batch_size: int, max_batches: int) -> list[Batch]:
   """Batches of the image folder ``path`` (``path/LABEL/*.png``) for a ViT ``model``."""
   cfg = model.config
-  if cfg.family != "vit":
-    raise ValueError(f"--eval-images needs a ViT; this checkpoint is {cfg.family} (use --eval-text)")
+  if model.input_key != "image":
+    raise ValueError(f"--eval-images needs a model that reads images; this checkpoint "
+                     f"({cfg.family}) reads {model.input_key!r} (use --eval-text)")
   if not os.path.isdir(path):
     raise ValueError(f"--eval-images {path}: no such folder")
   files = [(label, os.path.join(path, label, f)) for label in sorted(os.listdir(path))

@@ -26,6 +26,7 @@ import optax
 
 from attn_symmetry import data
 from attn_symmetry import models
+from attn_symmetry import tasks
 
 DEFAULT_CASES = "vit:digits,vit:fashion_mnist_deb,gpt2:wiki_bytes,bert:newsgroups_mini"
 
@@ -37,7 +38,7 @@ def model_for(family: str, preset: str, info: data.DatasetInfo) -> models.Model:
     overrides.update(image_size=info.image_shape[0], num_channels=info.image_shape[2])
   else:
     overrides.update(vocab_size=info.vocab_size, max_len=info.seq_len)
-  if info.task == "classification":
+  if info.task == tasks.CLASSIFICATION:
     overrides["num_classes"] = info.num_classes
   return models.build(family, preset, **overrides)
 
@@ -46,12 +47,11 @@ def make_step(model: models.Model, optimizer: optax.GradientTransformation):
   """Jitted (params, opt_state, batch) -> (params, opt_state, loss)."""
 
   def loss_fn(params, batch):
-    if model.task == "lm":
+    if model.task == tasks.LM:
       logits, _ = model.apply(params, batch["tokens"][:, :-1])
       labels = batch["tokens"][:, 1:]
     else:
-      inputs = batch["image"] if "image" in batch else batch["tokens"]
-      logits, _ = model.apply(params, inputs, mask=batch.get("mask"))
+      logits, _ = model.apply(params, batch[model.input_key], mask=batch.get("mask"))
       labels = batch["label"]
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), labels).mean()

@@ -491,6 +491,18 @@ def test_hf_shape_is_the_state_dict_shape(family):
     assert convert.hf_shape(path, ours[path], src) == shapes[src.key], path
 
 
+def test_evaluation_files_follow_the_input_key(tmp_path):
+  """A text file needs a model that reads tokens, an image folder one that reads images."""
+  from attn_symmetry import _eval_files  # pylint: disable=g-import-not-at-top
+  from attn_symmetry import models  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="--eval-text needs a text model.*\\(vit\\) reads 'image'"):
+    _eval_files.text_batches(str(tmp_path / "t.txt"), str(tmp_path), models.build("vit"), {},
+                             batch_size=2, seq_len=8, max_batches=1)
+  with pytest.raises(ValueError, match="--eval-images needs .*\\(gpt2\\) reads 'tokens'"):
+    _eval_files.image_batches(str(tmp_path), str(tmp_path), models.build("gpt2"), {},
+                              batch_size=2, max_batches=1)
+
+
 def test_bert_text_batches(tmp_path):
   """Masked-LM batches mask ordinary tokens only, at least one per line; a classifier reads
   LABEL<TAB>text lines."""
