@@ -118,11 +118,12 @@ def _model_overrides(field: str, value: Any) -> None:
             f"overrides; choose from {known}")
 
 
-def _split(optional: bool) -> Rule:
-  """A split of the data set ("train") or one slice of it ("train[:90%]"), not the test
-  split (kept for the reported evaluations, so that no training decision reads it); ""
-  too if ``optional``. Whether the data set has it is checked when it is opened
-  (``train.check_data``)."""
+def _split(optional: bool = False, evaluation: bool = False) -> Rule:
+  """A split of the data set ("train") or one slice of it ("train[:90%]"); "" too if
+  ``optional``. Not the test split (kept for the reported evaluations, so that no training
+  decision reads it), unless ``evaluation``: a split that is only evaluated
+  (``study.eval_split``) may be any. Whether the data set has it is checked when it is
+  opened (``train.check_data``)."""
   def check(field, value):
     if not isinstance(value, str):
       _fail(field, f"must be a split name (a string), got {value!r}")
@@ -131,7 +132,7 @@ def _split(optional: bool) -> Rule:
     if not re.fullmatch(r"[A-Za-z][\w-]*(\[[^\[\]]*\])?", value):
       _fail(field, "must be a split such as 'train' or one slice of it such as 'train[:90%]', "
             f"got {value!r}")
-    if value.split("[", 1)[0] == "test":
+    if not evaluation and value.split("[", 1)[0] == "test":
       _fail(field, f"reads the test split ({value!r}), which is kept for the reported "
             "evaluations: no training decision may read it; hold out a slice of the training "
             "split instead, such as 'train[90%:]'")
@@ -157,7 +158,7 @@ RULES: dict[str, Rule] = {
     "dataset.image_size": _AT_LEAST_0,  # 0: the reader's default
     "dataset.augment": _boolean,
     "dataset.num_workers": _AT_LEAST_0,
-    "dataset.train_split": _split(optional=False),
+    "dataset.train_split": _split(),
     "dataset.validation_split": _split(optional=True),  # "": none
     "train.num_steps": _AT_LEAST_1,
     "train.batch_size": _AT_LEAST_1,
@@ -193,7 +194,8 @@ RULES: dict[str, Rule] = {
     "study.learn_learning_rate": _POSITIVE,
     "study.learn_uniform_lambda": _boolean,
     "study.learn_holdout_batches": _AT_LEAST_1,
-    "study.eval_examples": _AT_LEAST_0,  # 0: the whole test split
+    "study.eval_examples": _AT_LEAST_0,  # 0: the whole of study.eval_split
+    "study.eval_split": _split(evaluation=True),
     "study.distance": _one_of("distance", lambda: matching.DISTANCES),
     "study.distances": _distinct(_one_of("distance", lambda: matching.DISTANCES)),
     "study.permutation_ablation": _boolean,

@@ -28,7 +28,10 @@ Stages and their fields:
   ``study/<scope>/pairs/``): the scope's parameter paths, the model fields,
   the content hash of the evaluation examples (through which the data set
   and its reader options enter), ``study.num_lambdas`` and
-  ``study.eval_examples``, the content hashes of both endpoints, and the
+  ``study.eval_examples``, ``study.eval_split`` when it is not "test" (the
+  default keys nothing, so that results stored before the field existed stay
+  valid; the examples' content hash changes with it either way), the content
+  hashes of both endpoints, and the
   options the stage uses (``study.distance`` for Stage 1 of every method but
   "naive", ``study.match_steps``, ``study.match_learning_rate``,
   ``study.match_init`` and ``study.match_refine`` for the "full" refinement,
@@ -98,7 +101,8 @@ REINIT_SCHEDULE = ("reinit.num_steps", "reinit.learning_rate", "reinit.warmup_st
 STOPPING = ("reinit.patience", "reinit.min_delta", "reinit.validate_every",
             "dataset.validation_split")
 # Options of the study's stages (each stage keys the ones it uses).
-STUDY = ("study.num_lambdas", "study.eval_examples", "study.distance", "study.match_steps",
+STUDY = ("study.num_lambdas", "study.eval_examples", "study.eval_split", "study.distance",
+         "study.match_steps",
          "study.match_learning_rate", "study.match_init", "study.match_refine",
          "study.learn_steps", "study.learn_learning_rate", "study.learn_uniform_lambda",
          "study.learn_holdout_batches", "study.noise_levels")
@@ -175,8 +179,9 @@ def changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
 
 
 def describe_changes(old: Mapping[str, Any], new: Mapping[str, Any], most: int = 4) -> str:
-  """E.g. "train.learning_rate 0.003 -> 0.001, train.num_steps 8 -> 12"."""
-  names = changed(old, new)
+  """E.g. "train.learning_rate 0.003 -> 0.001, train.num_steps 8 -> 12": the changed config
+  fields first, then the changed content hashes."""
+  names = sorted(changed(old, new), key=lambda k: k.startswith(INPUT))
   parts = [f"{k} {_show(k, old.get(k))} -> {_show(k, new.get(k))}" for k in names[:most]]
   if len(names) > most:
     parts.append(f"and {len(names) - most} more")
@@ -184,10 +189,11 @@ def describe_changes(old: Mapping[str, Any], new: Mapping[str, Any], most: int =
 
 
 def change_line(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
-  """"config changed (<describe_changes>)", or "inputs changed (...)" when an upstream
-  content hash is among the changed fields."""
-  upstream = any(k.startswith(INPUT) for k in changed(old, new))
-  return f"{'inputs' if upstream else 'config'} changed ({describe_changes(old, new)})"
+  """"config changed (<describe_changes>)" when a config field is among the changed fields
+  (a content hash that changed too is listed after them), else "inputs changed (...)":
+  only an upstream content hash changed."""
+  by_config = any(not k.startswith(INPUT) for k in changed(old, new))
+  return f"{'config' if by_config else 'inputs'} changed ({describe_changes(old, new)})"
 
 
 def read_record(directory: str) -> dict[str, Any] | None:

@@ -8,8 +8,8 @@ parameters replicated.
 Three splits of a data set are read: ``config.dataset.train_split`` (training
 batches), ``config.dataset.validation_split`` (the held-out loss on which a
 re-initialised run stops, ``validation_batches``), and the test split
-(``eval_batches``: the evaluations that are reported, and the study's). No
-training decision reads the test split.
+(``eval_batches``: the evaluations that are reported, and the study's unless
+``config.study.eval_split`` names another). No training decision reads the test split.
 """
 
 from __future__ import annotations
@@ -43,6 +43,28 @@ def dataset_info(config: ml_collections.ConfigDict, dataset: str, *, slices=()
   options = data_options(config)
   options.pop("num_workers", None)
   return data.dataset_info(dataset, slices=tuple(slices), **options)
+
+
+def split_range(config: ml_collections.ConfigDict, field: str, dataset: str
+                ) -> data.SplitRange:
+  """The records of ``dataset`` that the split named by config ``field`` reads
+  ("dataset.train_split", "study.eval_split": ``data.split_range``).
+
+  Raises:
+    ValueError: one line naming the field: ``dataset`` has no such split or slice.
+  """
+  section, name = field.split(".")
+  value = config[section][name]
+  try:
+    return data.split_range(dataset, value, data_dir=data_options(config).get("data_dir"))
+  except ValueError as e:
+    raise ValueError(f"config.{field} {value!r} does not fit: {e}") from None
+
+
+def shared_records(a: data.SplitRange, b: data.SplitRange) -> tuple[int, int] | None:
+  """[start, stop) of the records that two split ranges share, or None if they share none."""
+  start, stop = max(a.start, b.start), min(a.stop, b.stop)
+  return (start, stop) if a.base == b.base and start < stop else None
 
 
 def model_overrides(info: data.DatasetInfo) -> dict[str, Any]:
@@ -92,9 +114,11 @@ def train_batches(config: ml_collections.ConfigDict, dataset: str, *, seed: int)
                              split=config.dataset.train_split, **options)
 
 
-def eval_batches(config: ml_collections.ConfigDict, dataset: str) -> Iterable[Batch]:
-  """This process's share of one pass over the test split, batches with "valid"."""
-  return data.eval_iterator(dataset, batch_size=config.train.eval_batch_size,
+def eval_batches(config: ml_collections.ConfigDict, dataset: str, split: str = "test"
+                 ) -> Iterable[Batch]:
+  """This process's share of one pass over ``split`` (the test split by default; the study
+  reads ``config.study.eval_split``), batches with "valid"."""
+  return data.eval_iterator(dataset, batch_size=config.train.eval_batch_size, split=split,
                             **data_options(config))
 
 

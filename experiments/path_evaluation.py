@@ -1,7 +1,7 @@
 """Loss and accuracy along interpolation paths on a fixed evaluation set.
 
-``first_examples`` fixes the evaluation set (a prefix of the test split),
-``examples_digest`` hashes it, and ``PathEvaluator`` evaluates the path
+``evaluation_examples`` fixes the evaluation set (a prefix of
+``study.eval_split``, the test split by default), ``examples_digest`` hashes it, and ``PathEvaluator`` evaluates the path
 theta(lambda) = (1 - lambda) theta_A + lambda theta_B on it with one compiled
 function per model config (``lmc.path_evaluator``). ``curve_result`` adds the
 barriers of a curve.
@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 
 from attn_symmetry import group_action
@@ -90,10 +91,23 @@ def curve_result(curve: Mapping[str, list[float]], lams: np.ndarray) -> dict[str
               accuracy_barrier=lmc.barrier(lams, curve["accuracy"], higher_is_better=True))
 
 
+def evaluation_examples(config: ml_collections.ConfigDict, dataset: str
+                        ) -> list[dict[str, np.ndarray]]:
+  """The study's evaluation set: the batches of ``dataset``'s ``config.study.eval_split``
+  that hold its first ``config.study.eval_examples`` examples (``first_examples``).
+
+  Raises:
+    ValueError: naming ``config.study.eval_split``: ``dataset`` has no such split or slice.
+  """
+  split = config.study.eval_split
+  inputs.split_range(config, "study.eval_split", dataset)
+  return first_examples(inputs.eval_batches(config, dataset, split), config.study.eval_examples)
+
+
 def first_examples(batches: Iterable[Mapping[str, np.ndarray]], limit: int
                    ) -> list[dict[str, np.ndarray]]:
   """The batches that hold the first ``limit`` valid examples (every batch for 0), with
-  ``valid`` False past them: a fixed subset of the test split, in its stored order
+  ``valid`` False past them: a fixed subset of the split read, in its stored order
   (this process's share of it when several processes read)."""
   out, seen = [], 0
   for batch in batches:

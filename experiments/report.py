@@ -109,16 +109,38 @@ def _fmt_barrier(row: Mapping[str, Any], metric: str) -> str:
   return text if finite == total else f"{text} (finite in {finite} of {total} pairs)"
 
 
+def _evaluation_set(res: Mapping[str, Any]) -> str:
+  """"the <split> split", with the number of examples when the result records it."""
+  split = f"the {res.get('eval_split', 'test')} split"
+  count = res.get("eval_examples")
+  return split if count is None else f"{count} examples of {split}"
+
+
+_LEARNED_READS = {"dataset.train_split": "trains on",
+                  "dataset.validation_split": "picks its best iterate on"}
+
+
+def _overlap_note(overlap: Mapping[str, str]) -> str:
+  """The sentence saying that the "learned" method read the evaluation split's records
+  (``scope_study.learned_overlap``: {config field: split})."""
+  reads = " and ".join(f"{_LEARNED_READS[f]} config.{f} {split!r}" for f, split in overlap.items())
+  return (f"The \"learned\" method {reads}, which share{'s' if len(overlap) == 1 else ''} "
+          "records with this split: its barrier here is not held out (the other methods read "
+          "no data).")
+
+
 def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any]]) -> str:
   """``summary.md``: per scope, the barrier table and the Table 1 ablations."""
   lines = [f"# {title}", ""]
   for scope, res in results_by_scope.items():
     lines += [f"## Re-initialisation scope: {scope}", "",
               f"{len(res['pairs'])} checkpoint pair(s), {len(res['lambdas'])} interpolation points"
-              f" on the {res.get('eval_split', 'test')} split. Endpoint metrics: " +
+              f" on {_evaluation_set(res)}. Endpoint metrics: " +
               ", ".join(f"{name} loss {m['loss']:.4f} acc {m['accuracy']:.4f}"
-                        for name, m in res.get("endpoints", {}).items()), "",
-              "| method | loss barrier | accuracy barrier | loss barrier / naive (%) | 95 % CI | "
+                        for name, m in res.get("endpoints", {}).items()), ""]
+    if res.get("learned_overlap"):
+      lines += [_overlap_note(res["learned_overlap"]), ""]
+    lines += ["| method | loss barrier | accuracy barrier | loss barrier / naive (%) | 95 % CI | "
               "accuracy barrier / naive (%) | 95 % CI |", "|---|---|---|---|---|---|---|"]
     for m, row in res["methods"].items():
       lines.append(f"| {METHOD_LABELS.get(m, m)} | {_fmt_barrier(row, 'loss_barrier')} | "

@@ -59,6 +59,26 @@ LEARNED_FIELDS = ("study.learn_steps", "study.learn_learning_rate", "study.learn
                   "dataset.validation_split", "train.batch_size", "dataset.augment")
 
 
+def learned_overlap(config: ml_collections.ConfigDict, dataset: str) -> dict[str, str]:
+  """{field: split} of the slices of ``dataset`` that the "learned" method reads
+  (``dataset.train_split``, which it trains on, and ``dataset.validation_split``, on which
+  it picks its best iterate) and that share records with ``study.eval_split``: on those
+  records its barrier is not held out. Empty when "learned" is not compared.
+
+  Raises:
+    ValueError: naming the config field of a split that ``dataset`` lacks.
+  """
+  if "learned" not in config.study.methods:
+    return {}
+  evaluated = inputs.split_range(config, "study.eval_split", dataset)
+  out = {}
+  for field in ("dataset.train_split", "dataset.validation_split"):
+    split = config.dataset[field.split(".")[1]]
+    if split and inputs.shared_records(evaluated, inputs.split_range(config, field, dataset)):
+      out[field] = split
+  return out
+
+
 def matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
                      **changes) -> dict[str, Any]:
   """The keyword arguments of ``matching.align_model`` that ``method`` uses
@@ -93,6 +113,7 @@ class ScopeStudy:
     self.dir = os.path.join(workdir, "study", scope)
     self.scope_paths = model.scope_paths(scope)
     self.dataset = config.reinit.dataset or config.dataset.name  # the scope's fine-tuning data
+    self.learned_overlap = learned_overlap(config, self.dataset)
     self.seeds = list(config.reinit.seeds)
     self.params = {s: checkpoints[f"reinit/{scope}/seed_{s}"] for s in self.seeds}
     self.digests = {s: fingerprints.tree_digest(p) for s, p in self.params.items()}
@@ -111,13 +132,16 @@ class ScopeStudy:
     """``result_cache.cached`` result of one stage of pair (a, b).
 
     Its fields (``fingerprints.py``): the scope's parameter paths, the model,
-    the number of lambdas, the content hashes of both checkpoints and of the
-    evaluation data, and the stage's own ``fields`` (the options it uses). The
-    first stage of this scope recomputed for a given change logs it.
+    the number of lambdas and evaluation examples, the evaluation split (unless the
+    test split), the content hashes of both checkpoints and of the evaluation data,
+    and the stage's own ``fields`` (the options it uses). The first stage of this
+    scope recomputed for a given change logs it.
     """
+    keyed = ("model", "study.num_lambdas", "study.eval_examples")
+    if self.config.study.eval_split != "test":  # the default keys nothing (fingerprints.py)
+      keyed += ("study.eval_split",)
     fields = {"scope paths": list(self.scope_paths),
-              **fingerprints.config_fields(self.config, ("model", "study.num_lambdas",
-                                                         "study.eval_examples")),
+              **fingerprints.config_fields(self.config, keyed),
               fingerprints.INPUT + "evaluation data": self.data_fingerprint,
               fingerprints.INPUT + f"seed_{a} params": self.digests[a],
               fingerprints.INPUT + f"seed_{b} params": self.digests[b], **fields}
@@ -191,7 +215,8 @@ class ScopeStudy:
     the path's point at lambda (``matching.learn_alignment``), on batches of the training
     slice (``dataset.train_split``) of the data set the scope was fine-tuned on, the best
     iterate chosen on ``study.learn_holdout_batches`` batches of the validation slice. The
-    test split is not read."""
+    evaluation examples are not read, unless ``study.eval_split`` shares records with these
+    slices (``learned_overlap``, which the result records and summary.md reports)."""
     s = self.config.study
     sites = [n for n in matching.active_names(self.model.spec, self.scope_paths)
              if n in self.model.spec.attention]
@@ -317,6 +342,9 @@ class ScopeStudy:
     result: dict[str, Any] = {
         "scope": self.scope, "scope_paths": self.scope_paths, "lambdas": self.lams.tolist(),
         "loss_unit": "bits per byte" if self.evaluator.bits_per_byte else "cross-entropy (nats)",
+        "eval_split": self.config.study.eval_split,
+        "eval_examples": sum(int(np.sum(b["valid"])) for b in self.evaluator.batches),
+        "learned_overlap": self.learned_overlap,
         "endpoints": endpoints, "pairs": pairs,
         "methods": report.summarise_methods(pairs), "ablation": {}}
     if ablations:

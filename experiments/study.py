@@ -3,8 +3,12 @@
 For every re-initialisation scope of the config and every pair (A, B) of its
 re-initialised seeds, each matching method aligns B to A inside the scope
 (``matching.align_model`` with the scope's parameter prefixes), and the path
-theta(lambda) = (1 - lambda) theta_A + lambda g.theta_B is evaluated on the
-test split at ``study.num_lambdas`` points by one compiled function. Then:
+theta(lambda) = (1 - lambda) theta_A + lambda g.theta_B is evaluated at
+``study.num_lambdas`` points by one compiled function, on the first
+``study.eval_examples`` examples of ``study.eval_split``: the test split by
+default, or the training slice for the barrier of the fitted objective (the
+"learned" method then trains on the data it is evaluated on, which
+``summary.md`` says). Then:
 
 * barriers per pair and method, and their mean, std and ratio to naive;
 * for the "first_attention" scope with at most ``study.max_exhaustive_heads``
@@ -74,8 +78,9 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
   """Runs (or resumes) the study of every re-initialisation scope; returns the report paths.
 
   Raises:
-    ValueError: a bad study config, a scope with nothing to align, or
-      checkpoints that are missing, unfinished or trained with other fields
+    ValueError: a bad study config, a scope with nothing to align, an evaluation
+      split the data set lacks, or checkpoints that are missing, unfinished or trained
+      with other fields
       (``train.load_checkpoints``), before any work.
     checkpoints.CorruptCheckpointError: a damaged endpoint (one line naming it).
   """
@@ -85,10 +90,9 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
     return {}
   model = inputs.create_model(config)
   check_scopes(config, model)
-  checkpoints = train.load_checkpoints(config, workdir, require_complete=True)
   dataset = config.reinit.dataset or config.dataset.name
-  batches = path_evaluation.first_examples(inputs.eval_batches(config, dataset),
-                                           config.study.eval_examples)
+  batches = path_evaluation.evaluation_examples(config, dataset)
+  checkpoints = train.load_checkpoints(config, workdir, require_complete=True)
   data_fp = fingerprints.key({"dataset": dataset,
                               "examples": path_evaluation.examples_digest(batches)})
   info = inputs.dataset_info(config, dataset)
@@ -108,7 +112,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
     paths[f"{scope}/results.json"] = reports.write(
         f"{scope}/results.json", res, lambda p, res=res: atomic_io.write_json(p, res, indent=1))
     title = f"{config.model.family} on {dataset}: re-initialised {scope}"
-    loss_name = f"test loss ({res['loss_unit']})"
+    loss_name = f"{res['eval_split']} loss ({res['loss_unit']})"
     paths[f"{scope}/curves.png"] = reports.write(
         f"{scope}/curves.png", [title, loss_name, res["lambdas"], res["pairs"]],
         lambda p, res=res, title=title, loss_name=loss_name: report.plot_curves(

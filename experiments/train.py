@@ -76,7 +76,6 @@ import ml_collections
 import numpy as np
 import optax
 
-from attn_symmetry import data
 from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
 from experiments import atomic_io
@@ -308,19 +307,16 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
 def _check_splits(config: ml_collections.ConfigDict, dataset: str) -> None:
   """Raises ValueError if a split of ``config.dataset`` does not fit ``dataset``, or if the
   validation split shares records with the training split."""
-  d, ranges = config.dataset, {}
-  data_dir = inputs.data_options(config).get("data_dir")
-  for field in ("train_split", "validation_split"):
-    if d[field]:
-      try:
-        ranges[field] = data.split_range(dataset, d[field], data_dir=data_dir)
-      except ValueError as e:
-        raise ValueError(f"config.dataset.{field} {d[field]!r} does not fit: {e}") from None
-  t, v = ranges["train_split"], ranges.get("validation_split")
-  if v is not None and v.base == t.base and v.start < t.stop and t.start < v.stop:
+  d = config.dataset
+  t = inputs.split_range(config, "dataset.train_split", dataset)
+  if not d.validation_split:
+    return
+  v = inputs.split_range(config, "dataset.validation_split", dataset)
+  shared = inputs.shared_records(t, v)
+  if shared is not None:
     raise ValueError(
         f"config.dataset.validation_split {d.validation_split!r} shares records "
-        f"[{max(t.start, v.start)}, {min(t.stop, v.stop)}) of split {t.base!r} of {dataset!r} "
+        f"[{shared[0]}, {shared[1]}) of split {t.base!r} of {dataset!r} "
         f"with config.dataset.train_split {d.train_split!r}; the validation loss must be "
         "held out from training")
 
@@ -330,13 +326,16 @@ def check_data(config: ml_collections.ConfigDict) -> None:
 
   The data set B of an A->B transfer must give the model the same input and
   output sizes as A. Each data set must have ``config.dataset.train_split``
-  and (if set) ``validation_split``, and the two must share no record.
+  and (if set) ``validation_split``, and the two must share no record; the
+  data set the study reads must have ``config.study.eval_split``.
   """
   datasets = {config.dataset.name}
   if config.reinit.scopes:
     datasets.add(config.reinit.dataset or config.dataset.name)
   for name in sorted(datasets):
     _check_splits(config, name)
+  if config.reinit.scopes:
+    inputs.split_range(config, "study.eval_split", config.reinit.dataset or config.dataset.name)
   train_split = config.dataset.train_split
   infos = {name: inputs.dataset_info(config, name, slices=[train_split]) for name in datasets}
   for name, info in infos.items():

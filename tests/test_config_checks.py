@@ -15,6 +15,8 @@ from attn_symmetry import matching
 from attn_symmetry import models
 from experiments import config_checks
 from experiments import main
+from experiments import path_evaluation
+from experiments import train
 from experiments.configs import default
 from experiments.configs import gpt2_wiki_bytes
 from experiments.configs import quickstart
@@ -127,6 +129,9 @@ BAD = [
     (IMAGES, "study.learn_uniform_lambda", 1, "study.learn_uniform_lambda", "True or False"),
     (IMAGES, "study.learn_holdout_batches", 0, "study.learn_holdout_batches", "must be"),
     (IMAGES, "study.eval_examples", -5, "study.eval_examples", "must be"),
+    (IMAGES, "study.eval_split", "train+test", "study.eval_split",
+     "must be a split such as 'train' or one slice of it such as 'train[:90%]'"),
+    (IMAGES, "study.eval_split", 0.9, "study.eval_split", "must be a split name"),
     (IMAGES, "study.distance", "manhattan", "study.distance", "unknown distance 'manhattan'"),
     (IMAGES, "study.distances", ("frobenius", "l1"), "study.distances[1]", "unknown distance"),
     (IMAGES, "study.permutation_ablation", 1, "study.permutation_ablation", "True or False"),
@@ -173,6 +178,8 @@ def test_every_field_has_a_rule_and_a_bad_value():
     (IMAGES, "reinit.min_delta", 0.0),  # any decrease is an improvement
     (TEXT, "dataset.validation_split", "validation"),
     (IMAGES, "dataset.train_split", "train"),
+    (IMAGES, "study.eval_split", "test[:50%]"),  # only evaluated: the test split is allowed
+    (IMAGES, "study.eval_split", "train[:90%]"),
 ])
 def test_edge_values_are_accepted(setting, field, value):
   changes = {field: value}
@@ -289,3 +296,14 @@ def test_learned_needs_a_validation_split():
   with pytest.raises(ValueError, match=r"^config.study.methods includes 'learned', which "
                      r"chooses its best iterate on held-out training data"):
     config_checks.validate(config)
+
+
+def test_eval_split_must_be_a_split_of_the_studied_data_set():
+  """Checked with the other splits before training (train.check_data) and before the study
+  reads it (path_evaluation.evaluation_examples)."""
+  config = _config(**{"study.eval_split": "validation"})
+  says = "config.study.eval_split 'validation' does not fit: Dataset 'digits' has no split"
+  with pytest.raises(ValueError, match=re.escape(says)):
+    train.check_data(config)
+  with pytest.raises(ValueError, match=re.escape(says)):
+    path_evaluation.evaluation_examples(config, "digits")

@@ -124,6 +124,19 @@ def test_markdown_summary_holds_the_numbers():
   assert "| 0.5 | 0.5000 | 0.2500 |" in lines
 
 
+def test_markdown_summary_names_the_evaluation_split_and_what_learned_read():
+  res = dict(_results(), eval_split="train[:90%]", eval_examples=144,
+             learned_overlap={"dataset.train_split": "train[:90%]"})
+  lines = report.markdown_summary("LMC study", {"first_attention": res}).splitlines()
+  assert any(line.startswith("3 checkpoint pair(s), 3 interpolation points on 144 examples of "
+                             "the train[:90%] split. ") for line in lines)
+  assert ("The \"learned\" method trains on config.dataset.train_split 'train[:90%]', which "
+          "shares records with this split: its barrier here is not held out (the other methods "
+          "read no data).") in lines
+  res["learned_overlap"] = {}
+  assert "not held out" not in report.markdown_summary("LMC study", {"first_attention": res})
+
+
 @pytest.mark.parametrize("with_nan", [False, True])
 def test_plot_curves_writes_a_png(tmp_path, with_nan):
   lams = np.linspace(0, 1, 5)

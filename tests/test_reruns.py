@@ -120,6 +120,9 @@ CASES = [
      "base: config changed (dataset.augment False -> True); retraining"),
     ("study.match_steps", 5, (set(), {"full", "robustness"}),
      "study all_attention: config changed (study.match_steps 20 -> 5); recomputing"),
+    ("study.eval_split", "train[:50%]", (set(), set(STAGES)),
+     "study all_attention: config changed (study.eval_split (none) -> train[:50%], "
+     "sha256 of evaluation data "),
 ]
 
 

@@ -9,12 +9,14 @@ results.json, and the path ends against the seeds' own evaluations.
 import glob
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
 import pytest
 
 from attn_symmetry import data
+from experiments import evaluation
 from experiments import input_noise
 from experiments import inputs
 from experiments import report
@@ -264,6 +266,63 @@ def test_first_examples_keeps_a_fixed_prefix_of_the_valid_examples():
   everything = path_evaluation.first_examples(batches, 0)
   assert len(everything) == 3 and sum(int(b["valid"].sum()) for b in everything) == 11
   assert sum(int(b["valid"].sum()) for b in path_evaluation.first_examples(batches, 50)) == 11
+
+
+def test_evaluation_examples_are_a_prefix_of_the_named_split():
+  config = _config(eval_examples=16)
+  digests = {}
+  for split in ("test", "train[:50%]", "train[10:]"):
+    config.study.eval_split = split
+    batches = path_evaluation.evaluation_examples(config, "digits")
+    assert sum(int(b["valid"].sum()) for b in batches) == 16
+    digests[split] = path_evaluation.examples_digest(batches)
+  assert len(set(digests.values())) == 3
+  whole = data.eval_iterator("digits", batch_size=config.train.eval_batch_size, split="train")
+  assert digests["train[:50%]"] == path_evaluation.examples_digest(
+      path_evaluation.first_examples(whole, 16))
+
+
+def test_learned_overlap_names_the_slices_learned_reads_from_the_evaluation_split():
+  for split, expected in (("test", {}), ("train[:50%]", {"dataset.train_split": "train[:90%]"}),
+                          ("train[95%:]", {"dataset.validation_split": "train[90%:]"}),
+                          ("train", {"dataset.train_split": "train[:90%]",
+                                     "dataset.validation_split": "train[90%:]"})):
+    assert scope_study.learned_overlap(_config(eval_split=split), "digits") == expected, split
+  assert scope_study.learned_overlap(_config(eval_split="train", methods=("naive", "full")),
+                                     "digits") == {}
+
+
+def test_study_evaluates_the_paths_on_study_eval_split(finished, tmp_path):
+  """On a copy of the trained workdir: the paths on the first 40 examples of "train[:50%]"
+  (their ends: the seeds' training-data metrics, not their test ones); the split keyed in
+  every stage file and named in summary.md."""
+  config, workdir, _, _ = finished
+  copy = str(tmp_path / "w")
+  shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("study"))
+  changed = _config(eval_split="train[:50%]", eval_examples=40, methods=("naive", "perm"),
+                    distances=(), permutation_ablation=False, noise_levels=())
+  paths = study.run_study(changed, copy)
+  res = json.load(open(paths["first_attention/results.json"]))
+  assert (res["eval_split"], res["eval_examples"], res["learned_overlap"]) == (
+      "train[:50%]", 40, {})
+  for stage in ("naive", "perm"):
+    stored = json.load(open(os.path.join(copy, "study", "first_attention", "pairs",
+                                         "seed_1-seed_2", stage + ".json")))
+    assert stored["fields"]["study.eval_split"] == "train[:50%]"
+  test_ends = _results(finished)["endpoints"]
+  assert all(res["endpoints"][s]["loss"] != test_ends[s]["loss"] for s in test_ends)
+  model, params = inputs.create_model(changed), train.load_checkpoints(changed, copy)
+  first_40 = path_evaluation.first_examples(
+      data.eval_iterator("digits", batch_size=changed.train.eval_batch_size, split="train"), 40)
+  for seed in changed.reinit.seeds:
+    on_train = evaluation.evaluate(model, params[f"reinit/first_attention/seed_{seed}"], first_40)
+    assert res["endpoints"][f"seed_{seed}"]["loss"] == pytest.approx(on_train["loss"], rel=1e-5)
+  summary = open(paths["summary.md"]).read()
+  assert "5 interpolation points on 40 examples of the train[:50%] split." in summary
+  assert _results(finished)["eval_split"] == "test"
+  default = json.load(open(os.path.join(workdir, "study", "first_attention", "pairs",
+                                        "seed_1-seed_2", "naive.json")))
+  assert "study.eval_split" not in default["fields"]  # the default keys nothing
 
 
 def test_learned_is_compared_and_lowers_the_full_methods_barrier(finished):

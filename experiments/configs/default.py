@@ -42,8 +42,12 @@ Fields:
     ``learn_steps`` and ``learn_learning_rate``, ``learn_uniform_lambda``
     (lambda drawn from U(0, 1) at every step instead of 1/2) and
     ``learn_holdout_batches`` (training batches held out to pick its best
-    iterate), ``eval_examples`` (the first that many test
-    examples evaluate every path; 0 for all), the Stage 1 ``distance`` and
+    iterate), ``eval_examples`` (the first that many examples of
+    ``eval_split`` evaluate every path; 0 for all), ``eval_split`` (the test
+    split, or another split or slice such as the training slice "train[:90%]"
+    when the barrier of the fitted objective is wanted; the "learned" method
+    trains on the training slice, so its barrier there is not held out, which
+    ``summary.md`` says), the Stage 1 ``distance`` and
     the ``distances`` of its ablation, the ``permutation_ablation`` over every
     head order (for at most ``max_exhaustive_heads`` heads), and the input
     ``noise_levels`` of the robustness check (Gaussian std on normalised
@@ -122,6 +126,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.study.learn_uniform_lambda = False
   config.study.learn_holdout_batches = 4
   config.study.eval_examples = 0
+  # The split (or slice: "train[:90%]") whose first eval_examples evaluate every path.
+  config.study.eval_split = "test"
   config.study.distance = "frobenius"
   config.study.distances = ("frobenius", "squared", "normalised", "cosine")
   config.study.permutation_ablation = True
