@@ -141,3 +141,23 @@ def test_bad_arguments_raise():
   bad = attention.init_attention(jax.random.key(0), width=D, num_heads=N, head_dim=H, num_kv_heads=3)
   with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
     attention.multi_head_attention(bad, x)
+
+
+def test_layout_helpers_describe_init_attention():
+  """leaf_shapes is the layout init_attention builds; layer_shapes reads it back, stacked too;
+  a missing bias reads as zeros; K defaults to N."""
+  params = attention.init_attention(jax.random.key(0), width=D, num_heads=N, head_dim=H,
+                                    num_kv_heads=2)
+  expected = attention.leaf_shapes(D, N, 2, H)
+  assert set(expected) == set(attention.LEAVES)
+  assert {f"{n}/{l}": v.shape for n, node in params.items() for l, v in node.items()} == expected
+  assert attention.layer_shapes(params) == ((), D, N, 2, H)
+  stacked = jax.tree.map(lambda x: jnp.stack([x] * 3), params)
+  assert attention.layer_shapes(stacked, "layers/") == ((3,), D, N, 2, H)
+  no_bias = dict(params, key={"kernel": params["key"]["kernel"]})
+  np.testing.assert_array_equal(attention.bias_or_zeros(no_bias, "key"), np.zeros((2, H)))
+  assert attention.bias_or_zeros(params, "key") is params["key"]["bias"]
+  assert attention.kv_heads(N) == N and attention.kv_heads(N, 2) == 2
+  with pytest.raises(ValueError, match="layers/out/kernel has shape"):
+    attention.layer_shapes(dict(stacked, out={"kernel": stacked["out"]["kernel"][..., :3]}),
+                           "layers/")

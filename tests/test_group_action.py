@@ -12,6 +12,7 @@ import pytest
 
 from attn_symmetry import attention
 from attn_symmetry import group_action as ga
+from attn_symmetry import spec as spec_lib
 from attn_symmetry.spec import AttentionSite
 from tests import tiny_transformer as tiny
 
@@ -181,6 +182,21 @@ def test_whole_model_invariance(x64, rms):
                        ga.apply_model(spec, params, ga.compose_model(spec, g, h)))
   _assert_params_close(ga.apply_model(spec, moved, ga.inverse_model(spec, g)), params)
   _assert_params_close(ga.apply_model(spec, params, ga.identity_model(spec)), params, 0)
+
+
+def test_apply_leaf_is_the_factor_action_of_apply_model(x64):
+  """apply_model maps every leaf outside the attention sites by apply_leaf; skip_axis leaves
+  that axis alone."""
+  spec, params = tiny.symmetry_spec(), tiny.init(jax.random.key(0))
+  g = ga.random_model_element(jax.random.key(1), spec)
+  moved = spec_lib.flatten(ga.apply_model(spec, params, g))
+  flat = spec_lib.flatten(params)
+  outside = [p for p in flat if not any(p.startswith(s + "/") for s in spec.attention)]
+  for path in outside:
+    np.testing.assert_array_equal(ga.apply_leaf(spec, path, flat[path], g), moved[path])
+  wi = "layers_0/mlp/wi/kernel"  # residual rows, FFN columns
+  np.testing.assert_array_equal(ga.apply_leaf(spec, wi, flat[wi], g, skip_axis=0),
+                                jnp.take(flat[wi], g["layers_0/mlp"], axis=1))
 
 
 def test_restricted_spec_acts_only_on_named_factors(x64):
