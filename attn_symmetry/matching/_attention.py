@@ -1,7 +1,9 @@
 """Two-stage weight matching of attention layers (docs/matching.md).
 
-Given two canonical attention layers (or layer stacks with a leading [L] axis),
-find g = (perm, A_k, B_k) with g . theta_B close to theta_A:
+Given two canonical attention layers (``attention.LEAVES``; docs/symmetries.md,
+'The canonical attention layer'), or layer stacks with a leading [L] axis, and
+their ``spec.AttentionSite``, find g = (perm, A_k, B_k) with g . theta_B close
+to theta_A:
 
 1. Stage 1 assigns B's heads to A's by a linear assignment problem on the
    invariant-feature distances of ``_features`` (under GQA, kv groups first,
