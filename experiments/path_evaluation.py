@@ -1,7 +1,8 @@
 """Loss and accuracy along interpolation paths on a fixed evaluation set.
 
 ``evaluation_examples`` fixes the evaluation set (a prefix of
-``study.eval_split``, the test split by default), ``examples_digest`` hashes it, and ``PathEvaluator`` evaluates the path
+``study.eval_split``, the test split by default), ``examples_digest`` hashes
+it, and ``PathEvaluator`` evaluates the path
 theta(lambda) = (1 - lambda) theta_A + lambda theta_B on it with one compiled
 function per model config (``lmc.path_evaluator``). ``curve_result`` adds the
 barriers of a curve.
@@ -99,9 +100,9 @@ def evaluation_examples(config: ml_collections.ConfigDict, dataset: str
   Raises:
     ValueError: naming ``config.study.eval_split``: ``dataset`` has no such split or slice.
   """
-  split = config.study.eval_split
-  inputs.split_range(config, "study.eval_split", dataset)
-  return first_examples(inputs.eval_batches(config, dataset, split), config.study.eval_examples)
+  inputs.split_range(config, "study.eval_split", dataset)  # the error names the field
+  return first_examples(inputs.eval_batches(config, dataset, config.study.eval_split),
+                        config.study.eval_examples)
 
 
 def first_examples(batches: Iterable[Mapping[str, np.ndarray]], limit: int
