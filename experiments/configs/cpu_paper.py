@@ -23,7 +23,18 @@ Settings:
     attention layer re-initialised, every method and the 24-permutation
     ablation (ViT, 28x28 images in 7x7 patches; RoPE is axial 2-D).
   table1_bert_{ape,rope}: the same for BERT on newsgroups_mini (bytes,
-    128 per post).
+    128 per post), with the paths evaluated on the training slice
+    (``study.eval_split = "train[:90%]"``, all 144 of its posts) instead of
+    the test split: the barrier of the fitted objective, the usual
+    alternative in LMC work. newsgroups_mini holds 200 posts, 40 of them the
+    test split; the 6-layer BERT memorises the 144 training posts (train
+    accuracy 1 and train loss ~1e-4 by step 500) and sits at test loss
+    2.0-2.3 and accuracy 0.725-0.775 on 40 posts, where every method's
+    test loss barrier came out 0.0000 on the first pair: the interpolated
+    models are less over-confident than the endpoints, so the path lies
+    below its chord. The learned method trains on this slice, so its barrier
+    there is not held out (``summary.md`` says so); the reduced form
+    evaluates the first 128 of the 144 posts.
   scopes_vit_mnist_to_fashion, scopes_vit_fashion: the four
     re-initialisation scopes (first attention, all attention, first layer,
     full model); MNIST -> Fashion-MNIST transfer, and Fashion-MNIST alone.
@@ -76,6 +87,7 @@ def _bert(config: ml_collections.ConfigDict, pos: str) -> None:
   config.dataset.name, config.dataset.seq_len = "newsgroups_mini", 128
   _common(config, _TEXT_SCHEDULE)
   config.train.batch_size = 16  # 144 training posts
+  config.study.eval_split, config.study.eval_examples = "train[:90%]", 144  # module docstring
 
 
 def _lm(config: ml_collections.ConfigDict, family: str, pos: str) -> None:
