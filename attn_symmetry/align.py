@@ -352,11 +352,11 @@ def _evaluate(model: Model, batches, paths: dict[str, tuple[Params, Params]], nu
 
 
 def _plot(curves: dict[str, Any], path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  # A bare Figure (no pyplot): the caller's plotting backend, in a notebook say, stays as it is.
+  from matplotlib import figure  # pylint: disable=g-import-not-at-top
 
-  fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), constrained_layout=True)
+  fig = figure.Figure(figsize=(9, 3.5), layout="constrained")
+  axes = fig.subplots(1, 2)
   for ax, metric in zip(axes, ("loss", "accuracy")):
     for name, style in (("before", "--"), ("after", "-")):
       barrier = curves[name]["barrier"][metric]
@@ -366,7 +366,6 @@ def _plot(curves: dict[str, Any], path: str) -> None:
     ax.set_ylabel(metric)
     ax.legend()
   fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def _save(out: str, overwrite: bool, writers: dict[str, Callable[[str], None]]) -> None:

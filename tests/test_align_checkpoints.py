@@ -555,3 +555,17 @@ def test_learned_method_trains_on_the_first_half(tmp_path):
   assert any(line.startswith("learned: step 4/4") for line in lines)
   assert report["distance"]["after"]["relative"] <= TOL
   assert report["barrier"]["after"]["loss"] <= 1e-4
+
+
+def test_the_curve_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  previous = matplotlib.get_backend()
+  matplotlib.use("pdf")  # a backend of the caller's that is not the one align would pick
+  try:
+    side = {"loss": [1.0, 1.5, 1.0], "accuracy": [1.0, 0.8, 1.0],
+            "barrier": {"loss": 0.5, "accuracy": 0.2}}
+    align._plot({"lambdas": [0.0, 0.5, 1.0], "before": side, "after": side},
+                str(tmp_path / "c.png"))
+    assert matplotlib.get_backend() == "pdf" and (tmp_path / "c.png").stat().st_size > 0
+  finally:
+    matplotlib.use(previous)
