@@ -10,14 +10,11 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import matplotlib
+import numpy as np
+import scipy.stats
+from matplotlib import figure  # bare Figures, no pyplot: the caller's backend stays as it is
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import scipy.stats  # noqa: E402
-
-from experiments import atomic_io  # noqa: E402
+from experiments import atomic_io
 
 METHOD_LABELS = {"naive": "naive", "perm": "Variant 1 (Stage 1)", "ortho": "Variant 2 (+ ortho init)",
                  "full": "full (+ gradient refinement)", "learned": "learned (+ loss of the path)"}
@@ -180,13 +177,10 @@ def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any
 
 
 def _finish(fig, title: str, path: str, *, dpi: int) -> str:
-  """Titles ``fig``, writes it to ``path`` atomically (``atomic_io.save_figure``), closes it."""
+  """Titles ``fig``, writes it to ``path`` atomically (``atomic_io.save_figure``)."""
   fig.suptitle(title)
   fig.tight_layout()
-  try:
-    atomic_io.save_figure(fig, path, dpi=dpi)
-  finally:
-    plt.close(fig)
+  atomic_io.save_figure(fig, path, dpi=dpi)
   return path
 
 
@@ -195,7 +189,8 @@ def plot_curves(path: str, title: str, lambdas: Sequence[float],
   """PNG with the loss and accuracy along the path, mean ± std over pairs per method,
   written atomically (``atomic_io.save_figure``)."""
   lams = np.asarray(lambdas)
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+  fig = figure.Figure(figsize=(10, 3.8))
+  axes = fig.subplots(1, 2)
   for ax, metric, ylabel in ((axes[0], "loss", loss_name), (axes[1], "accuracy", "accuracy")):
     for m in pairs[0]["methods"]:
       curves = np.asarray([p["methods"][m][metric] for p in pairs], np.float64)
@@ -231,8 +226,8 @@ def plot_permutation_curves(path: str, title: str, lambdas: Sequence[float],
   shown = list(per_pair)[:most_pairs]
   cols = min(5, len(shown))
   rows = -(-len(shown) // cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False,
-                           sharex=True)
+  fig = figure.Figure(figsize=(3.2 * cols, 2.8 * rows))
+  axes = fig.subplots(rows, cols, squeeze=False, sharex=True)
   for i, (ax, abl) in enumerate(zip(axes.flat, shown)):
     curves = np.asarray(abl["loss_curves"], np.float64)
     best = int(np.argmin(abl["loss_barriers"]))

@@ -1,5 +1,6 @@
 """Study reports: summaries over pairs, ranks and L-hat, summary.md, the curves figure."""
 
+import importlib
 import math
 
 import matplotlib.image
@@ -166,3 +167,16 @@ def test_plot_permutation_curves_draws_every_pair(tmp_path):
   image = matplotlib.image.imread(path)
   assert image.shape[:2] == (280, 960)  # 3 panels of 3.2 x 2.8 inches at 100 dpi
   assert image[..., :3].std() > 0.05
+
+
+def test_drawing_a_report_leaves_the_callers_matplotlib_backend_alone(tmp_path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  previous = matplotlib.get_backend()
+  matplotlib.use("pdf")
+  try:
+    importlib.reload(report)
+    pairs = [{"methods": {"naive": {"loss": [1.0, 2.0, 1.0], "accuracy": [1.0, 0.5, 1.0]}}}]
+    report.plot_curves(str(tmp_path / "c.png"), "t", [0.0, 0.5, 1.0], pairs)
+    assert matplotlib.get_backend() == "pdf" and (tmp_path / "c.png").stat().st_size > 0
+  finally:
+    matplotlib.use(previous)
