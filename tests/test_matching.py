@@ -104,13 +104,14 @@ def _assert_optimal(cost, perm):
 
 
 def _use_solver(monkeypatch, solver):
-  """Forces linear_assignment's host (scipy) or device (optax) solver for every size."""
-  monkeypatch.setattr(jax, "default_backend", lambda: "cpu" if solver == "host" else "gpu")
-  monkeypatch.setattr(_assignment, "HOST_MIN_SIZE", 0)
+  """Forces one of linear_assignment's paths for every size: "host" (scipy), "device_cpu"
+  (optax, problems of a batch one after another) or "device" (optax, vmapped)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu" if solver == "device" else "cpu")
+  monkeypatch.setattr(_assignment, "HOST_MIN_SIZE", 0 if solver == "host" else 10**9)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (5, 5), (3, 9, 9), (2, 3, 9, 9), (17, 17)])
-@pytest.mark.parametrize("solver", ["host", "device"])
+@pytest.mark.parametrize("solver", ["host", "device_cpu", "device"])
 def test_linear_assignment_is_optimal(x64, monkeypatch, shape, solver):
   """Both solvers, on this machine: scipy on the host, optax's vmapped Hungarian algorithm."""
   _use_solver(monkeypatch, solver)
@@ -127,7 +128,7 @@ def test_linear_assignment_keeps_small_problems_on_the_device(monkeypatch):
   assert "callback" not in small and "callback" in large
 
 
-@pytest.mark.parametrize("solver", ["host", "device"])
+@pytest.mark.parametrize("solver", ["host", "device_cpu", "device"])
 def test_linear_assignment_under_vmap_and_in_a_loop(x64, monkeypatch, solver):
   """The host callback batches under vmap and runs inside lax loops like the device solver."""
   _use_solver(monkeypatch, solver)
