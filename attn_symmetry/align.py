@@ -84,7 +84,7 @@ from attn_symmetry.models import convert
 from attn_symmetry.models import safetensors_io
 
 OUTPUTS = ("aligned_b", "merged", "interpolation.json", "interpolation.png", "report.json")
-MATCHING_OPTIONS = ("distance", "steps", "learning_rate", "max_rounds", "init", "refine")
+MATCHING_OPTIONS = ("distance", "steps", "learning_rate", "max_rounds", "init", "refine", "solver")
 DTYPES = ("keep", "float32")
 # The command's default, shared with experiments/main.py: compiled programs of every run.
 COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), "attn_symmetry", "jax_cache")
@@ -432,7 +432,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
       on each path, examples per batch, tokens per text sequence, most batches.
     progress: called with one line per stage (e.g. ``print``).
     **options: ``align_model``'s distance, steps, learning_rate, max_rounds,
-      init and refine.
+      init, refine and solver.
 
   Returns:
     ``Alignment(model, params_a, params, element, report)``.
@@ -579,6 +579,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--max-rounds", type=int, help="most rounds of coordinate descent")
   parser.add_argument("--init", help="start of the full method's refinement: procrustes, best")
   parser.add_argument("--refine", help="when full refines: every_round, final")
+  parser.add_argument("--solver", help="the full method's refinement: gauss_newton, adam")
   parser.add_argument("--distance", help="Stage 1 head distance")
   parser.add_argument("--quiet", action="store_true", help="no progress lines")
   parser.add_argument("--compilation-cache", metavar="DIR", default=COMPILATION_CACHE,

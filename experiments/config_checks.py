@@ -190,6 +190,7 @@ RULES: dict[str, Rule] = {
     "study.match_learning_rate": _POSITIVE,
     "study.match_init": _one_of("Stage 2 start", lambda: matching.INITS),
     "study.match_refine": _one_of("refinement schedule", lambda: matching.REFINES),
+    "study.match_solver": _one_of("refinement solver", lambda: matching.SOLVERS),
     "study.learn_steps": _AT_LEAST_0,
     "study.learn_learning_rate": _POSITIVE,
     "study.learn_uniform_lambda": _boolean,

@@ -34,7 +34,8 @@ Stages and their fields:
   hashes of both endpoints, and the
   options the stage uses (``study.distance`` for Stage 1 of every method but
   "naive", ``study.match_steps``, ``study.match_learning_rate``,
-  ``study.match_init`` and ``study.match_refine`` for the "full" refinement,
+  ``study.match_init``, ``study.match_refine`` and ``study.match_solver`` for
+  the "full" refinement,
   those and ``study.learn_*`` for "learned"; ``seed``,
   ``study.noise_levels`` and ``study.methods`` for the robustness check).
 * report (``study/report_fingerprints.json``): the content hash of the
@@ -104,6 +105,7 @@ STOPPING = ("reinit.patience", "reinit.min_delta", "reinit.validate_every",
 STUDY = ("study.num_lambdas", "study.eval_examples", "study.eval_split", "study.distance",
          "study.match_steps",
          "study.match_learning_rate", "study.match_init", "study.match_refine",
+         "study.match_solver",
          "study.learn_steps", "study.learn_learning_rate", "study.learn_uniform_lambda",
          "study.learn_holdout_batches", "study.noise_levels")
 # Keyed per run or stage, by the value that run or stage uses (see the module docstring).

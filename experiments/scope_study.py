@@ -51,7 +51,7 @@ log.setLevel(logging.INFO)
 # align_model's matching options and the config fields that set them.
 _OPTION_FIELDS = {"distance": "study.distance", "steps": "study.match_steps",
                   "learning_rate": "study.match_learning_rate", "init": "study.match_init",
-                  "refine": "study.match_refine"}
+                  "refine": "study.match_refine", "solver": "study.match_solver"}
 # What the "learned" method reads besides the full method's options: its own options and
 # the training and validation batches it learns from and chooses on.
 LEARNED_FIELDS = ("study.learn_steps", "study.learn_learning_rate", "study.learn_uniform_lambda",
@@ -85,7 +85,7 @@ def matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
   (``matching.METHODS[method].options``), from ``config.study``, with ``changes`` applied."""
   s = config.study
   values = dict(distance=s.distance, steps=s.match_steps, learning_rate=s.match_learning_rate,
-                init=s.match_init, refine=s.match_refine)
+                init=s.match_init, refine=s.match_refine, solver=s.match_solver)
   return {k: changes.get(k, values[k]) for k in matching.METHODS[method].options}
 
 

@@ -124,6 +124,8 @@ BAD = [
     (IMAGES, "study.match_init", "lstsq", "study.match_init", "unknown Stage 2 start 'lstsq'"),
     (IMAGES, "study.match_refine", "never", "study.match_refine",
      "unknown refinement schedule 'never'"),
+    (IMAGES, "study.match_solver", "lbfgs", "study.match_solver",
+     "unknown refinement solver 'lbfgs'"),
     (IMAGES, "study.learn_steps", -1, "study.learn_steps", "must be"),
     (IMAGES, "study.learn_learning_rate", -0.1, "study.learn_learning_rate", "must be > 0"),
     (IMAGES, "study.learn_uniform_lambda", 1, "study.learn_uniform_lambda", "True or False"),

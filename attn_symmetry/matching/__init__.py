@@ -17,9 +17,11 @@ Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.
 Attention methods (``METHODS``, the paper's Table 1): "naive" (identity),
 "perm" (Variant 1: the Stage 1 permutation, applied even where it raises the
 distance), "ortho" (Variant 2: Stage 1 and the orthogonal Procrustes
-solution) and "full" (Adam refinement from a start chosen by ``init``,
+solution) and "full" (a refinement from a start chosen by ``init``,
 ``INITS``: "procrustes", the paper's and the default, or "best" of it and the
-least-squares starts, exact on planted problems). In ``align_model`` the first
+least-squares starts, exact on planted problems; the refinement's ``solver``,
+``SOLVERS``: "gauss_newton", the default, a few curvature steps stopped on a
+tolerance, or "adam", the paper's plain gradient descent). In ``align_model`` the first
 solve of every site applies the method's solution unconditionally and later
 re-solves only when they lower the distance; ``refine`` (``REFINES``) chooses
 whether "full" refines at every attention step ("every_round", the default)
@@ -40,6 +42,7 @@ from attn_symmetry.matching._assignment import linear_assignment
 from attn_symmetry.matching._attention import DEFAULT_LEARNING_RATE
 from attn_symmetry.matching._attention import DEFAULT_STEPS
 from attn_symmetry.matching._attention import INITS
+from attn_symmetry.matching._attention import SOLVERS
 from attn_symmetry.matching._attention import match_attention
 from attn_symmetry.matching._attention import match_attention_exhaustive
 from attn_symmetry.matching._features import DISTANCES

@@ -13,10 +13,13 @@ to theta_A:
 
 Methods (the paper's Table 1): "naive" (identity), "perm" (Variant 1: Stage 1
 only), "ortho" (Variant 2: Stage 1 and the orthogonal Procrustes solution),
-"full" (Stage 1, then Adam refinement from a start chosen by ``init``: the
-Procrustes solution, as the paper does, for "procrustes" (the default); the
-best of it and the two one-sided least-squares solutions for "best", which is
-exact on noise-free planted problems). The objective reported for every stage
+"full" (Stage 1, then a refinement by ``solver`` from a start chosen by
+``init``: the Procrustes solution, as the paper does, for "procrustes" (the
+default); the best of it and the two one-sided least-squares solutions for
+"best", which is exact on noise-free planted problems). The refinement is
+Gauss-Newton (the default, "gauss_newton": a handful of iterations, stopped
+on a tolerance) or the paper's plain gradient descent ("adam": ``steps``
+Adam steps at ``learning_rate``); ``_stage2`` has both. The objective reported for every stage
 is the squared parameter distance over the query, key, value and output
 weights and biases, sum_leaf ||theta_A - g . theta_B||^2 (the output bias is
 left out: no head symmetry moves it), computed from the H x H Grams.
@@ -50,6 +53,7 @@ from attn_symmetry.matching import _stage2
 # ``_methods.METHODS`` holds these and the methods registered from outside.
 METHODS = ("naive", "perm", "ortho", "full", "learned")
 INITS = ("procrustes", "best")  # starts of the "full" refinement (module docstring)
+SOLVERS = _stage2.SOLVERS  # its solvers: Gauss-Newton (the default) or Adam
 DEFAULT_STEPS = 200
 DEFAULT_LEARNING_RATE = 1e-2
 MAX_EXHAUSTIVE_HEADS = 8
@@ -61,12 +65,14 @@ Params = dict[str, Any]
 
 
 def check_options(method: str, distance: str, steps: int, init: str = INITS[0],
-                  methods=METHODS) -> None:
+                  methods=METHODS, solver: str = SOLVERS[0]) -> None:
   """ValueError naming the option that is not one of its values (``methods``: the known names)."""
   if method not in methods:
     raise ValueError(f"method must be one of {tuple(methods)}, got {method!r}")
   if init not in INITS:
     raise ValueError(f"init must be one of {INITS}, got {init!r}")
+  if solver not in SOLVERS:
+    raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
   if distance not in _features.DISTANCES:
     raise ValueError(f"distance must be one of {_features.DISTANCES}, got {distance!r}")
   if not isinstance(steps, (int, np.integer)) or steps < 0:
@@ -149,15 +155,16 @@ def element_objective(g: _features.Grams, element: group_action.AttentionElement
 
 def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, distance: str, *,
                 steps: int, learning_rate: jax.Array, init: str = INITS[0],
-                current: group_action.AttentionElement | None = None
+                solver: str = SOLVERS[0], current: group_action.AttentionElement | None = None
                 ) -> tuple[group_action.AttentionElement, dict[str, Any]]:
   """Both stages for one layer from its Grams (no leading axes).
 
   Returns:
     (element, info) with info["objective"][stage] for "naive" and every stage
-    up to ``method``, info["assignment_cost"] (not for "naive"), and
-    info["objective"]["current"] for the element ``current`` when given
-    (evaluated in the same batch).
+    up to ``method``, info["assignment_cost"] (not for "naive"),
+    info["refinement_steps"] (for "full": the most iterations any of the
+    layer's problems took), and info["objective"]["current"] for the element
+    ``current`` when given (evaluated in the same batch).
   """
   identity = jnp.arange(site.num_heads, dtype=jnp.int32)
   eye = jnp.broadcast_to(jnp.eye(site.head_dim, dtype=g.q.dtype),
@@ -168,8 +175,8 @@ def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, d
     return element, {"objective": {"naive": _values([(eye, eye)], [naive])[0]}}
   cost = _features.head_cost(g, site, distance)
   perm = _assignment.assign_heads(cost, site.kv_heads)
-  element, stages = stage2(g, perm, site, method, steps=steps, learning_rate=learning_rate,
-                           init=init)
+  element, stages, taken = stage2(g, perm, site, method, steps=steps,
+                                  learning_rate=learning_rate, init=init, solver=solver)
   problems = _stage2.pair_problems(g, perm)
   names, matrices = ["naive", *stages], [(eye, eye), *stages.values()]
   batch = [naive, *[problems] * len(stages)]
@@ -177,49 +184,59 @@ def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, d
     names.append("current")
     matrices.append((current.qk, current.vo))
     batch.append(_stage2.pair_problems(g, current.perm))
-  return element, {"objective": dict(zip(names, _values(matrices, batch))),
-                   "assignment_cost": _assignment.assignment_cost(cost, perm)}
+  info = {"objective": dict(zip(names, _values(matrices, batch))),
+          "assignment_cost": _assignment.assignment_cost(cost, perm)}
+  if taken is not None:
+    info["refinement_steps"] = jnp.max(taken)
+  return element, info
 
 
 def stage2(g: _features.Grams, perm: jax.Array, site: spec_lib.AttentionSite, method: str, *,
-           steps: int, learning_rate: jax.Array, init: str = INITS[0]
-           ) -> tuple[group_action.AttentionElement, dict[str, tuple[jax.Array, jax.Array]]]:
+           steps: int, learning_rate: jax.Array, init: str = INITS[0], solver: str = SOLVERS[0]
+           ) -> tuple[group_action.AttentionElement, dict[str, tuple[jax.Array, jax.Array]],
+                      jax.Array | None]:
   """Stage 2 after the head assignment ``perm`` [N] of one layer.
 
   Returns:
-    (element, stages): the element of ``method`` and, for every stage up to
-    it ("perm", "ortho", "full"), its (qk, vo) matrices [K, H, H].
+    (element, stages, taken): the element of ``method``; for every stage up
+    to it ("perm", "ortho", "full"), its (qk, vo) matrices [K, H, H]; for
+    "full" the refinement's iterations [2K] of each problem (QK, then VO),
+    else None.
   """
   problems = _stage2.pair_problems(g, perm)
   rope = site if site.group == "rope" else None
   eye = jnp.broadcast_to(jnp.eye(site.head_dim, dtype=g.q.dtype), problems[0].s1.shape)
-  stages = {"perm": (eye, eye)}
+  stages, taken = {"perm": (eye, eye)}, None
   if method in ("ortho", "full"):
     stages["ortho"] = _stage2.procrustes(problems[0].c1 + problems[0].c2,
                                          problems[1].c1 + problems[1].c2, rope)
   if method == "full":
-    stages["full"] = refine_matrices(problems, stages["ortho"], site, steps=steps,
-                                     learning_rate=learning_rate, init=init)
-  return group_action.AttentionElement(perm.astype(jnp.int32), *stages[method]), stages
+    stages["full"], taken = refine_matrices(problems, stages["ortho"], site, steps=steps,
+                                            learning_rate=learning_rate, init=init, solver=solver)
+  return group_action.AttentionElement(perm.astype(jnp.int32), *stages[method]), stages, taken
 
 
 def refine_matrices(problems: tuple[_stage2.Problem, _stage2.Problem],
                     start: tuple[jax.Array, jax.Array], site: spec_lib.AttentionSite, *,
-                    steps: int, learning_rate: jax.Array, init: str
-                    ) -> tuple[jax.Array, jax.Array]:
+                    steps: int, learning_rate: jax.Array, init: str, solver: str = SOLVERS[0]
+                    ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
   """The "full" refinement of one layer's QK and VO matrices [K, H, H].
 
   Args:
     problems: the layer's QK and VO problems [K] (``_stage2.pair_problems``).
     start: (qk, vo) matrices [K, H, H] to start from (the Procrustes solution).
     site: the layer's attention site (the QK side stays in H(H) under RoPE).
-    steps, learning_rate: Adam steps and learning rate.
+    steps: the most Gauss-Newton iterations, or the Adam steps.
+    learning_rate: Adam's learning rate (unused by Gauss-Newton).
     init: "procrustes" starts from ``start``, "best" from the best of it and
       the two one-sided least-squares solutions.
+    solver: "gauss_newton" or "adam" (``_stage2``).
 
   Returns:
-    (qk, vo), each no worse on its problem than its start. QK and VO run as
-    one batch of 2K problems, after the LAPACK calls that made ``start``.
+    ((qk, vo), taken): the matrices, each no worse on its problem than its
+    start, and the iterations [2K] each problem took (``steps`` for Adam).
+    QK and VO run as one batch of 2K problems, after the LAPACK calls that
+    made ``start``.
   """
   rope = site if site.group == "rope" else None
   k = site.kv_heads
@@ -230,10 +247,13 @@ def refine_matrices(problems: tuple[_stage2.Problem, _stage2.Problem],
   def solve(p, m, c):
     if init == "best":
       m = _stage2.best_start(p, m, c, rope)
-    return _stage2.refine(m, p, c, rope, steps=steps, learning_rate=learning_rate)
+    if solver == "adam":
+      return (_stage2.adam(m, p, c, rope, steps=steps, learning_rate=learning_rate),
+              jnp.int32(steps))
+    return _stage2.gauss_newton(m, p, c, rope, steps=steps)
 
-  solved = jax.vmap(solve)(both, jnp.concatenate(start), constrained)
-  return solved[:k], solved[k:]
+  solved, taken = jax.vmap(solve)(both, jnp.concatenate(start), constrained)
+  return (solved[:k], solved[k:]), taken
 
 
 def _flatten_lead(params: Params, lead: tuple[int, ...]) -> Params:
@@ -252,21 +272,22 @@ def _grams(params_a: Params, params_b: Params) -> tuple[_features.Grams, tuple[i
   return grams, lead
 
 
-def _match_core(params_a, params_b, learning_rate, *, site, method, distance, steps, init):
+def _match_core(params_a, params_b, learning_rate, *, site, method, distance, steps, init, solver):
   grams, lead = _grams(params_a, params_b)
   solve = lambda g: solve_layer(g, site, method, distance, steps=steps, learning_rate=learning_rate,
-                                init=init)
+                                init=init, solver=solver)
   return _restore_lead(jax.vmap(solve)(grams), lead)
 
 
-def _exhaustive_core(params_a, params_b, learning_rate, *, site, method, distance, steps, init):
+def _exhaustive_core(params_a, params_b, learning_rate, *, site, method, distance, steps, init,
+                     solver):
   grams, lead = _grams(params_a, params_b)
   perms = jnp.asarray(_assignment.head_permutations(site.num_heads, site.kv_heads))
 
   def per_layer(g):
     def per_perm(perm):
-      element, _ = stage2(g, perm, site, method, steps=steps, learning_rate=learning_rate,
-                          init=init)
+      element, _, _ = stage2(g, perm, site, method, steps=steps, learning_rate=learning_rate,
+                             init=init, solver=solver)
       return element, element_objective(g, element)
     elements, values = jax.vmap(per_perm)(perms)
     chosen = _assignment.assign_heads(_features.head_cost(g, site, distance), site.kv_heads)
@@ -278,15 +299,15 @@ def _exhaustive_core(params_a, params_b, learning_rate, *, site, method, distanc
                                             "stage1_index": index}
 
 
-_STATIC = ("site", "method", "distance", "steps", "init")
+_STATIC = ("site", "method", "distance", "steps", "init", "solver")
 _match_jit = jax.jit(_match_core, static_argnames=_STATIC)
 _exhaustive_jit = jax.jit(_exhaustive_core, static_argnames=_STATIC)
 
 
-def _prepare(params_a, params_b, site, *, method, distance, steps, learning_rate, init):
+def _prepare(params_a, params_b, site, *, method, distance, steps, learning_rate, init, solver):
   """Checks everything, then ((A, B, learning rate) in the compute dtype, static jit options)."""
   spec_lib.check_site(site)
-  check_options(method, distance, steps, init)
+  check_options(method, distance, steps, init, solver=solver)
   if method == "learned":
     raise ValueError("method 'learned' trains the element on a task loss, which one layer does "
                      "not have: use matching.align_model(spec, params_a, params_b, "
@@ -295,9 +316,10 @@ def _prepare(params_a, params_b, site, *, method, distance, steps, learning_rate
   dtype = compute_dtype(params_a["query"]["kernel"].dtype)
   args = (upcast(canonical_layer(params_a)), upcast(canonical_layer(params_b)),
           jnp.asarray(learning_rate, dtype))
-  # init only changes "full": one program for the other methods whatever it is.
+  # init and solver only change "full": one program for the other methods whatever they are.
+  full = method == "full"
   static = dict(site=site, method=method, distance=distance, steps=int(steps),
-                init=init if method == "full" else INITS[0])
+                init=init if full else INITS[0], solver=solver if full else SOLVERS[0])
   return args, static
 
 
@@ -312,7 +334,8 @@ def canonical_layer(params: Params) -> Params:
 def match_attention(params_a: Params, params_b: Params, site: spec_lib.AttentionSite, *,
                     method: str = "full", distance: str = "frobenius",
                     steps: int = DEFAULT_STEPS, learning_rate: float = DEFAULT_LEARNING_RATE,
-                    init: str = INITS[0]) -> tuple[group_action.AttentionElement, dict[str, Any]]:
+                    init: str = INITS[0], solver: str = SOLVERS[0]
+                    ) -> tuple[group_action.AttentionElement, dict[str, Any]]:
   """Aligns attention layer B to layer A (module docstring).
 
   Args:
@@ -328,10 +351,13 @@ def match_attention(params_a: Params, params_b: Params, site: spec_lib.Attention
     method: "naive", "perm", "ortho" or "full".
     distance: Stage 1 distance, "frobenius" (default), "squared",
       "normalised" or "cosine", of the QK and VO circuits (summed).
-    steps: Adam steps of the "full" refinement.
-    learning_rate: Adam learning rate.
+    steps: the "full" refinement's most Gauss-Newton iterations (it stops
+      earlier on its tolerance), or its Adam steps.
+    learning_rate: Adam's learning rate (solver "adam" only).
     init: start of the "full" refinement: "procrustes" (default, the paper's)
       or "best" (the best of it and the least-squares starts).
+    solver: the "full" refinement: "gauss_newton" (default) or "adam" (the
+      paper's gradient descent).
 
   Returns:
     (element, info): an ``AttentionElement`` with the layers' leading shape
@@ -340,7 +366,8 @@ def match_attention(params_a: Params, params_b: Params, site: spec_lib.Attention
     and float16 parameters and in the parameters' dtype otherwise.
     info["objective"][stage] [...] the squared parameter distance after each
     stage run ("naive", then up to ``method``), info["assignment_cost"] [...]
-    the optimal Stage 1 cost (not for "naive").
+    the optimal Stage 1 cost (not for "naive"), info["refinement_steps"]
+    [...] (for "full") the most iterations the refinement took in a layer.
 
   Raises:
     TypeError: ``site`` is not an ``AttentionSite``.
@@ -350,14 +377,15 @@ def match_attention(params_a: Params, params_b: Params, site: spec_lib.Attention
       says, or hold NaN or Inf.
   """
   args, static = _prepare(params_a, params_b, site, method=method, distance=distance, steps=steps,
-                          learning_rate=learning_rate, init=init)
+                          learning_rate=learning_rate, init=init, solver=solver)
   return _match_jit(*args, **static)
 
 
 def match_attention_exhaustive(params_a: Params, params_b: Params,
                                site: spec_lib.AttentionSite, *, method: str = "full",
                                distance: str = "frobenius", steps: int = DEFAULT_STEPS,
-                               learning_rate: float = DEFAULT_LEARNING_RATE, init: str = INITS[0]
+                               learning_rate: float = DEFAULT_LEARNING_RATE, init: str = INITS[0],
+                               solver: str = SOLVERS[0]
                                ) -> tuple[group_action.AttentionElement, dict[str, Any]]:
   """Stage 2 after every head permutation, for the paper's Stage 1 ablation.
 
@@ -375,7 +403,7 @@ def match_attention_exhaustive(params_a: Params, params_b: Params,
     the row of the permutation that Stage 1 picks with ``distance``.
   """
   args, static = _prepare(params_a, params_b, site, method=method, distance=distance, steps=steps,
-                          learning_rate=learning_rate, init=init)
+                          learning_rate=learning_rate, init=init, solver=solver)
   if method == "naive":
     raise ValueError("exhaustive matching needs a Stage 2 method: 'perm', 'ortho' or 'full'")
   if static["site"].num_heads > MAX_EXHAUSTIVE_HEADS:

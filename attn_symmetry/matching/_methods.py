@@ -17,8 +17,8 @@ from typing import Any
 from attn_symmetry.matching import _attention
 
 # ``align_model``'s matching options: Stage 1's distance; the "full" refinement's steps,
-# learning rate, start and schedule.
-ALIGN_OPTIONS = ("distance", "steps", "learning_rate", "init", "refine")
+# learning rate, start, schedule and solver.
+ALIGN_OPTIONS = ("distance", "steps", "learning_rate", "init", "refine", "solver")
 
 
 @dataclasses.dataclass(frozen=True)

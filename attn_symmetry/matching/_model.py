@@ -46,7 +46,7 @@ it ends. With a single site in scope (the first attention layer) the result is
 exactly the method's solution.
 
 Refinement of "full" (``refine``): "every_round" runs the whole "full" method
-(Stage 1, Procrustes, Adam) at every attention step; "final" runs the descent
+(Stage 1, Procrustes, refinement) at every attention step; "final" runs the descent
 with "ortho" (Variant 2) to convergence and then refines every site's QK and
 VO matrices once, from the descent's matrices with its permutations and
 factors kept (never worse than the descent's element). Orthogonal factors
@@ -299,9 +299,10 @@ def _set_sites(step: _Step, element, stacked) -> dict[str, Any]:
 
 
 def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element, learning_rate,
-                    first: jax.Array, *, method: str, distance: str, steps: int, init: str
-                    ) -> tuple[dict[str, Any], jax.Array]:
-  """Matches every site of ``step`` (vmap over sites) given the factors; (element, changed).
+                    first: jax.Array, *, method: str, distance: str, steps: int, init: str,
+                    solver: str) -> tuple[dict[str, Any], jax.Array, jax.Array]:
+  """Matches every site of ``step`` (vmap over sites) given the factors; (element, changed,
+  the most refinement iterations of a site: 0 unless "full").
 
   The method's solution is taken unconditionally when ``first`` (the sites'
   first solve), else only where it lowers the objective (module docstring).
@@ -310,7 +311,7 @@ def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, el
   site = spec.attention[step.names[0]]
   solve = lambda g, current: _attention.solve_layer(g, site, method, distance, steps=steps,
                                                     learning_rate=learning_rate, init=init,
-                                                    current=current)
+                                                    solver=solver, current=current)
   old = _stack([element[s] for s in step.names])
   new, info = jax.vmap(solve)(grams, old)
   old_value, new_value = info["objective"]["current"], info["objective"][method]
@@ -318,23 +319,26 @@ def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, el
   accept = first | (new_value < old_value - tolerance)
   moved = jnp.any(new.perm != old.perm, axis=-1) | (jnp.abs(new_value - old_value) > tolerance)
   pick = lambda x, y: jnp.where(accept.reshape(-1, *[1] * (x.ndim - 1)), x, y)
-  return _set_sites(step, element, jax.tree.map(pick, new, old)), jnp.any(accept & moved)
+  taken = jnp.max(info.get("refinement_steps", jnp.zeros((), jnp.int32)))
+  return _set_sites(step, element, jax.tree.map(pick, new, old)), jnp.any(accept & moved), taken
 
 
 def _refine_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element, learning_rate,
-                 *, steps: int, init: str) -> dict[str, Any]:
+                 *, steps: int, init: str, solver: str) -> tuple[dict[str, Any], jax.Array]:
   """The "full" refinement of every site of ``step`` from its current matrices, its
-  permutation and the factors kept (``refine="final"``)."""
+  permutation and the factors kept (``refine="final"``); (element, most iterations)."""
   grams, _ = _site_grams(spec, step, flat_a, flat_b, element)
   site = spec.attention[step.names[0]]
 
   def refine(g, current):
     problems = _stage2.pair_problems(g, current.perm)
-    qk, vo = _attention.refine_matrices(problems, (current.qk, current.vo), site, steps=steps,
-                                        learning_rate=learning_rate, init=init)
-    return current._replace(qk=qk, vo=vo)
+    (qk, vo), taken = _attention.refine_matrices(problems, (current.qk, current.vo), site,
+                                                 steps=steps, learning_rate=learning_rate,
+                                                 init=init, solver=solver)
+    return current._replace(qk=qk, vo=vo), jnp.max(taken)
 
-  return _set_sites(step, element, jax.vmap(refine)(grams, _stack([element[s] for s in step.names])))
+  refined, taken = jax.vmap(refine)(grams, _stack([element[s] for s in step.names]))
+  return _set_sites(step, element, refined), jnp.max(taken)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -364,7 +368,7 @@ class _StaticSpec:
 
 
 def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps, max_rounds, init,
-                refine):
+                refine, solver):
   spec = spec.spec
   final = method == "full" and refine == "final"
   descent = "ortho" if final else method
@@ -378,34 +382,41 @@ def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps,
     step = plan[i]
     if step.attention:
       return _attention_step(spec, step, flat_a, flat_b, element, learning_rate, rounds == 0,
-                             method=descent, distance=distance, steps=steps, init=init)
-    return _factor_step(spec, plan, step, flat_a, flat_b, element, first[i], rounds)
+                             method=descent, distance=distance, steps=steps, init=init,
+                             solver=solver)
+    return (*_factor_step(spec, plan, step, flat_a, flat_b, element, first[i], rounds),
+            jnp.int32(0))
 
   def body(state):
-    element, dirty, rounds = state
+    element, dirty, rounds, taken = state
     for i in range(len(plan)):
-      element, changed = jax.lax.cond(dirty[i], lambda e, i=i: run(i, e, rounds),
-                                      lambda e: (e, jnp.bool_(False)), element)
+      element, changed, t = jax.lax.cond(dirty[i], lambda e, i=i: run(i, e, rounds),
+                                         lambda e: (e, jnp.bool_(False), jnp.int32(0)), element)
       rerun = first[i] is not None and rounds == 0
       dirty = (dirty.at[i].set(rerun) | (changed & neighbours[i]))
-    return element, dirty, rounds + 1
+      taken = jnp.maximum(taken, t)
+    return element, dirty, rounds + 1, taken
 
   element = group_action.identity_model(spec, dtype)
-  state = (element, jnp.ones(len(plan), bool), jnp.int32(0))
+  state = (element, jnp.ones(len(plan), bool), jnp.int32(0), jnp.int32(0))
   cond = lambda s: jnp.any(s[1]) & (s[2] < max_rounds)
-  element, _, rounds = jax.lax.while_loop(cond, body, state)
+  element, _, rounds, taken = jax.lax.while_loop(cond, body, state)
   distances = {"initial": sum(jnp.sum((flat_a[p] - flat_b[p]) ** 2) for p in flat_a)}
   if final:
     distances["before_refinement"] = _distance(spec, plan, flat_a, flat_b, element)
     for step in plan:
       if step.attention:
-        element = _refine_step(spec, step, flat_a, flat_b, element, learning_rate, steps=steps,
-                               init=init)
+        element, t = _refine_step(spec, step, flat_a, flat_b, element, learning_rate,
+                                  steps=steps, init=init, solver=solver)
+        taken = jnp.maximum(taken, t)
   distances["final"] = _distance(spec, plan, flat_a, flat_b, element)
-  return element, {"distance": distances, "rounds": rounds}
+  info = {"distance": distances, "rounds": rounds}
+  if method == "full":
+    info["refinement_steps"] = taken
+  return element, info
 
 
-_STATIC = ("spec", "method", "distance", "steps", "max_rounds", "init", "refine")
+_STATIC = ("spec", "method", "distance", "steps", "max_rounds", "init", "refine", "solver")
 _align_jit = jax.jit(_align_core, static_argnames=_STATIC)
 
 
@@ -427,7 +438,8 @@ def _check_model_pair(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: P
 
 
 def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps, learning_rate,
-                     max_rounds, init=_attention.INITS[0], refine=REFINES[0]):
+                     max_rounds, init=_attention.INITS[0], refine=REFINES[0],
+                     solver=_attention.SOLVERS[0]):
   active = spec.restrict(names)
   params_a, params_b = _attention.upcast(params_a), _attention.upcast(params_b)
   needs_folding = any(active.factors[f].kind == "orthogonal" for f in active.factors
@@ -438,11 +450,11 @@ def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps
   flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
   dtype = next(iter(flat_a.values())).dtype
   if method != "full" or not active.attention:  # one program whatever options change nothing
-    init, refine = _attention.INITS[0], REFINES[0]
+    init, refine, solver = _attention.INITS[0], REFINES[0], _attention.SOLVERS[0]
   element, info = _align_jit(flat_a, flat_b, jnp.asarray(learning_rate, dtype),
                              spec=_StaticSpec(active), method=method, distance=distance,
                              steps=int(steps), max_rounds=int(max_rounds), init=init,
-                             refine=refine)
+                             refine=refine, solver=solver)
   full = group_action.identity_model(spec, dtype)
   full.update(element)
   info["folded_norm_scales"] = needs_folding
@@ -454,7 +466,8 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
                 distance: str = "frobenius", steps: int = _attention.DEFAULT_STEPS,
                 learning_rate: float = _attention.DEFAULT_LEARNING_RATE,
                 max_rounds: int = DEFAULT_MAX_ROUNDS, init: str = _attention.INITS[0],
-                refine: str = REFINES[0], loss_fn: Callable[[Params, Any], Any] | None = None,
+                refine: str = REFINES[0], solver: str = _attention.SOLVERS[0],
+                loss_fn: Callable[[Params, Any], Any] | None = None,
                 batches: Iterable[Any] | None = None, holdout_batches: Sequence[Any] | None = None,
                 **learned_options) -> tuple[dict[str, Any], dict[str, Any]]:
   """Aligns model B to model A: every factor and attention site of ``spec`` in scope.
@@ -475,7 +488,7 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       ``steps`` and ``learning_rate`` are those of the training), or a
       method of ``register_method``: its ``align`` is called with ``scope``
       and the options it names (``matching.METHODS[method].options``).
-    distance, steps, learning_rate, init: attention matching options
+    distance, steps, learning_rate, init, solver: attention matching options
       (``match_attention``).
     max_rounds: most rounds of coordinate descent.
     refine: when "full" refines the attention matrices: "every_round"
@@ -495,7 +508,9 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     info["distance"] {"initial", "final"} the squared parameter distance to
     (folded) A before and after, computed in that dtype, and for
     ``refine="final"`` "before_refinement", the distance at the end of the
-    descent; info["rounds"] the rounds run; for "learned", info["learned"]
+    descent; info["rounds"] the rounds run; for "full",
+    info["refinement_steps"] the most iterations one refinement took; for
+    "learned", info["learned"]
     (``learn_alignment``).
 
   Raises:
@@ -503,7 +518,8 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       parameters do not fit the spec or each other, hold NaN or Inf, a scope
       prefix matches nothing, or an option is unknown.
   """
-  _attention.check_options(method, distance, steps, init, methods=_methods.METHODS)
+  _attention.check_options(method, distance, steps, init, methods=_methods.METHODS,
+                           solver=solver)
   if refine not in REFINES:
     raise ValueError(f"refine must be one of {REFINES}, got {refine!r}")
   _check_model_pair(spec, params_a, params_b)
@@ -512,7 +528,7 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     full = functools.partial(_weight_matching, spec, params_a, params_b, names=names,
                              method="full", distance=distance, steps=_attention.DEFAULT_STEPS,
                              learning_rate=_attention.DEFAULT_LEARNING_RATE,
-                             max_rounds=max_rounds, init=init, refine=refine)
+                             max_rounds=max_rounds, init=init, refine=refine, solver=solver)
     return _learned.align(spec, params_a, params_b, full,
                           sites=[n for n in names if n in spec.attention], loss_fn=loss_fn,
                           batches=batches, holdout_batches=holdout_batches, steps=steps,
@@ -525,7 +541,7 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
   registered = _methods.METHODS[method]
   if registered.align is not None:  # register_method's: it reads the options it names
     values = dict(distance=distance, steps=steps, learning_rate=learning_rate, init=init,
-                  refine=refine)
+                  refine=refine, solver=solver)
     return registered.align(spec, params_a, params_b, scope=scope,
                             **{k: values[k] for k in registered.options})
   if method == "naive":
@@ -533,7 +549,7 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     return group_action.identity_model(spec, dtype), {"folded_norm_scales": False}
   return _weight_matching(spec, params_a, params_b, names=names, method=method, distance=distance,
                           steps=steps, learning_rate=learning_rate, max_rounds=max_rounds,
-                          init=init, refine=refine)
+                          init=init, refine=refine, solver=solver)
 
 
 def match_ffn(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,

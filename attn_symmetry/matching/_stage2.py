@@ -25,16 +25,38 @@ Solutions, from cheap to exact (docs/matching.md, 'Stage 2'):
 * Least squares from one side: M = S1^{-1} C1 ignores the second term,
   M^{-T} = S2^{-1} C2 the first; exact on noise-free planted problems.
   Projected onto H(H) with RoPE.
-* Refinement: Adam (optax) on the exact objective from the Procrustes solution
-  (the paper's start) or from the best of the three (``best_start``), with
-  M^{-T} by a linear solve and the gradient in closed form. For H(H) the
-  gradient is projected onto its span; Adam then acts on the matrix exactly as
-  it would on the (a_p, b_p) coordinates (the entries of a coordinate receive
-  equal or opposite gradients, hence equal or opposite updates), so the
-  iterates stay in H(H). Iterates whose objective is not finite or whose
-  condition bound ||M||_F ||M^{-1}||_F exceeds ``max_condition`` are rejected:
-  the iterate returns to the best one so far and the step size halves. The best
-  iterate is returned.
+* Refinement (``SOLVERS``), from the Procrustes solution (the paper's start)
+  or from the best of the three (``best_start``). Iterates whose objective is
+  not finite or whose condition bound ||M||_F ||M^{-1}||_F exceeds
+  ``max_condition`` are rejected.
+
+  - "gauss_newton" (the default): with X = M^{-T}, both terms are sums of
+    squares, ||X1 M - Y1||^2 and ||X2 X - Y2||^2 with dX = -X dM^T X, and
+    their Gauss-Newton model has the curvature operator
+    A(D) = S1 D + P D Q, P = X X^T, Q = X^T S2 X. The step solves
+    A(D) = -grad / 2, a generalised Sylvester equation: with W^T S1 W = I,
+    W^T P W = Lambda (one eigendecomposition of the S1-whitened P; S1's
+    whitening is computed once) and Q = U Sigma U^T,
+    D = W [(W^T R U)_ij / (1 + lambda_i sigma_j)] U^T, O(H^3). In H(H) the
+    model is minimised over the group's span by conjugate gradients
+    preconditioned with that solve (projected onto the span). A backtracking
+    line search keeps the objective decreasing, up to its rounding: q sums
+    ||Y_A||^2 and terms of that size, so it cancels to ~eps ||Y_A||^2 near a
+    noise-free solution while the gradient does not, and a step that changes
+    q by less than ``tolerance`` ||Y_A||^2 is accepted (this is what takes
+    float32 to ~1e-7 in M rather than ~sqrt(eps)). The iteration stops when
+    the model predicts a relative decrease below ``tolerance``, after a step
+    shorter than sqrt(eps) ||M||, when no step is accepted, or after
+    ``steps`` iterations: a few steps (quadratic convergence on noise-free
+    problems, fast linear convergence otherwise). It returns the last
+    iterate and the iterations taken.
+  - "adam": the paper's plain gradient refinement, ``steps`` Adam (optax)
+    steps with the gradient in closed form. For H(H) the gradient is
+    projected onto its span; Adam then acts on the matrix exactly as it
+    would on the (a_p, b_p) coordinates (the entries of a coordinate receive
+    equal or opposite gradients, hence equal or opposite updates), so the
+    iterates stay in H(H). A rejected iterate returns to the best one so far
+    and the step size halves. The best iterate is returned.
 
 QK and VO problems of a layer run as one batch, and the linear solves of a
 stage form one chain: independent batched LAPACK calls that XLA's CPU runtime
@@ -54,6 +76,10 @@ import optax
 from attn_symmetry import group_action
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.matching._features import HIGHEST, Grams
+
+
+SOLVERS = ("gauss_newton", "adam")  # the refinement's solvers (module docstring)
+MAX_HALVINGS = 12  # backtracking line search: step sizes 1, 1/2, ..., 2^-12
 
 
 class Problem(NamedTuple):
@@ -105,17 +131,21 @@ def objective(m: jax.Array, p: Problem) -> tuple[jax.Array, jax.Array]:
   return value, jnp.linalg.norm(m) * jnp.linalg.norm(m_inv_t)
 
 
-def objective_and_gradient(m: jax.Array, p: Problem) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``objective`` and its gradient in M, in closed form with the same single solve.
+def objective_and_gradient(m: jax.Array, p: Problem
+                           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """``objective``, its gradient in M and M^{-T}, in closed form with the same single solve.
 
   With X = M^{-T}, dX = -X dM^T X, so d q(X)/dM = -X G^T X for G = dq/dX = 2 (S2 X - C2).
+
+  Returns:
+    (value, condition bound, gradient [H, H], M^{-T} [H, H]).
   """
   m_inv_t, s1m, s2x = _terms(m, p)
   value = (jnp.sum(m * s1m) - 2 * jnp.sum(m * p.c1) + p.n1
            + jnp.sum(m_inv_t * s2x) - 2 * jnp.sum(m_inv_t * p.c2) + p.n2)
   g_x = 2 * (s2x - p.c2)
   grad = 2 * (s1m - p.c1) - _matmul(_matmul(m_inv_t, g_x.T), m_inv_t)
-  return value, jnp.linalg.norm(m) * jnp.linalg.norm(m_inv_t), grad
+  return value, jnp.linalg.norm(m) * jnp.linalg.norm(m_inv_t), grad, m_inv_t
 
 
 # ----------------------------------------------------------------------------- group parameters
@@ -234,8 +264,8 @@ def best_start(p: Problem, orthogonal: jax.Array, constrained: jax.Array,
   return candidates[jnp.argmin(values)]
 
 
-def refine(start: jax.Array, p: Problem, constrained: jax.Array,
-           rope: spec_lib.AttentionSite | None, *, steps: int, learning_rate: jax.Array) -> jax.Array:
+def adam(start: jax.Array, p: Problem, constrained: jax.Array,
+         rope: spec_lib.AttentionSite | None, *, steps: int, learning_rate: jax.Array) -> jax.Array:
   """Guarded Adam steps on the exact objective from ``start`` [H, H] (module docstring).
 
   Returns the best of ``start`` and the ``steps`` iterates.
@@ -245,7 +275,7 @@ def refine(start: jax.Array, p: Problem, constrained: jax.Array,
 
   def body(_, state):
     m, opt_state, best, best_value, scale = state
-    value, cond, grad = objective_and_gradient(m, p)
+    value, cond, grad, _ = objective_and_gradient(m, p)
     ok = jnp.isfinite(value) & (cond <= limit) & jnp.isfinite(grad).all()
     better = ok & (value < best_value)
     best, best_value = jnp.where(better, m, best), jnp.where(better, value, best_value)
@@ -258,3 +288,105 @@ def refine(start: jax.Array, p: Problem, constrained: jax.Array,
   state = (start, opt.init(start), start, inf, jnp.ones((), p.s1.dtype))
   # Iteration i evaluates iterate i; the update of the last one is not used.
   return jax.lax.fori_loop(0, steps + 1, body, state)[2]
+
+
+def tolerance(dtype: Any) -> float:
+  """Gauss-Newton stops once its model predicts a relative decrease below this (100 eps)."""
+  return 100 * float(jnp.finfo(dtype).eps)
+
+
+def _whitening(s1: jax.Array) -> jax.Array:
+  """W1 [H, H] with W1^T (S1 + ridge) W1 = I; the ridge (eps tr(S1) / H) keeps it finite."""
+  h = s1.shape[-1]
+  eps = jnp.finfo(s1.dtype).eps
+  ridge = eps * (jnp.trace(s1) / h + jnp.finfo(s1.dtype).tiny)
+  d, u = jnp.linalg.eigh(s1 + ridge * jnp.eye(h, dtype=s1.dtype))
+  return u / jnp.sqrt(jnp.maximum(d, ridge))
+
+
+def _gauss_newton_step(grad: jax.Array, m_inv_t: jax.Array, w1: jax.Array, p: Problem,
+                       constrained: jax.Array, rope: spec_lib.AttentionSite | None) -> jax.Array:
+  """The Gauss-Newton step D [H, H]: A(D) = -grad / 2 (module docstring), in H(H)'s span
+  where ``constrained`` (preconditioned conjugate gradients, H(H)'s dimension at most)."""
+  big_p = _matmul(m_inv_t, m_inv_t.T)
+  q = _matmul(_matmul(m_inv_t.T, p.s2), m_inv_t)
+  lam_sig, vecs = jnp.linalg.eigh(jnp.stack([_matmul(_matmul(w1.T, big_p), w1), q]))
+  w, u = _matmul(w1, vecs[0]), vecs[1]
+  scale = 1 + jnp.maximum(lam_sig[0], 0)[:, None] * jnp.maximum(lam_sig[1], 0)[None, :]
+
+  def solve(r):  # A^{-1} r
+    return _matmul(_matmul(w, _matmul(_matmul(w.T, r), u) / scale), u.T)
+
+  if rope is None:
+    return solve(-grad / 2)
+  proj = lambda x: _constrain(x, constrained, rope)
+  apply_a = lambda d: proj(_matmul(p.s1, d) + _matmul(_matmul(big_p, d), q))
+  precondition = lambda r: proj(solve(r))
+  safe = lambda num, den: jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0)
+
+  def body(_, state):
+    d, r, z, direction, rz = state
+    a_dir = apply_a(direction)
+    alpha = safe(rz, jnp.sum(direction * a_dir))
+    d, r = d + alpha * direction, r - alpha * a_dir
+    z = precondition(r)
+    rz_new = jnp.sum(r * z)
+    return d, r, z, z + safe(rz_new, rz) * direction, rz_new
+
+  r = proj(-grad / 2)
+  z = precondition(r)
+  dim = rope.rotary_dims() + (rope.head_dim - rope.rotary_dims()) ** 2
+  state = (jnp.zeros_like(r), r, z, z, jnp.sum(r * z))
+  return jax.lax.fori_loop(0, min(dim, 2 * rope.head_dim), body, state)[0]
+
+
+def gauss_newton(start: jax.Array, p: Problem, constrained: jax.Array,
+                 rope: spec_lib.AttentionSite | None, *, steps: int
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Gauss-Newton iterations with a backtracking line search from ``start`` [H, H]
+  (module docstring); at most ``steps``.
+
+  Every LAPACK call (S1's eigendecomposition, each inverse and each step's
+  eigendecompositions) lies on one chain (``sequenced``).
+
+  Returns:
+    (M [H, H], iterations taken []): no worse than ``start``.
+  """
+  limit, tol = max_condition(p.s1.dtype), tolerance(p.s1.dtype)
+  eps = jnp.finfo(p.s1.dtype).eps
+  # The objective's rounding: q = ||Y||^2 + (terms of its size) cancels to ~eps ||Y||^2, so a
+  # step that changes it by less is accepted (its gradients, free of that cancellation, still
+  # steer the iterate; a noise-free problem is thus solved to rounding in M, not in q).
+  slack = tol * (jnp.abs(p.n1) + jnp.abs(p.n2))
+  w1 = _whitening(p.s1)
+  start = sequenced(start, w1)
+  value, cond, grad, m_inv_t = objective_and_gradient(start, p)
+  grad = _constrain(grad, constrained, rope)
+
+  def line_search(m, value, delta):
+    def try_step(state):
+      t, _, _ = state
+      candidate = m + t * delta
+      new = objective_and_gradient(candidate, p)
+      ok = jnp.isfinite(new[0]) & (new[1] <= limit) & jnp.isfinite(new[2]).all()
+      return t / 2, ok & (new[0] < value + slack), (candidate, *new)
+    state = try_step((jnp.ones((), m.dtype), False, None))
+    state = jax.lax.while_loop(lambda s: ~s[1] & (s[0] >= 2.0 ** -MAX_HALVINGS), try_step, state)
+    return state[1], state[2]
+
+  def body(state):
+    m, value, grad, m_inv_t, taken, _ = state
+    delta = _gauss_newton_step(grad, m_inv_t, w1, p, constrained, rope)
+    predicted = -jnp.sum(grad * delta) / 2  # the model's decrease
+    found, (candidate, new_value, _, new_grad, new_inv) = line_search(m, value, delta)
+    move = found & (predicted > tol * jnp.abs(value))
+    pick = lambda new, old: jnp.where(move, new, old)
+    new_grad = _constrain(new_grad, constrained, rope)
+    small = jnp.linalg.norm(delta) <= jnp.sqrt(eps) * jnp.linalg.norm(m)  # the last step
+    return (pick(candidate, m), pick(new_value, value), pick(new_grad, grad),
+            pick(new_inv, m_inv_t), taken + move, ~move | small)
+
+  state = (start, value, grad, m_inv_t, jnp.zeros((), jnp.int32), jnp.bool_(False))
+  cond_fn = lambda s: ~s[5] & (s[4] < steps)
+  m, *_, taken, _ = jax.lax.while_loop(cond_fn, body, state)
+  return m, taken

@@ -38,7 +38,10 @@ Fields:
     interpolation points evaluated ``lambda_chunk`` at a time, Stage 2
     ``match_steps`` and ``match_learning_rate`` and its start ``match_init``
     ("procrustes" or "best"), whether whole-model alignment refines at every
-    round or once at the end (``match_refine``), the "learned" method's
+    round or once at the end (``match_refine``), the refinement's solver
+    ``match_solver`` ("gauss_newton", which stops on a tolerance within
+    ``match_steps`` iterations, or "adam", the paper's ``match_steps`` Adam
+    steps at ``match_learning_rate``), the "learned" method's
     ``learn_steps`` and ``learn_learning_rate``, ``learn_uniform_lambda``
     (lambda drawn from U(0, 1) at every step instead of 1/2) and
     ``learn_holdout_batches`` (training batches held out to pick its best
@@ -121,6 +124,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.study.match_learning_rate = 1e-2
   config.study.match_init = "procrustes"
   config.study.match_refine = "every_round"
+  config.study.match_solver = "gauss_newton"
   config.study.learn_steps = 300
   config.study.learn_learning_rate = 1e-2
   config.study.learn_uniform_lambda = False
