@@ -358,7 +358,7 @@ def gauss_newton(start: jax.Array, p: Problem, constrained: jax.Array,
   # step that changes it by less is accepted (its gradients, free of that cancellation, still
   # steer the iterate; a noise-free problem is thus solved to rounding in M, not in q).
   slack = tol * (jnp.abs(p.n1) + jnp.abs(p.n2))
-  w1 = _whitening(p.s1)
+  w1 = _whitening(sequenced(p.s1, start))  # after the LAPACK calls that made ``start``
   start = sequenced(start, w1)
   value, cond, grad, m_inv_t = objective_and_gradient(start, p)
   grad = _constrain(grad, constrained, rope)
