@@ -251,10 +251,8 @@ def best_start(p: Problem, orthogonal: jax.Array, constrained: jax.Array,
                rope: spec_lib.AttentionSite | None) -> jax.Array:
   """The best of the Procrustes start ``orthogonal`` [H, H] and the two one-sided
   least-squares starts (projected onto H(H) where ``constrained``)."""
-  h = p.s1.shape[-1]
-  eye = jnp.eye(h, dtype=p.s1.dtype)
-  eps = jnp.finfo(p.s1.dtype).eps
-  ridge = lambda s: s + eps * (jnp.trace(s) / h + jnp.finfo(s.dtype).tiny) * eye
+  eye = jnp.eye(p.s1.shape[-1], dtype=p.s1.dtype)
+  ridge = lambda s: s + _ridge(s) * eye
   first, second_inv_t = jnp.linalg.solve(jnp.stack([ridge(p.s1), ridge(p.s2)]),
                                          jnp.stack([p.c1, p.c2]))
   second = jnp.linalg.inv(second_inv_t).T
@@ -295,12 +293,15 @@ def tolerance(dtype: Any) -> float:
   return 100 * float(jnp.finfo(dtype).eps)
 
 
+def _ridge(s: jax.Array) -> jax.Array:
+  """eps (tr(S) / H + tiny): added to a Gram's diagonal, it keeps its inverse finite."""
+  return jnp.finfo(s.dtype).eps * (jnp.trace(s) / s.shape[-1] + jnp.finfo(s.dtype).tiny)
+
+
 def _whitening(s1: jax.Array) -> jax.Array:
-  """W1 [H, H] with W1^T (S1 + ridge) W1 = I; the ridge (eps tr(S1) / H) keeps it finite."""
-  h = s1.shape[-1]
-  eps = jnp.finfo(s1.dtype).eps
-  ridge = eps * (jnp.trace(s1) / h + jnp.finfo(s1.dtype).tiny)
-  d, u = jnp.linalg.eigh(s1 + ridge * jnp.eye(h, dtype=s1.dtype))
+  """W1 [H, H] with W1^T (S1 + ridge) W1 = I (``_ridge``)."""
+  ridge = _ridge(s1)
+  d, u = jnp.linalg.eigh(s1 + ridge * jnp.eye(s1.shape[-1], dtype=s1.dtype))
   return u / jnp.sqrt(jnp.maximum(d, ridge))
 
 
@@ -350,7 +351,8 @@ def gauss_newton(start: jax.Array, p: Problem, constrained: jax.Array,
   eigendecompositions) lies on one chain (``sequenced``).
 
   Returns:
-    (M [H, H], iterations taken []): no worse than ``start``.
+    (M [H, H], iterations taken []): no worse than ``start`` beyond the objective's
+    rounding (the line search's slack).
   """
   limit, tol = max_condition(p.s1.dtype), tolerance(p.s1.dtype)
   eps = jnp.finfo(p.s1.dtype).eps
@@ -360,7 +362,7 @@ def gauss_newton(start: jax.Array, p: Problem, constrained: jax.Array,
   slack = tol * (jnp.abs(p.n1) + jnp.abs(p.n2))
   w1 = _whitening(sequenced(p.s1, start))  # after the LAPACK calls that made ``start``
   start = sequenced(start, w1)
-  value, cond, grad, m_inv_t = objective_and_gradient(start, p)
+  value, _, grad, m_inv_t = objective_and_gradient(start, p)
   grad = _constrain(grad, constrained, rope)
 
   def line_search(m, value, delta):
