@@ -1,6 +1,7 @@
 """Shared pytest fixtures."""
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import pytest
 
 
@@ -9,3 +10,16 @@ def x64():
   """Runs a test in float64 (restored afterwards, so other tests keep float32)."""
   with jax.enable_x64(True):
     yield
+
+
+@pytest.fixture(autouse=True)
+def no_persistent_compilation_cache_after():
+  """A test that turns on JAX's persistent compilation cache in this process (the align
+  command and main.py do, by default) leaves it off for the tests after it: JAX keeps a
+  cache it has once opened, whatever the config says later, and the whole suite then wrote
+  every program it compiled to disk (where serialising one crashed the process on CI)."""
+  before = jax.config.jax_compilation_cache_dir
+  yield
+  if jax.config.jax_compilation_cache_dir != before:
+    jax.config.update("jax_compilation_cache_dir", before)
+  compilation_cache.reset_cache()
