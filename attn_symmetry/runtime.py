@@ -126,18 +126,23 @@ class CompileClock(contextlib.AbstractContextManager):
   Attributes:
     seconds: {phase: seconds} for "tracing", "lowering" and "compiling".
     programs: how many programs were compiled by XLA.
+    by_function: {name: seconds} of all three phases per jitted function (the
+      name JAX reports, such as "_align_core"; "?" where it reports none).
   """
 
   def __init__(self):
     self.seconds = dict.fromkeys(COMPILE_PHASES, 0.0)
     self.programs = 0
+    self.by_function: dict[str, float] = {}
     self._phase = {event: phase for phase, event in COMPILE_PHASES.items()}
 
-  def _listener(self, event: str, seconds: float, **_):
+  def _listener(self, event: str, seconds: float, fun_name: str = "?", **_):
     phase = self._phase.get(event)
     if phase is not None:
       self.seconds[phase] += seconds
       self.programs += phase == "compiling"
+      name = fun_name[4:-1] if fun_name.startswith("jit(") else fun_name  # lowering's "jit(f)"
+      self.by_function[name] = self.by_function.get(name, 0.0) + seconds
 
   def __enter__(self) -> CompileClock:
     jax.monitoring.register_event_duration_secs_listener(self._listener)
@@ -150,9 +155,12 @@ class CompileClock(contextlib.AbstractContextManager):
   def total(self) -> float:
     return sum(self.seconds.values())
 
-  def summary(self, wall_seconds: float) -> str:
-    """One line: each phase's seconds, their sum and its share of ``wall_seconds``."""
+  def summary(self, wall_seconds: float, top: int = 3) -> str:
+    """One line: each phase's seconds, their sum and its share of ``wall_seconds``, and the
+    ``top`` functions that took longest to compile."""
     phases = ", ".join(f"{phase} {s:.1f} s" for phase, s in self.seconds.items())
     share = 100 * self.total / wall_seconds if wall_seconds > 0 else 0.0
+    slowest = sorted(self.by_function.items(), key=lambda kv: -kv[1])[:top]
+    names = ", ".join(f"{name} {s:.1f} s" for name, s in slowest)
     return (f"JAX compilation: {self.total:.1f} s of {wall_seconds:.1f} s wall ({share:.0f} %; "
-            f"{phases}; {self.programs} programs compiled)")
+            f"{phases}; {self.programs} programs compiled; longest: {names or 'none'})")

@@ -84,14 +84,18 @@ def main(argv):
   workdir = FLAGS.workdir or default_workdir(config_flags.get_config_filename(FLAGS["config"]))
   train.log.info("workdir: %s", workdir)
   start = time.perf_counter()
+  seconds = {}
   try:
     with runtime.CompileClock() as clock:
       for stage in STAGES:
+        stage_start = time.perf_counter()
         outputs = stage(FLAGS.config, workdir)
+        seconds[stage.__name__] = time.perf_counter() - stage_start
   except checkpoints.CorruptCheckpointError as e:  # one line naming the file, no traceback
     sys.exit(f"FATAL {e}")
   for name, path in outputs.items():  # the study's reports
     print(f"{name}: {path}")
+  print("wall time: " + ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items()))
   print(clock.summary(time.perf_counter() - start))
 
 

@@ -204,6 +204,8 @@ class ScopeStudy:
         full = {k: v for k, v in options.items() if k in matching.METHODS["full"].options}
         element, info = self._learn(a, b, self._element(a, b, "full", full))
       else:
+        if method in matching.STAGES:  # with "full"'s options too: one program for the three
+          options = {**self._matching_options("full"), **options}
         element, info = align(self.model.spec, self.params[a], self.params[b],
                               scope=self.scope_paths, method=method, options=options)
       jax.block_until_ready(element)  # dispatch is asynchronous: time the computation

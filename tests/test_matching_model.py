@@ -356,6 +356,31 @@ def test_one_trace_for_equal_specs(x64, monkeypatch):
     matching.match_ffn(spec, _init(shapes, 0), _init(shapes, 1), scope=["l0", "l1"])
 
 
+def test_one_program_for_perm_ortho_and_full(x64, monkeypatch):
+  """The method is a traced index into the stages (perm, ortho, full): with equal options the
+  three share one trace and one compiled program, and each still gives its own element:
+  identity matrices for perm, orthogonal ones for ortho, refined ones (iterations reported)
+  for full."""
+  counted = jax.jit(chex.assert_max_traces(_model._align_core, n=1),
+                    static_argnames=_model._STATIC)  # pylint: disable=protected-access
+  monkeypatch.setattr(_model, "_align_jit", counted)
+  spec, shapes = vit_like()
+  a, b = _init(shapes, 0), _init(shapes, 1)
+  out = {m: matching.align_model(spec, a, b, method=m) for m in ("perm", "ortho", "full")}
+  eye = np.broadcast_to(np.eye(H), (N, H, H))
+  for i in range(LAYERS):
+    perm, ortho, full = (out[m][0][f"layers_{i}/attention"] for m in ("perm", "ortho", "full"))
+    np.testing.assert_array_equal(perm.qk, eye)
+    np.testing.assert_array_equal(perm.vo, eye)
+    for m in (ortho.qk, ortho.vo):
+      np.testing.assert_allclose(np.swapaxes(m, 1, 2) @ m, eye, atol=1e-12)
+    assert np.abs(np.swapaxes(full.vo, 1, 2) @ full.vo - eye).max() > 1e-3
+  assert int(out["full"][1]["refinement_steps"]) > 0
+  assert "refinement_steps" not in out["perm"][1] and "refinement_steps" not in out["ortho"][1]
+  with pytest.raises(AssertionError, match="traced > 1"):  # other refinement options: a new one
+    matching.align_model(spec, a, b, method="perm", solver="adam")
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

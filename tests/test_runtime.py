@@ -86,3 +86,5 @@ def test_compile_clock_counts_the_compiles_inside_its_block_only():
   assert clock.seconds == inside
   line = clock.summary(wall_seconds=10 * clock.total)
   assert line.startswith(f"JAX compilation: {clock.total:.1f} s of") and "(10 %;" in line
+  np.testing.assert_allclose(sum(clock.by_function.values()), clock.total)
+  assert "<lambda>" in clock.by_function and f"longest: <lambda> " in line

@@ -126,7 +126,8 @@ def test_main_runs_the_same_training(quickstart_run, tmp_path, monkeypatch):
       assert json.load(f) == metrics
 
 
-def test_main_turns_on_the_compilation_cache(tmp_path, monkeypatch):
+def test_main_turns_on_the_compilation_cache(tmp_path, monkeypatch, capsys):
+  """... and prints each stage's wall time and the share of it that JAX spent compiling."""
   seen = []
   stage = lambda config, workdir: seen.append(jax.config.jax_compilation_cache_dir) or {}
   monkeypatch.setattr(main, "STAGES", (stage,))
@@ -138,6 +139,9 @@ def test_main_turns_on_the_compilation_cache(tmp_path, monkeypatch):
   finally:
     jax.config.update("jax_compilation_cache_dir", None)
   assert seen == [str(tmp_path / "cache")]
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[-2].startswith("wall time: <lambda> ") and lines[-2].endswith(" s")
+  assert lines[-1].startswith("JAX compilation: ")
 
 
 def test_main_reports_a_corrupt_checkpoint_in_one_line(tmp_path, monkeypatch):

@@ -25,7 +25,9 @@ tolerance, or "adam", the paper's plain gradient descent). In ``align_model`` th
 solve of every site applies the method's solution unconditionally and later
 re-solves only when they lower the distance; ``refine`` (``REFINES``) chooses
 whether "full" refines at every attention step ("every_round", the default)
-or once after a Variant 2 descent ("final"). "learned" (``align_model`` only)
+or once after a Variant 2 descent ("final"); "perm", "ortho" and "full" (``STAGES``) are
+stages of one computation, and ``align_model`` compiles one program for the three
+(called with equal options: those of "full"). "learned" (``align_model`` only)
 starts from "full" and trains every attention site's QK and VO matrices on
 the task loss of the interpolated model (``learn_alignment``). ``METHODS``
 maps every name to its ``Method`` (the options it reads), with the methods
@@ -43,6 +45,7 @@ from attn_symmetry.matching._attention import DEFAULT_LEARNING_RATE
 from attn_symmetry.matching._attention import DEFAULT_STEPS
 from attn_symmetry.matching._attention import INITS
 from attn_symmetry.matching._attention import SOLVERS
+from attn_symmetry.matching._attention import STAGES
 from attn_symmetry.matching._attention import match_attention
 from attn_symmetry.matching._attention import match_attention_exhaustive
 from attn_symmetry.matching._features import DISTANCES

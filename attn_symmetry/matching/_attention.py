@@ -52,6 +52,9 @@ from attn_symmetry.matching import _stage2
 # "learned" (``_learned``) fits "full"'s element to a task loss: ``align_model`` only.
 # ``_methods.METHODS`` holds these and the methods registered from outside.
 METHODS = ("naive", "perm", "ortho", "full", "learned")
+# The methods that are stages of one computation (each starts from the one before it):
+# ``stage2`` and ``solve_layer`` take one of them by name, or by a traced index into this.
+STAGES = ("perm", "ortho", "full")
 INITS = ("procrustes", "best")  # starts of the "full" refinement (module docstring)
 SOLVERS = _stage2.SOLVERS  # its solvers: Gauss-Newton (the default) or Adam
 DEFAULT_STEPS = 200
@@ -153,24 +156,29 @@ def element_objective(g: _features.Grams, element: group_action.AttentionElement
   return _values([(element.qk, element.vo)], [_stage2.pair_problems(g, element.perm)])[0]
 
 
-def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, distance: str, *,
-                steps: int, learning_rate: jax.Array, init: str = INITS[0],
+def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str | jax.Array,
+                distance: str, *, steps: int, learning_rate: jax.Array, init: str = INITS[0],
                 solver: str = SOLVERS[0], current: group_action.AttentionElement | None = None
                 ) -> tuple[group_action.AttentionElement, dict[str, Any]]:
   """Both stages for one layer from its Grams (no leading axes).
 
+  ``method`` is a name of ``METHODS`` but "learned", or a traced index into
+  ``STAGES`` (``stage2``).
+
   Returns:
     (element, info) with info["objective"][stage] for "naive" and every stage
-    up to ``method``, info["assignment_cost"] (not for "naive"),
-    info["refinement_steps"] (for "full": the most iterations any of the
-    layer's problems took), and info["objective"]["current"] for the element
-    ``current`` when given (evaluated in the same batch).
+    up to ``method`` (every stage of ``STAGES`` for an index; "full" is then
+    "ortho" unless the index selects it), info["assignment_cost"] (not for
+    "naive"), info["refinement_steps"] (for "full" or an index: the most
+    iterations any of the layer's problems took, 0 unless refined), and
+    info["objective"]["current"] for the element ``current`` when given
+    (evaluated in the same batch).
   """
   identity = jnp.arange(site.num_heads, dtype=jnp.int32)
   eye = jnp.broadcast_to(jnp.eye(site.head_dim, dtype=g.q.dtype),
                          (site.kv_heads, site.head_dim, site.head_dim))
   naive = _stage2.pair_problems(g, identity)
-  if method == "naive":
+  if isinstance(method, str) and method == "naive":
     element = group_action.AttentionElement(identity, eye, eye)
     return element, {"objective": {"naive": _values([(eye, eye)], [naive])[0]}}
   cost = _features.head_cost(g, site, distance)
@@ -191,29 +199,44 @@ def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str, d
   return element, info
 
 
-def stage2(g: _features.Grams, perm: jax.Array, site: spec_lib.AttentionSite, method: str, *,
-           steps: int, learning_rate: jax.Array, init: str = INITS[0], solver: str = SOLVERS[0]
+def stage2(g: _features.Grams, perm: jax.Array, site: spec_lib.AttentionSite,
+           method: str | jax.Array, *, steps: int, learning_rate: jax.Array,
+           init: str = INITS[0], solver: str = SOLVERS[0]
            ) -> tuple[group_action.AttentionElement, dict[str, tuple[jax.Array, jax.Array]],
                       jax.Array | None]:
   """Stage 2 after the head assignment ``perm`` [N] of one layer.
 
+  ``method`` names a stage of ``STAGES``, or is a traced int32 index into it:
+  then one program serves all three methods (``align_model`` compiles once for
+  them). Every stage's matrices are computed, the refinement under a
+  ``lax.cond`` that runs it only when the index selects "full" (else "full"'s
+  matrices are "ortho"'s and its iterations 0).
+
   Returns:
     (element, stages, taken): the element of ``method``; for every stage up
-    to it ("perm", "ortho", "full"), its (qk, vo) matrices [K, H, H]; for
-    "full" the refinement's iterations [2K] of each problem (QK, then VO),
-    else None.
+    to it ("perm", "ortho", "full"; all three for an index), its (qk, vo)
+    matrices [K, H, H]; for "full" or an index the refinement's iterations
+    [2K] of each problem (QK, then VO), else None.
   """
   problems = _stage2.pair_problems(g, perm)
   rope = site if site.group == "rope" else None
   eye = jnp.broadcast_to(jnp.eye(site.head_dim, dtype=g.q.dtype), problems[0].s1.shape)
   stages, taken = {"perm": (eye, eye)}, None
-  if method in ("ortho", "full"):
+  if not isinstance(method, str) or method in ("ortho", "full"):
     stages["ortho"] = _stage2.procrustes(problems[0].c1 + problems[0].c2,
                                          problems[1].c1 + problems[1].c2, rope)
-  if method == "full":
-    stages["full"], taken = refine_matrices(problems, stages["ortho"], site, steps=steps,
-                                            learning_rate=learning_rate, init=init, solver=solver)
-  return group_action.AttentionElement(perm.astype(jnp.int32), *stages[method]), stages, taken
+  refine = lambda: refine_matrices(problems, stages["ortho"], site, steps=steps,
+                                   learning_rate=learning_rate, init=init, solver=solver)
+  if isinstance(method, str):
+    if method == "full":
+      stages["full"], taken = refine()
+    return group_action.AttentionElement(perm.astype(jnp.int32), *stages[method]), stages, taken
+  iterations = jax.eval_shape(refine)[1]
+  stages["full"], taken = jax.lax.cond(
+      method == STAGES.index("full"), refine,
+      lambda: (stages["ortho"], jnp.zeros(iterations.shape, iterations.dtype)))
+  chosen = jax.tree.map(lambda *m: jax.lax.select_n(method, *m), *stages.values())
+  return group_action.AttentionElement(perm.astype(jnp.int32), *chosen), stages, taken
 
 
 def refine_matrices(problems: tuple[_stage2.Problem, _stage2.Problem],

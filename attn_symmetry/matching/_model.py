@@ -299,27 +299,30 @@ def _set_sites(step: _Step, element, stacked) -> dict[str, Any]:
 
 
 def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element, learning_rate,
-                    first: jax.Array, *, method: str, distance: str, steps: int, init: str,
+                    first: jax.Array, stage: jax.Array, *, distance: str, steps: int, init: str,
                     solver: str) -> tuple[dict[str, Any], jax.Array, jax.Array]:
-  """Matches every site of ``step`` (vmap over sites) given the factors; (element, changed,
-  the most refinement iterations of a site: 0 unless "full").
+  """Matches every site of ``step`` (vmap over sites) with the method of index ``stage``
+  (``_attention.STAGES``) given the factors; (element, changed, the most refinement
+  iterations of a site: 0 unless "full").
 
   The method's solution is taken unconditionally when ``first`` (the sites'
   first solve), else only where it lowers the objective (module docstring).
   """
   grams, scale = _site_grams(spec, step, flat_a, flat_b, element)
   site = spec.attention[step.names[0]]
-  solve = lambda g, current: _attention.solve_layer(g, site, method, distance, steps=steps,
+  solve = lambda g, current: _attention.solve_layer(g, site, stage, distance, steps=steps,
                                                     learning_rate=learning_rate, init=init,
                                                     solver=solver, current=current)
   old = _stack([element[s] for s in step.names])
   new, info = jax.vmap(solve)(grams, old)
-  old_value, new_value = info["objective"]["current"], info["objective"][method]
+  objective = info["objective"]
+  old_value = objective["current"]
+  new_value = jnp.stack([objective[m] for m in _attention.STAGES])[stage]
   tolerance = _tolerance(scale.dtype) * scale
   accept = first | (new_value < old_value - tolerance)
   moved = jnp.any(new.perm != old.perm, axis=-1) | (jnp.abs(new_value - old_value) > tolerance)
   pick = lambda x, y: jnp.where(accept.reshape(-1, *[1] * (x.ndim - 1)), x, y)
-  taken = jnp.max(info.get("refinement_steps", jnp.zeros((), jnp.int32)))
+  taken = jnp.max(info["refinement_steps"])
   return _set_sites(step, element, jax.tree.map(pick, new, old)), jnp.any(accept & moved), taken
 
 
@@ -367,11 +370,14 @@ class _StaticSpec:
     return isinstance(other, _StaticSpec) and self._key == other._key
 
 
-def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps, max_rounds, init,
+def _align_core(flat_a, flat_b, learning_rate, stage, *, spec, distance, steps, max_rounds, init,
                 refine, solver):
+  """The descent of ``align_model`` for the method of index ``stage`` into ``_attention.STAGES``,
+  a traced argument: "perm", "ortho" and "full" share one compiled program."""
   spec = spec.spec
-  final = method == "full" and refine == "final"
-  descent = "ortho" if final else method
+  full = stage == _attention.STAGES.index("full")
+  final = refine == "final"  # for "full" only: the descent runs "ortho", then one refinement
+  descent = jnp.where(full, _attention.STAGES.index("ortho"), stage) if final else stage
   dtype = next(iter(flat_a.values())).dtype
   plan = _plan(spec, flat_a)
   first = _first_round_leaves(spec, plan)
@@ -382,8 +388,7 @@ def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps,
     step = plan[i]
     if step.attention:
       return _attention_step(spec, step, flat_a, flat_b, element, learning_rate, rounds == 0,
-                             method=descent, distance=distance, steps=steps, init=init,
-                             solver=solver)
+                             descent, distance=distance, steps=steps, init=init, solver=solver)
     return (*_factor_step(spec, plan, step, flat_a, flat_b, element, first[i], rounds),
             jnp.int32(0))
 
@@ -404,19 +409,21 @@ def _align_core(flat_a, flat_b, learning_rate, *, spec, method, distance, steps,
   distances = {"initial": sum(jnp.sum((flat_a[p] - flat_b[p]) ** 2) for p in flat_a)}
   if final:
     distances["before_refinement"] = _distance(spec, plan, flat_a, flat_b, element)
-    for step in plan:
-      if step.attention:
-        element, t = _refine_step(spec, step, flat_a, flat_b, element, learning_rate,
-                                  steps=steps, init=init, solver=solver)
-        taken = jnp.maximum(taken, t)
+
+    def refine_sites(element, taken):
+      for step in plan:
+        if step.attention:
+          element, t = _refine_step(spec, step, flat_a, flat_b, element, learning_rate,
+                                    steps=steps, init=init, solver=solver)
+          taken = jnp.maximum(taken, t)
+      return element, taken
+
+    element, taken = jax.lax.cond(full, refine_sites, lambda *state: state, element, taken)
   distances["final"] = _distance(spec, plan, flat_a, flat_b, element)
-  info = {"distance": distances, "rounds": rounds}
-  if method == "full":
-    info["refinement_steps"] = taken
-  return element, info
+  return element, {"distance": distances, "rounds": rounds, "refinement_steps": taken}
 
 
-_STATIC = ("spec", "method", "distance", "steps", "max_rounds", "init", "refine", "solver")
+_STATIC = ("spec", "distance", "steps", "max_rounds", "init", "refine", "solver")
 _align_jit = jax.jit(_align_core, static_argnames=_STATIC)
 
 
@@ -449,12 +456,16 @@ def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps
     params_b = group_action.fold_norm_scales(spec, params_b)
   flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
   dtype = next(iter(flat_a.values())).dtype
-  if method != "full" or not active.attention:  # one program whatever options change nothing
-    init, refine, solver = _attention.INITS[0], REFINES[0], _attention.SOLVERS[0]
+  if not active.attention:  # one program whatever options change nothing
+    distance, steps, init, refine, solver = ("frobenius", 0, _attention.INITS[0], REFINES[0],
+                                             _attention.SOLVERS[0])
   element, info = _align_jit(flat_a, flat_b, jnp.asarray(learning_rate, dtype),
-                             spec=_StaticSpec(active), method=method, distance=distance,
-                             steps=int(steps), max_rounds=int(max_rounds), init=init,
-                             refine=refine, solver=solver)
+                             jnp.int32(_attention.STAGES.index(method)),
+                             spec=_StaticSpec(active), distance=distance, steps=int(steps),
+                             max_rounds=int(max_rounds), init=init, refine=refine, solver=solver)
+  if method != "full":  # what only "full" does (refines) and reports
+    del info["refinement_steps"]
+    info["distance"].pop("before_refinement", None)
   full = group_action.identity_model(spec, dtype)
   full.update(element)
   info["folded_norm_scales"] = needs_folding
