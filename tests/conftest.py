@@ -23,3 +23,14 @@ def no_persistent_compilation_cache_after():
   if jax.config.jax_compilation_cache_dir != before:
     jax.config.update("jax_compilation_cache_dir", before)
   compilation_cache.reset_cache()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs_after_each_module():
+  """Every program XLA:CPU compiles keeps about 14 memory mappings for as long as JAX caches
+  it, and a process may hold 65,530 (vm.max_map_count). The whole suite compiles thousands of
+  programs in one process: near the limit, an mmap of LLVM's failed and XLA crashed with
+  SIGSEGV while compiling (in test_reproduce, then test_reruns). Each module's programs are
+  released when it ends."""
+  yield
+  jax.clear_caches()

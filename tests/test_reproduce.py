@@ -40,8 +40,7 @@ def test_reduced_rerun_gives_the_committed_numbers(tmp_path):
   """The committed reduced run, recomputed by the committed command in a process of its own:
   the same barriers, curves, ranks and chosen permutations (to float32 rounding across runs).
 
-  Its own process, as a user runs it: run inside the suite's process, after some hundred
-  tests, XLA twice crashed (SIGSEGV) compiling or serialising one of its programs."""
+  Its own process, as a user runs it."""
   results = tmp_path / "results"
   subprocess.run([sys.executable, "experiments/reproduce.py", f"--setting={SMALLEST}",
                   "--reduced", f"--workdir_root={tmp_path / 'work'}", f"--results={results}",
