@@ -204,6 +204,9 @@ def main(argv):
     except ValueError as e:
       sys.exit(f"FATAL {e}")
     print(f"{setting}: {record['wall_seconds']:.0f} s, reports in {out}")
+    # Each compiled program holds ~14 memory mappings while JAX caches it; one setting leaves
+    # ~10,000, and a process may hold 65,530 (vm.max_map_count): --all would reach it.
+    jax.clear_caches()
 
 
 def _define_flags() -> None:
