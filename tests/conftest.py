@@ -16,8 +16,8 @@ def x64():
 def no_persistent_compilation_cache_after():
   """A test that turns on JAX's persistent compilation cache in this process (the align
   command and main.py do, by default) leaves it off for the tests after it: JAX keeps a
-  cache it has once opened, whatever the config says later, and the whole suite then wrote
-  every program it compiled to disk (where serialising one crashed the process on CI)."""
+  cache it has once opened, whatever the config says later, and the rest of the suite then
+  wrote every program it compiled into the user's cache directory."""
   before = jax.config.jax_compilation_cache_dir
   yield
   if jax.config.jax_compilation_cache_dir != before:
