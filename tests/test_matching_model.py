@@ -352,8 +352,44 @@ def test_one_trace_for_equal_specs(x64, monkeypatch):
     spec, shapes = mlp_like()
     matching.match_ffn(spec, _init(shapes, seed), _init(shapes, seed + 10))
   spec, shapes = mlp_like()
-  with pytest.raises(AssertionError, match="traced > 1"):  # another scope is another program
-    matching.match_ffn(spec, _init(shapes, 0), _init(shapes, 1), scope=["l0", "l1"])
+  matching.match_ffn(spec, _init(shapes, 0), _init(shapes, 1), scope=["l0", "l1"])  # a mask
+  with pytest.raises(AssertionError, match="traced > 1"):  # other static options: a new one
+    matching.match_ffn(spec, _init(shapes, 0), _init(shapes, 1), max_rounds=3)
+
+
+@pytest.mark.parametrize("scope", [["layers_0"], ["layers_1/attention"],
+                                   ["layers_0/attention", "layers_1/attention"]])
+def test_scope_equals_the_descent_over_its_names_alone(x64, scope):
+  """A scope is a traced mask over the whole model's descent; it reaches the element of a
+  descent over the spec restricted to its names: bit for bit for perm and ortho, to rounding
+  for full (its refinement runs batched with the sites out of scope). Out of scope: identity."""
+  spec, shapes = vit_like()
+  a, b = _init(shapes, 0), _init(shapes, 1)
+  names = _model.active_names(spec, scope)
+  identity = ga.identity_model(spec, jnp.float64)
+  for method in ("perm", "ortho", "full"):
+    masked, _ = matching.align_model(spec, a, b, scope=scope, method=method)
+    alone, _ = matching.align_model(spec.restrict(names), a, b, method=method)
+    for name in (*spec.factors, *spec.attention):
+      want = alone[name] if name in names else identity[name]
+      for x, y in zip(jax.tree.leaves(masked[name]), jax.tree.leaves(want)):
+        if method == "full":
+          np.testing.assert_allclose(x, y, rtol=0, atol=1e-10, err_msg=f"{method} {name}")
+        else:
+          np.testing.assert_array_equal(x, y, err_msg=f"{method} {name}")
+
+
+def test_one_program_for_every_scope(x64, monkeypatch):
+  """Scopes are a traced mask: every scope of a model shares one compiled program."""
+  counted = jax.jit(chex.assert_max_traces(_model._align_core, n=1),
+                    static_argnames=_model._STATIC)  # pylint: disable=protected-access
+  monkeypatch.setattr(_model, "_align_jit", counted)
+  spec, shapes = vit_like()
+  a, b = _init(shapes, 0), _init(shapes, 1)
+  for scope in (None, ["layers_0/attention"], ["layers_1"], ["layers_0/attention",
+                                                            "layers_1/attention"]):
+    for method in ("perm", "full"):
+      matching.align_model(spec, a, b, scope=scope, method=method)
 
 
 def test_one_program_for_perm_ortho_and_full(x64, monkeypatch):

@@ -45,6 +45,17 @@ by more than the tolerance: from round two on the descent is monotone, and so
 it ends. With a single site in scope (the first attention layer) the result is
 exactly the method's solution.
 
+Scope. The descent is compiled for the whole model; the scope is a traced
+mask over its factors and sites (``active``), so that every scope of a model
+shares one program. A factor or site out of scope stays identity: it is never
+solved, never pending, and counts as solved for the first round's choice of
+leaves. Its identity element acts exactly (a permutation by ``take``, an
+identity matrix by a product whose every other term is an exact zero), so a
+scope reaches the element that a descent over its own names alone reaches:
+bit for bit for Weight Matching, "perm" and "ortho"; for "full" up to the
+rounding of its refinement, which runs batched with the step's sites out of
+scope (measured on ViT, GPT-2 and Llama: at most 8e-7 apart in float32).
+
 Refinement of "full" (``refine``): "every_round" runs the whole "full" method
 (Stage 1, Procrustes, refinement) at every attention step; "final" runs the descent
 with "ortho" (Variant 2) to convergence and then refines every site's QK and
@@ -152,26 +163,56 @@ def _site_of(spec: spec_lib.SymmetrySpec) -> dict[str, str]:
   return {p: s for s in spec.attention for p in _site_leaves(spec, s)}
 
 
-def _first_round_leaves(spec: spec_lib.SymmetrySpec,
-                        steps: list[_Step]) -> list[frozenset[str] | None]:
-  """For each factor step, the leaves it reads in round one (None: all of them).
+def _active_names(spec: spec_lib.SymmetrySpec) -> tuple[str, ...]:
+  """The order of the ``active`` mask: every factor, then every attention site."""
+  return (*spec.factors, *spec.attention)
 
-  A leaf is read when every other factor and site acting on it belongs to an
-  earlier step; if that leaves a factor without leaves, it reads all of them.
+
+def _first_round_reads(spec: spec_lib.SymmetrySpec, plan: list[_Step], on: dict[str, jax.Array]
+                       ) -> tuple[dict[str, dict[str, jax.Array]], list[jax.Array]]:
+  """Which leaves each factor reads in round one, and which steps run again in round two.
+
+  A leaf of factor f is read when every other factor and site acting on it is
+  out of scope (``on`` False: identity) or belongs to an earlier step; if that
+  leaves f without leaves, it reads all of them. A step whose factors in scope
+  did not all read all of their leaves runs again in round two.
+
+  Returns:
+    (reads, again): reads[f][path] a traced bool for every leaf of every
+    factor; again[i] a traced bool per step of ``plan`` (False for attention).
   """
   site_of = _site_of(spec)
   solved: set[str] = set()
-  out: list[frozenset[str] | None] = []
-  for step in steps:
-    leaves = set()
+  reads: dict[str, dict[str, jax.Array]] = {}
+  again: list[jax.Array] = []
+  for step in plan:
+    rerun = jnp.bool_(False)
     for f in step.names if not step.attention else ():
-      own = [p for p in spec.axes if f in spec.axes[p]]
-      others = lambda p: {g for g in (*spec.axes[p], site_of.get(p)) if g not in (None, f)}
-      known = [p for p in own if others(p) <= solved]
-      leaves.update(known or own)
-    out.append(None if step.attention or leaves == step.leaves else frozenset(leaves))
+      known = {}
+      for p in (p for p in spec.axes if f in spec.axes[p]):
+        pending = {g for g in (*spec.axes[p], site_of.get(p)) if g not in (None, f)} - solved
+        known[p] = functools.reduce(jnp.logical_and, [~on[g] for g in sorted(pending)],
+                                    jnp.bool_(True))
+      some, every = jnp.any(jnp.stack(list(known.values()))), jnp.all(jnp.stack(list(known.values())))
+      reads[f] = {p: k | ~some for p, k in known.items()}
+      rerun = rerun | (on[f] & some & ~every)
+    again.append(rerun)
     solved.update(step.names)
-  return out
+  return reads, again
+
+
+def _neighbours(spec: spec_lib.SymmetrySpec, plan: list[_Step], active: jax.Array) -> jax.Array:
+  """[S, S] bool: steps i != j whose names in scope share a leaf (a change in one makes the
+  other pending)."""
+  names = _active_names(spec)
+  site_of = _site_of(spec)
+  leaves = {n: {p for p, axes in spec.axes.items() if n in axes or site_of.get(p) == n}
+            for n in names}
+  overlap = np.array([[bool(leaves[a] & leaves[b]) for b in names] for a in names], np.float32)
+  member = np.array([[n in step.names for n in names] for step in plan], np.float32)
+  member = jnp.asarray(member) * active.astype(jnp.float32)  # [S, names], in scope only
+  shared = member @ jnp.asarray(overlap).reshape(len(names), len(names)) @ member.T > 0
+  return shared & ~jnp.eye(len(plan), dtype=bool)
 
 
 # ----------------------------------------------------------------------------- steps
@@ -198,25 +239,36 @@ def _tolerance(dtype: Any) -> float:
   return 100 * float(jnp.finfo(dtype).eps)
 
 
+Scores = tuple[jax.Array, jax.Array, jax.Array]  # (M [n, n], ||A||^2, ||B||^2)
+
+
 def _factor_scores(spec: spec_lib.SymmetrySpec, plan: list[_Step], f: str, flat_a, flat_b,
-                   element, leaves: frozenset[str]) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(M, ||A||^2, ||B||^2) of factor ``f``, read from ``leaves`` only: the scores
-  M[j, i] = <A_j, B_i> [n, n] and the squared norms of the A and B parts read, with
-  everything else in ``element`` applied to B."""
-  own = sorted(p for p in leaves if f in spec.axes[p]
-               and not (spec.factors[f].kind == "orthogonal" and p in spec.norm_scales))
+                   element, read: dict[str, jax.Array]) -> tuple[Scores, Scores]:
+  """The scores of factor ``f`` over its leaves, split by ``read`` (traced bool per leaf):
+  (the sums over the leaves read, the sums over the others).
+
+  Scores are (M, ||A||^2, ||B||^2): M[j, i] = <A_j, B_i> [n, n] and the squared
+  norms of the A and B parts, with everything else in ``element`` applied to B.
+  Each sum runs over the leaves in path order, adding exact zeros for the
+  leaves of the other part.
+  """
+  own = sorted(p for p in read if not (spec.factors[f].kind == "orthogonal"
+                                      and p in spec.norm_scales))
   b_moved = _with_attention(spec, plan, flat_b, element, own)
   n = spec.factors[f].size
-  m, norm_a, norm_b = jnp.zeros((n, n), flat_a[next(iter(leaves))].dtype), 0.0, 0.0
+  zero = jnp.zeros((), flat_a[next(iter(read))].dtype)
+  parts = [[jnp.zeros((n, n), zero.dtype), zero, zero] for _ in range(2)]  # read, the others
   for path in own:
     for axis in (i for i, g in enumerate(spec.axes[path]) if g == f):
       b = group_action.apply_leaf(spec, path, b_moved[path], element, skip_axis=axis)
       a = flat_a[path]
       # Norms of the leaves as laid out: XLA:CPU reduces a transposed view ~100x slower.
-      norm_a, norm_b = norm_a + jnp.sum(a * a), norm_b + jnp.sum(b * b)
+      norms = jnp.sum(a * a), jnp.sum(b * b)
       a, b = (jnp.moveaxis(x, axis, 0).reshape(n, -1) for x in (a, b))
-      m = m + jnp.matmul(a, b.T, precision=_features.HIGHEST)  # [new (A), old (B)]
-  return m, jnp.asarray(norm_a, m.dtype), jnp.asarray(norm_b, m.dtype)
+      terms = (jnp.matmul(a, b.T, precision=_features.HIGHEST), *norms)  # M: [new (A), old (B)]
+      for part, taken in zip(parts, (read[path], ~read[path])):
+        part[:] = [total + jnp.where(taken, term, 0) for total, term in zip(part, terms)]
+  return tuple(parts[0]), tuple(parts[1])
 
 
 def _factor_update(spec: spec_lib.SymmetrySpec, f: str, scores: tuple[jax.Array, ...],
@@ -238,33 +290,32 @@ def _factor_update(spec: spec_lib.SymmetrySpec, f: str, scores: tuple[jax.Array,
 
 
 def _factor_step(spec: spec_lib.SymmetrySpec, plan: list[_Step], step: _Step, flat_a, flat_b,
-                 element, first_leaves: frozenset[str] | None, rounds: jax.Array
-                 ) -> tuple[dict[str, Any], jax.Array]:
-  """Solves every factor of ``step`` given the rest of ``element``; (element, changed).
+                 element, reads: dict[str, dict[str, jax.Array]], rounds: jax.Array,
+                 on: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
+  """Solves every factor of ``step`` in scope (``on``) given the rest of ``element``;
+  (element, changed).
 
-  In round one a factor reads ``first_leaves`` (None: all of its leaves), from
-  round two on all of them (``_first_round_leaves``). The factors are solved
-  one after another (a loop over a switch on the factor), so that one factor's
-  n x n scores are held at a time: a step holds the FFNs of every layer.
+  In round one a factor reads the leaves of ``reads``, from round two on all of
+  them (``_first_round_reads``). The factors are solved one after another (a
+  loop over a switch on the factor), so that one factor's n x n scores are
+  held at a time: a step holds the FFNs of every layer.
   """
   def solve(f, values):
-    scores = lambda leaves: _factor_scores(spec, plan, f, flat_a, flat_b, element, leaves)
-    if first_leaves is None:
-      total = scores(step.leaves)
-    else:  # the leaves of round one, and the others from round two on
-      known = scores(first_leaves)
-      rest = jax.lax.cond(rounds == 0, lambda: jax.tree.map(jnp.zeros_like, known),
-                          lambda: scores(step.leaves - first_leaves))
-      total = jax.tree.map(jnp.add, known, rest)
+    known, rest = _factor_scores(spec, plan, f, flat_a, flat_b, element, reads[f])
+    rest = jax.tree.map(lambda x: jnp.where(rounds == 0, jnp.zeros_like(x), x), rest)
     i = step.names.index(f)
-    value, moved = _factor_update(spec, f, total, values[i])
+    value, moved = _factor_update(spec, f, jax.tree.map(jnp.add, known, rest), values[i])
     return values[:i] + (value,) + values[i + 1:], moved
+
+  def solve_in_scope(f, values):
+    return jax.lax.cond(on[f], functools.partial(solve, f), lambda v: (v, jnp.bool_(False)),
+                        values)
 
   values = tuple(element[f] for f in step.names)
   if len(step.names) == 1:
-    values, changed = solve(step.names[0], values)
+    values, changed = solve_in_scope(step.names[0], values)
   else:
-    branches = [lambda values, f=f: solve(f, values) for f in step.names]
+    branches = [functools.partial(solve_in_scope, f) for f in step.names]
 
     def body(i, state):
       values, changed = jax.lax.switch(i, branches, state[0])
@@ -299,14 +350,16 @@ def _set_sites(step: _Step, element, stacked) -> dict[str, Any]:
 
 
 def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element, learning_rate,
-                    first: jax.Array, stage: jax.Array, *, distance: str, steps: int, init: str,
-                    solver: str) -> tuple[dict[str, Any], jax.Array, jax.Array]:
+                    first: jax.Array, stage: jax.Array, in_scope: jax.Array, *, distance: str,
+                    steps: int, init: str, solver: str
+                    ) -> tuple[dict[str, Any], jax.Array, jax.Array]:
   """Matches every site of ``step`` (vmap over sites) with the method of index ``stage``
   (``_attention.STAGES``) given the factors; (element, changed, the most refinement
   iterations of a site: 0 unless "full").
 
   The method's solution is taken unconditionally when ``first`` (the sites'
-  first solve), else only where it lowers the objective (module docstring).
+  first solve), else only where it lowers the objective (module docstring), and
+  only for the sites ``in_scope`` ([S] bool).
   """
   grams, scale = _site_grams(spec, step, flat_a, flat_b, element)
   site = spec.attention[step.names[0]]
@@ -319,17 +372,25 @@ def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, el
   old_value = objective["current"]
   new_value = jnp.stack([objective[m] for m in _attention.STAGES])[stage]
   tolerance = _tolerance(scale.dtype) * scale
-  accept = first | (new_value < old_value - tolerance)
+  accept = in_scope & (first | (new_value < old_value - tolerance))
   moved = jnp.any(new.perm != old.perm, axis=-1) | (jnp.abs(new_value - old_value) > tolerance)
-  pick = lambda x, y: jnp.where(accept.reshape(-1, *[1] * (x.ndim - 1)), x, y)
-  taken = jnp.max(info["refinement_steps"])
-  return _set_sites(step, element, jax.tree.map(pick, new, old)), jnp.any(accept & moved), taken
+  taken = jnp.max(jnp.where(in_scope, info["refinement_steps"], 0))
+  return (_set_sites(step, element, _pick(accept, new, old)), jnp.any(accept & moved),
+          taken)
+
+
+def _pick(where: jax.Array, new, old):
+  """Per site ([S] bool), ``new`` where True, else ``old`` (trees of [S, ...] leaves)."""
+  return jax.tree.map(lambda x, y: jnp.where(where.reshape(-1, *[1] * (x.ndim - 1)), x, y),
+                      new, old)
 
 
 def _refine_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element, learning_rate,
-                 *, steps: int, init: str, solver: str) -> tuple[dict[str, Any], jax.Array]:
-  """The "full" refinement of every site of ``step`` from its current matrices, its
-  permutation and the factors kept (``refine="final"``); (element, most iterations)."""
+                 in_scope: jax.Array, *, steps: int, init: str, solver: str
+                 ) -> tuple[dict[str, Any], jax.Array]:
+  """The "full" refinement of the sites of ``step`` ``in_scope`` ([S] bool) from their
+  current matrices, their permutations and the factors kept (``refine="final"``);
+  (element, most iterations)."""
   grams, _ = _site_grams(spec, step, flat_a, flat_b, element)
   site = spec.attention[step.names[0]]
 
@@ -340,8 +401,10 @@ def _refine_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, eleme
                                                  init=init, solver=solver)
     return current._replace(qk=qk, vo=vo), jnp.max(taken)
 
-  refined, taken = jax.vmap(refine)(grams, _stack([element[s] for s in step.names]))
-  return _set_sites(step, element, refined), jnp.max(taken)
+  old = _stack([element[s] for s in step.names])
+  refined, taken = jax.vmap(refine)(grams, old)
+  return (_set_sites(step, element, _pick(in_scope, refined, old)),
+          jnp.max(jnp.where(in_scope, taken, 0)))
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -370,26 +433,29 @@ class _StaticSpec:
     return isinstance(other, _StaticSpec) and self._key == other._key
 
 
-def _align_core(flat_a, flat_b, learning_rate, stage, *, spec, distance, steps, max_rounds, init,
-                refine, solver):
-  """The descent of ``align_model`` for the method of index ``stage`` into ``_attention.STAGES``,
-  a traced argument: "perm", "ortho" and "full" share one compiled program."""
+def _align_core(flat_a, flat_b, learning_rate, stage, active, *, spec, distance, steps, max_rounds,
+                init, refine, solver):
+  """The descent of ``align_model`` for the method of index ``stage`` into ``_attention.STAGES``
+  over the names where ``active`` ([factors + sites] bool, ``_active_names``) is True. Both are
+  traced: "perm", "ortho" and "full" and every scope share one compiled program."""
   spec = spec.spec
   full = stage == _attention.STAGES.index("full")
   final = refine == "final"  # for "full" only: the descent runs "ortho", then one refinement
   descent = jnp.where(full, _attention.STAGES.index("ortho"), stage) if final else stage
   dtype = next(iter(flat_a.values())).dtype
   plan = _plan(spec, flat_a)
-  first = _first_round_leaves(spec, plan)
-  neighbours = np.array([[s is not t and bool(s.leaves & t.leaves) for t in plan] for s in plan],
-                        bool).reshape(len(plan), len(plan))
+  on = dict(zip(_active_names(spec), active))
+  reads, again = _first_round_reads(spec, plan, on)
+  neighbours = _neighbours(spec, plan, active)
+  sites_on = [jnp.stack([on[s] for s in step.names]) if step.attention else None for step in plan]
 
   def run(i, element, rounds):
     step = plan[i]
     if step.attention:
       return _attention_step(spec, step, flat_a, flat_b, element, learning_rate, rounds == 0,
-                             descent, distance=distance, steps=steps, init=init, solver=solver)
-    return (*_factor_step(spec, plan, step, flat_a, flat_b, element, first[i], rounds),
+                             descent, sites_on[i], distance=distance, steps=steps, init=init,
+                             solver=solver)
+    return (*_factor_step(spec, plan, step, flat_a, flat_b, element, reads, rounds, on),
             jnp.int32(0))
 
   def body(state):
@@ -397,13 +463,14 @@ def _align_core(flat_a, flat_b, learning_rate, stage, *, spec, distance, steps, 
     for i in range(len(plan)):
       element, changed, t = jax.lax.cond(dirty[i], lambda e, i=i: run(i, e, rounds),
                                          lambda e: (e, jnp.bool_(False), jnp.int32(0)), element)
-      rerun = first[i] is not None and rounds == 0
-      dirty = (dirty.at[i].set(rerun) | (changed & neighbours[i]))
+      dirty = dirty.at[i].set(again[i] & (rounds == 0)) | (changed & neighbours[i])
       taken = jnp.maximum(taken, t)
     return element, dirty, rounds + 1, taken
 
   element = group_action.identity_model(spec, dtype)
-  state = (element, jnp.ones(len(plan), bool), jnp.int32(0), jnp.int32(0))
+  pending = jnp.stack([functools.reduce(jnp.logical_or, [on[n] for n in step.names])
+                       for step in plan]) if plan else jnp.zeros(0, bool)
+  state = (element, pending, jnp.int32(0), jnp.int32(0))
   cond = lambda s: jnp.any(s[1]) & (s[2] < max_rounds)
   element, _, rounds, taken = jax.lax.while_loop(cond, body, state)
   distances = {"initial": sum(jnp.sum((flat_a[p] - flat_b[p]) ** 2) for p in flat_a)}
@@ -411,9 +478,9 @@ def _align_core(flat_a, flat_b, learning_rate, stage, *, spec, distance, steps, 
     distances["before_refinement"] = _distance(spec, plan, flat_a, flat_b, element)
 
     def refine_sites(element, taken):
-      for step in plan:
+      for step, in_scope in zip(plan, sites_on):
         if step.attention:
-          element, t = _refine_step(spec, step, flat_a, flat_b, element, learning_rate,
+          element, t = _refine_step(spec, step, flat_a, flat_b, element, learning_rate, in_scope,
                                     steps=steps, init=init, solver=solver)
           taken = jnp.maximum(taken, t)
       return element, taken
@@ -447,29 +514,27 @@ def _check_model_pair(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: P
 def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps, learning_rate,
                      max_rounds, init=_attention.INITS[0], refine=REFINES[0],
                      solver=_attention.SOLVERS[0]):
-  active = spec.restrict(names)
   params_a, params_b = _attention.upcast(params_a), _attention.upcast(params_b)
-  needs_folding = any(active.factors[f].kind == "orthogonal" for f in active.factors
-                      if any(f in spec.axes[p] for p in spec.norm_scales))
+  needs_folding = any(spec.factors[f].kind == "orthogonal" for f in spec.factors
+                      if f in names and any(f in spec.axes[p] for p in spec.norm_scales))
   if needs_folding:
     params_a = group_action.fold_norm_scales(spec, params_a)
     params_b = group_action.fold_norm_scales(spec, params_b)
   flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
   dtype = next(iter(flat_a.values())).dtype
-  if not active.attention:  # one program whatever options change nothing
+  if not set(names) & set(spec.attention):  # one program whatever options change nothing
     distance, steps, init, refine, solver = ("frobenius", 0, _attention.INITS[0], REFINES[0],
                                              _attention.SOLVERS[0])
+  active = jnp.asarray([n in names for n in _active_names(spec)], bool)
   element, info = _align_jit(flat_a, flat_b, jnp.asarray(learning_rate, dtype),
-                             jnp.int32(_attention.STAGES.index(method)),
-                             spec=_StaticSpec(active), distance=distance, steps=int(steps),
+                             jnp.int32(_attention.STAGES.index(method)), active,
+                             spec=_StaticSpec(spec), distance=distance, steps=int(steps),
                              max_rounds=int(max_rounds), init=init, refine=refine, solver=solver)
   if method != "full":  # what only "full" does (refines) and reports
     del info["refinement_steps"]
     info["distance"].pop("before_refinement", None)
-  full = group_action.identity_model(spec, dtype)
-  full.update(element)
   info["folded_norm_scales"] = needs_folding
-  return full, info
+  return element, info
 
 
 def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
