@@ -379,8 +379,9 @@ def test_scope_equals_the_descent_over_its_names_alone(x64, scope):
           np.testing.assert_array_equal(x, y, err_msg=f"{method} {name}")
 
 
-def test_one_program_for_every_scope(x64, monkeypatch):
-  """Scopes are a traced mask: every scope of a model shares one compiled program."""
+def test_one_program_for_every_scope_and_distance(x64, monkeypatch):
+  """Scopes are a traced mask and the Stage 1 distance a traced index: every scope and
+  distance of a model shares one compiled program."""
   counted = jax.jit(chex.assert_max_traces(_model._align_core, n=1),
                     static_argnames=_model._STATIC)  # pylint: disable=protected-access
   monkeypatch.setattr(_model, "_align_jit", counted)
@@ -390,6 +391,13 @@ def test_one_program_for_every_scope(x64, monkeypatch):
                                                             "layers_1/attention"]):
     for method in ("perm", "full"):
       matching.align_model(spec, a, b, scope=scope, method=method)
+  site = "layers_0/attention"
+  for distance in ("frobenius", "squared", "normalised", "cosine"):  # each as match_attention's
+    element, _ = matching.align_model(spec, a, b, scope=[site], method="ortho", distance=distance)
+    alone, _ = matching.match_attention(spec_lib.subtree(a, site), spec_lib.subtree(b, site),
+                                        spec.attention[site], method="ortho", distance=distance)
+    np.testing.assert_array_equal(element[site].perm, alone.perm, err_msg=distance)
+    np.testing.assert_allclose(element[site].qk, alone.qk, atol=1e-12, err_msg=distance)
 
 
 def test_one_program_for_perm_ortho_and_full(x64, monkeypatch):

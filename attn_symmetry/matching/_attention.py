@@ -157,13 +157,14 @@ def element_objective(g: _features.Grams, element: group_action.AttentionElement
 
 
 def solve_layer(g: _features.Grams, site: spec_lib.AttentionSite, method: str | jax.Array,
-                distance: str, *, steps: int, learning_rate: jax.Array, init: str = INITS[0],
+                distance: str | jax.Array, *, steps: int, learning_rate: jax.Array, init: str = INITS[0],
                 solver: str = SOLVERS[0], current: group_action.AttentionElement | None = None
                 ) -> tuple[group_action.AttentionElement, dict[str, Any]]:
   """Both stages for one layer from its Grams (no leading axes).
 
   ``method`` is a name of ``METHODS`` but "learned", or a traced index into
-  ``STAGES`` (``stage2``).
+  ``STAGES`` (``stage2``); ``distance`` a name of ``_features.DISTANCES`` or a
+  traced index into it.
 
   Returns:
     (element, info) with info["objective"][stage] for "naive" and every stage

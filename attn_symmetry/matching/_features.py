@@ -89,8 +89,15 @@ def qk_block_mask(site: spec_lib.AttentionSite) -> np.ndarray:
   return (block[:, None] == block[None, :]).astype(np.float64)
 
 
-def _distance(sq_a: jax.Array, sq_b: jax.Array, cross: jax.Array, distance: str) -> jax.Array:
-  """Pairwise distance [N, M] of features with squared norms [N], [M] and inner products [N, M]."""
+def _distance(sq_a: jax.Array, sq_b: jax.Array, cross: jax.Array,
+              distance: str | jax.Array) -> jax.Array:
+  """Pairwise distance [N, M] of features with squared norms [N], [M] and inner products [N, M].
+
+  ``distance`` is a name of ``DISTANCES`` or a traced index into it (all four
+  computed, one selected: a program that serves every distance).
+  """
+  if not isinstance(distance, str):
+    return jnp.stack([_distance(sq_a, sq_b, cross, d) for d in DISTANCES])[distance]
   squared = sq_a[:, None] + sq_b[None, :] - 2 * cross
   if distance == "squared":
     return squared
@@ -103,8 +110,9 @@ def _distance(sq_a: jax.Array, sq_b: jax.Array, cross: jax.Array, distance: str)
   return jnp.sqrt(jnp.maximum(2 - 2 * cosine, 0))  # normalised: || M_A/|M_A| - M_B/|M_B| ||_F
 
 
-def head_cost(g: Grams, site: spec_lib.AttentionSite, distance: str) -> jax.Array:
-  """Stage 1 cost [N, N]: d(M^QK_{A,n}, M^QK_{B,m}) + d(M^VO_{A,n}, M^VO_{B,m}).
+def head_cost(g: Grams, site: spec_lib.AttentionSite, distance: str | jax.Array) -> jax.Array:
+  """Stage 1 cost [N, N]: d(M^QK_{A,n}, M^QK_{B,m}) + d(M^VO_{A,n}, M^VO_{B,m}), with d named
+  by ``distance`` or a traced index into ``DISTANCES``.
 
   Query head n reads kv head n // G, so under GQA the kv Grams are expanded to
   query heads before the traces.

@@ -350,8 +350,8 @@ def _set_sites(step: _Step, element, stacked) -> dict[str, Any]:
 
 
 def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element, learning_rate,
-                    first: jax.Array, stage: jax.Array, in_scope: jax.Array, *, distance: str,
-                    steps: int, init: str, solver: str
+                    first: jax.Array, stage: jax.Array, in_scope: jax.Array, distance: jax.Array,
+                    *, steps: int, init: str, solver: str
                     ) -> tuple[dict[str, Any], jax.Array, jax.Array]:
   """Matches every site of ``step`` (vmap over sites) with the method of index ``stage``
   (``_attention.STAGES``) given the factors; (element, changed, the most refinement
@@ -433,11 +433,12 @@ class _StaticSpec:
     return isinstance(other, _StaticSpec) and self._key == other._key
 
 
-def _align_core(flat_a, flat_b, learning_rate, stage, active, *, spec, distance, steps, max_rounds,
+def _align_core(flat_a, flat_b, learning_rate, stage, active, distance, *, spec, steps, max_rounds,
                 init, refine, solver):
   """The descent of ``align_model`` for the method of index ``stage`` into ``_attention.STAGES``
-  over the names where ``active`` ([factors + sites] bool, ``_active_names``) is True. Both are
-  traced: "perm", "ortho" and "full" and every scope share one compiled program."""
+  over the names where ``active`` ([factors + sites] bool, ``_active_names``) is True, with the
+  Stage 1 distance of index ``distance`` into ``_features.DISTANCES``. All three are traced:
+  every method, scope and distance share one compiled program."""
   spec = spec.spec
   full = stage == _attention.STAGES.index("full")
   final = refine == "final"  # for "full" only: the descent runs "ortho", then one refinement
@@ -453,7 +454,7 @@ def _align_core(flat_a, flat_b, learning_rate, stage, active, *, spec, distance,
     step = plan[i]
     if step.attention:
       return _attention_step(spec, step, flat_a, flat_b, element, learning_rate, rounds == 0,
-                             descent, sites_on[i], distance=distance, steps=steps, init=init,
+                             descent, sites_on[i], distance, steps=steps, init=init,
                              solver=solver)
     return (*_factor_step(spec, plan, step, flat_a, flat_b, element, reads, rounds, on),
             jnp.int32(0))
@@ -490,7 +491,7 @@ def _align_core(flat_a, flat_b, learning_rate, stage, active, *, spec, distance,
   return element, {"distance": distances, "rounds": rounds, "refinement_steps": taken}
 
 
-_STATIC = ("spec", "distance", "steps", "max_rounds", "init", "refine", "solver")
+_STATIC = ("spec", "steps", "max_rounds", "init", "refine", "solver")
 _align_jit = jax.jit(_align_core, static_argnames=_STATIC)
 
 
@@ -523,12 +524,12 @@ def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps
   flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
   dtype = next(iter(flat_a.values())).dtype
   if not set(names) & set(spec.attention):  # one program whatever options change nothing
-    distance, steps, init, refine, solver = ("frobenius", 0, _attention.INITS[0], REFINES[0],
-                                             _attention.SOLVERS[0])
+    steps, init, refine, solver = 0, _attention.INITS[0], REFINES[0], _attention.SOLVERS[0]
   active = jnp.asarray([n in names for n in _active_names(spec)], bool)
   element, info = _align_jit(flat_a, flat_b, jnp.asarray(learning_rate, dtype),
                              jnp.int32(_attention.STAGES.index(method)), active,
-                             spec=_StaticSpec(spec), distance=distance, steps=int(steps),
+                             jnp.int32(_features.DISTANCES.index(distance)),
+                             spec=_StaticSpec(spec), steps=int(steps),
                              max_rounds=int(max_rounds), init=init, refine=refine, solver=solver)
   if method != "full":  # what only "full" does (refines) and reports
     del info["refinement_steps"]
