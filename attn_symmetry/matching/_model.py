@@ -243,32 +243,44 @@ Scores = tuple[jax.Array, jax.Array, jax.Array]  # (M [n, n], ||A||^2, ||B||^2)
 
 
 def _factor_scores(spec: spec_lib.SymmetrySpec, plan: list[_Step], f: str, flat_a, flat_b,
-                   element, read: dict[str, jax.Array]) -> tuple[Scores, Scores]:
-  """The scores of factor ``f`` over its leaves, split by ``read`` (traced bool per leaf):
-  (the sums over the leaves read, the sums over the others).
+                   element, read: dict[str, jax.Array], rounds: jax.Array) -> Scores:
+  """(M, ||A||^2, ||B||^2) of factor ``f``: the scores M[j, i] = <A_j, B_i> [n, n] and the
+  squared norms of the A and B parts, with everything else in ``element`` applied to B.
 
-  Scores are (M, ||A||^2, ||B||^2): M[j, i] = <A_j, B_i> [n, n] and the squared
-  norms of the A and B parts, with everything else in ``element`` applied to B.
-  Each sum runs over the leaves in path order, adding exact zeros for the
-  leaves of the other part.
+  In round one (``rounds`` 0) over the leaves ``read`` (a traced bool per
+  leaf; the others are not computed), from round two on over all of them: the
+  sum over the leaves read plus the sum over the others, each in path order.
   """
   own = sorted(p for p in read if not (spec.factors[f].kind == "orthogonal"
                                       and p in spec.norm_scales))
-  b_moved = _with_attention(spec, plan, flat_b, element, own)
+  needed = {p: read[p] | (rounds > 0) for p in own}
+  b_moved = {p: flat_b[p] for p in own}
+  at_sites = [p for p in own if p in _site_of(spec)]  # in path order
+  if at_sites:  # the attention elements, applied only when a leaf of theirs is read
+    b_moved.update(jax.lax.cond(
+        functools.reduce(jnp.logical_or, [needed[p] for p in at_sites]),
+        lambda: {p: v for p, v in _with_attention(spec, plan, flat_b, element, at_sites).items()
+                 if p in at_sites},
+        lambda: {p: flat_b[p] for p in at_sites}))
   n = spec.factors[f].size
   zero = jnp.zeros((), flat_a[next(iter(read))].dtype)
-  parts = [[jnp.zeros((n, n), zero.dtype), zero, zero] for _ in range(2)]  # read, the others
+  parts = ((jnp.zeros((n, n), zero.dtype), zero, zero),) * 2  # (read, the others)
+
+  def add(parts, path, axis):
+    b = group_action.apply_leaf(spec, path, b_moved[path], element, skip_axis=axis)
+    a = flat_a[path]
+    # Norms of the leaves as laid out: XLA:CPU reduces a transposed view ~100x slower.
+    norms = jnp.sum(a * a), jnp.sum(b * b)
+    a, b = (jnp.moveaxis(x, axis, 0).reshape(n, -1) for x in (a, b))
+    terms = (jnp.matmul(a, b.T, precision=_features.HIGHEST), *norms)  # M: [new (A), old (B)]
+    return tuple(tuple(total + jnp.where(taken, term, 0) for total, term in zip(part, terms))
+                 for part, taken in zip(parts, (read[path], ~read[path])))
+
   for path in own:
     for axis in (i for i, g in enumerate(spec.axes[path]) if g == f):
-      b = group_action.apply_leaf(spec, path, b_moved[path], element, skip_axis=axis)
-      a = flat_a[path]
-      # Norms of the leaves as laid out: XLA:CPU reduces a transposed view ~100x slower.
-      norms = jnp.sum(a * a), jnp.sum(b * b)
-      a, b = (jnp.moveaxis(x, axis, 0).reshape(n, -1) for x in (a, b))
-      terms = (jnp.matmul(a, b.T, precision=_features.HIGHEST), *norms)  # M: [new (A), old (B)]
-      for part, taken in zip(parts, (read[path], ~read[path])):
-        part[:] = [total + jnp.where(taken, term, 0) for total, term in zip(part, terms)]
-  return tuple(parts[0]), tuple(parts[1])
+      parts = jax.lax.cond(needed[path], functools.partial(add, path=path, axis=axis),
+                           lambda parts: parts, parts)
+  return jax.tree.map(jnp.add, *parts)
 
 
 def _factor_update(spec: spec_lib.SymmetrySpec, f: str, scores: tuple[jax.Array, ...],
@@ -301,10 +313,9 @@ def _factor_step(spec: spec_lib.SymmetrySpec, plan: list[_Step], step: _Step, fl
   held at a time: a step holds the FFNs of every layer.
   """
   def solve(f, values):
-    known, rest = _factor_scores(spec, plan, f, flat_a, flat_b, element, reads[f])
-    rest = jax.tree.map(lambda x: jnp.where(rounds == 0, jnp.zeros_like(x), x), rest)
+    scores = _factor_scores(spec, plan, f, flat_a, flat_b, element, reads[f], rounds)
     i = step.names.index(f)
-    value, moved = _factor_update(spec, f, jax.tree.map(jnp.add, known, rest), values[i])
+    value, moved = _factor_update(spec, f, scores, values[i])
     return values[:i] + (value,) + values[i + 1:], moved
 
   def solve_in_scope(f, values):
