@@ -193,7 +193,8 @@ def _first_round_reads(spec: spec_lib.SymmetrySpec, plan: list[_Step], on: dict[
         pending = {g for g in (*spec.axes[p], site_of.get(p)) if g not in (None, f)} - solved
         known[p] = functools.reduce(jnp.logical_and, [~on[g] for g in sorted(pending)],
                                     jnp.bool_(True))
-      some, every = jnp.any(jnp.stack(list(known.values()))), jnp.all(jnp.stack(list(known.values())))
+      flags = jnp.stack(list(known.values()))
+      some, every = jnp.any(flags), jnp.all(flags)
       reads[f] = {p: k | ~some for p, k in known.items()}
       rerun = rerun | (on[f] & some & ~every)
     again.append(rerun)
