@@ -16,6 +16,7 @@ from experiments.configs import cpu_paper
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALLEST = "table1_vit_mnist_ape"
 COMMITTED = os.path.join(REPO, "results", SMALLEST, "reduced")
+RTOL = 1e-4  # float32 rounding of one run: between runs and between CPUs' kernels
 
 
 @pytest.mark.parametrize("setting", sorted(cpu_paper.SETTINGS))
@@ -55,15 +56,22 @@ def test_reduced_rerun_gives_the_committed_numbers(tmp_path):
   new, old = _load(rerun), _load(COMMITTED)
   assert [(p["a"], p["b"]) for p in new["pairs"]] == [(p["a"], p["b"]) for p in old["pairs"]]
   assert list(new["methods"]) == list(old["methods"])
-  for p_new, p_old in zip(new["pairs"], old["pairs"]):
+  # A barrier is a difference of points of a loss (accuracy) curve: it carries their
+  # rounding, RTOL of the largest, which differs between CPUs' kernels.
+  tolerance = lambda values, key: dict(rtol=RTOL, atol=RTOL * max(np.max(np.abs(v[key])) for v in values))
+  ablations = [r["ablation"]["permutations"]["per_pair"] for r in (new, old)]
+  assert len(ablations[0]) == len(ablations[1]) == len(old["pairs"])
+  for p_new, p_old, abl_new, abl_old in zip(new["pairs"], old["pairs"], *ablations):
+    values = list(p_old["methods"].values())
     for method in old["methods"]:
-      for key in ("loss", "accuracy", "loss_barrier", "accuracy_barrier"):
+      for key, scale in (("loss", "loss"), ("accuracy", "accuracy"),
+                         ("loss_barrier", "loss"), ("accuracy_barrier", "accuracy")):
         np.testing.assert_allclose(p_new["methods"][method][key], p_old["methods"][method][key],
-                                   rtol=1e-4, atol=1e-6, err_msg=f"{method} {key}")
-  abl_new, abl_old = (r["ablation"]["permutations"]["per_pair"] for r in (new, old))
-  for a, b in zip(abl_new, abl_old):
-    assert a["chosen"] == b["chosen"] and a["loss_rank"] == b["loss_rank"]
-    np.testing.assert_allclose(a["loss_barriers"], b["loss_barriers"], rtol=1e-4, atol=1e-6)
+                                   **tolerance(values, scale), err_msg=f"{method} {key}")
+    assert abl_new["chosen"] == abl_old["chosen"]
+    assert abl_new["loss_rank"] == abl_old["loss_rank"]
+    np.testing.assert_allclose(abl_new["loss_barriers"], abl_old["loss_barriers"],
+                               **tolerance(values, "loss"))
   with open(os.path.join(COMMITTED, "summary.md")) as f:
     committed_summary = f.read()
   assert "## Re-initialisation scope: first_attention" in committed_summary
