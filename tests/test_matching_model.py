@@ -344,6 +344,38 @@ def test_match_ffn_planted_and_coordinatewise_optimal(x64):
     np.testing.assert_allclose(ours, optimum, rtol=1e-9)
 
 
+
+@pytest.mark.parametrize("build,fixed", [(vit_like, ["embed/kernel"]),
+                                         (llama_like, ["embed", "head/kernel"])],
+                         ids=["vit_like", "llama_like"])
+def test_fixed_leaves_scored_once_keep_every_factor_optimal(x64, build, fixed):
+  """Leaves only the residual acts on, with at least D columns (embeddings, an untied head),
+  are scored once before the descent, as sum_leaf A_(R) B_(R)^T; with them scaled to dominate
+  the residual's scores, the result is still coordinatewise optimal."""
+  spec, shapes = build()
+  a, b = _init(shapes, 0), _init(shapes, 1)
+  flat_a, flat_b = spec_lib.flatten(a), spec_lib.flatten(b)
+  assert {f: _model._fixed_leaves(spec, f, flat_a) for f in spec.factors} == {  # pylint: disable=protected-access
+      f: fixed if f == R else [] for f in spec.factors}
+  on = {n: jnp.bool_(True) for n in (*spec.factors, *spec.attention)}
+  m, norm_a, norm_b = _model._fixed_scores(spec, flat_a, flat_b, on)[R]  # pylint: disable=protected-access
+  view = lambda x, p: np.moveaxis(x, spec.axes[p].index(R), 0).reshape(D, -1)
+  np.testing.assert_allclose(m, sum(view(flat_a[p], p) @ view(flat_b[p], p).T for p in fixed),
+                             rtol=1e-12)
+  np.testing.assert_allclose(norm_b, sum(np.sum(flat_b[p] ** 2) for p in fixed), rtol=1e-12)
+  off = _model._fixed_scores(spec, flat_a, flat_b, dict(on, **{R: jnp.bool_(False)}))[R]  # pylint: disable=protected-access
+  assert not np.any(off[0])
+  if spec.factors[R].kind == "orthogonal":
+    a, b = ga.fold_norm_scales(spec, a), ga.fold_norm_scales(spec, b)
+  a, b = ({p: 10 * x if p in fixed else x for p, x in spec_lib.flatten(t).items()}
+          for t in (a, b))
+  a, b = spec_lib.unflatten(a), spec_lib.unflatten(b)
+  element, info = matching.match_ffn(spec, a, b)
+  assert float(info["distance"]["final"]) < float(info["distance"]["initial"])
+  for f in (f for f in spec.factors if spec.factors[f].kind == "permutation"):
+    ours, optimum = _lap_score(spec, a, b, _numpy(element), f)
+    np.testing.assert_allclose(ours, optimum, rtol=1e-9)
+
 def test_one_trace_for_equal_specs(x64, monkeypatch):
   counted = jax.jit(chex.assert_max_traces(_model._align_core, n=1),
                     static_argnames=_model._STATIC)  # pylint: disable=protected-access

@@ -27,7 +27,9 @@ the first round a factor reads only the leaves whose other factors and sites
 are already solved (embeddings, norms and the head for the residual stream,
 when nothing else is known), and runs again later with all of its leaves: a
 wrong first guess from still unmatched weights would otherwise steer the
-descent.
+descent. A leaf on which a factor is the only name acting (an embedding, an
+untied head) scores it the same in every round: its share of M is computed
+once, before the loop (``_fixed_leaves``).
 
 Acceptance. A factor step is an exact minimiser given everything else; it is
 accepted only if it improves the objective by more than a relative tolerance
@@ -243,17 +245,70 @@ def _tolerance(dtype: Any) -> float:
 Scores = tuple[jax.Array, jax.Array, jax.Array]  # (M [n, n], ||A||^2, ||B||^2)
 
 
+def _scored_leaves(spec: spec_lib.SymmetrySpec, f: str) -> list[str]:
+  """The leaves that factor ``f`` is scored on, in path order: every leaf it acts on but
+  the norm scales of an orthogonal factor (folded, all ones: ``apply_leaf`` leaves them)."""
+  orthogonal = spec.factors[f].kind == "orthogonal"
+  return sorted(p for p, axes in spec.axes.items()
+                if f in axes and not (orthogonal and p in spec.norm_scales))
+
+
+def _fixed_leaves(spec: spec_lib.SymmetrySpec, f: str, flat: dict[str, Any]) -> list[str]:
+  """The leaves of ``f`` whose scores never change during the descent, worth computing once.
+
+  A leaf on which ``f`` is the only name acting (one axis, no other factor, no
+  attention site: embeddings, a head) contributes the same A_(f) B_(f)^T
+  whatever the element. It is kept out of the loop when its [n, -1] view has
+  at least n columns, so that its n x n contribution is no larger than the leaf
+  (a LayerNorm's [n] scale or an FFN bias is cheaper to recompute than to hold).
+  """
+  n, site_of = spec.factors[f].size, _site_of(spec)
+  return [p for p in _scored_leaves(spec, f)
+          if [g for g in spec.axes[p] if g is not None] == [f] and p not in site_of
+          and math.prod(flat[p].shape) >= n * n]
+
+
+def _leaf_scores(a: jax.Array, b: jax.Array, axis: int, n: int) -> Scores:
+  """(A_(axis) B_(axis)^T [n, n], ||A||^2, ||B||^2) of one leaf pair, ``b`` already mapped by
+  every other name acting on it."""
+  # Norms of the leaves as laid out: XLA:CPU reduces a transposed view ~100x slower.
+  norms = jnp.sum(a * a), jnp.sum(b * b)
+  a, b = (jnp.moveaxis(x, axis, 0).reshape(n, -1) for x in (a, b))
+  return jnp.matmul(a, b.T, precision=_features.HIGHEST), *norms  # M: [new (A), old (B)]
+
+
+def _fixed_scores(spec: spec_lib.SymmetrySpec, flat_a, flat_b, on: dict[str, jax.Array]
+                  ) -> dict[str, Scores]:
+  """The summed scores of every factor's ``_fixed_leaves`` (zeros for a factor out of scope
+  ``on``, which is never solved); computed once, before the descent."""
+  dtype = next(iter(flat_a.values())).dtype
+  out = {}
+  for f, factor in spec.factors.items():
+    n = factor.size
+    zeros = (jnp.zeros((n, n), dtype), jnp.zeros((), dtype), jnp.zeros((), dtype))
+    leaves = _fixed_leaves(spec, f, flat_a)
+
+    def total(f=f, leaves=leaves, n=n, zeros=zeros):
+      terms = [_leaf_scores(flat_a[p], flat_b[p], spec.axes[p].index(f), n) for p in leaves]
+      return functools.reduce(lambda x, y: tuple(map(jnp.add, x, y)), terms, zeros)
+
+    out[f] = jax.lax.cond(on[f], total, lambda zeros=zeros: zeros) if leaves else zeros
+  return out
+
+
 def _factor_scores(spec: spec_lib.SymmetrySpec, plan: list[_Step], f: str, flat_a, flat_b,
-                   element, read: dict[str, jax.Array], rounds: jax.Array) -> Scores:
+                   element, read: dict[str, jax.Array], rounds: jax.Array, fixed: Scores
+                   ) -> Scores:
   """(M, ||A||^2, ||B||^2) of factor ``f``: the scores M[j, i] = <A_j, B_i> [n, n] and the
   squared norms of the A and B parts, with everything else in ``element`` applied to B.
 
-  In round one (``rounds`` 0) over the leaves ``read`` (a traced bool per
-  leaf; the others are not computed), from round two on over all of them: the
-  sum over the leaves read plus the sum over the others, each in path order.
+  ``fixed`` is the sum over ``_fixed_leaves`` (``_fixed_scores``); to it are
+  added, in path order, the other leaves: in round one (``rounds`` 0) those
+  ``read`` (a traced bool per leaf; the others are not computed), from round
+  two on all of them.
   """
-  own = sorted(p for p in read if not (spec.factors[f].kind == "orthogonal"
-                                      and p in spec.norm_scales))
+  skip = set(_fixed_leaves(spec, f, flat_a))
+  own = [p for p in _scored_leaves(spec, f) if p not in skip]
   needed = {p: read[p] | (rounds > 0) for p in own}
   b_moved = {p: flat_b[p] for p in own}
   at_sites = [p for p in own if p in _site_of(spec)]  # in path order
@@ -264,24 +319,17 @@ def _factor_scores(spec: spec_lib.SymmetrySpec, plan: list[_Step], f: str, flat_
                  if p in at_sites},
         lambda: {p: flat_b[p] for p in at_sites}))
   n = spec.factors[f].size
-  zero = jnp.zeros((), flat_a[next(iter(read))].dtype)
-  parts = ((jnp.zeros((n, n), zero.dtype), zero, zero),) * 2  # (read, the others)
 
-  def add(parts, path, axis):
+  def add(total, path, axis):
     b = group_action.apply_leaf(spec, path, b_moved[path], element, skip_axis=axis)
-    a = flat_a[path]
-    # Norms of the leaves as laid out: XLA:CPU reduces a transposed view ~100x slower.
-    norms = jnp.sum(a * a), jnp.sum(b * b)
-    a, b = (jnp.moveaxis(x, axis, 0).reshape(n, -1) for x in (a, b))
-    terms = (jnp.matmul(a, b.T, precision=_features.HIGHEST), *norms)  # M: [new (A), old (B)]
-    return tuple(tuple(total + jnp.where(taken, term, 0) for total, term in zip(part, terms))
-                 for part, taken in zip(parts, (read[path], ~read[path])))
+    return tuple(map(jnp.add, total, _leaf_scores(flat_a[path], b, axis, n)))
 
+  total = fixed
   for path in own:
     for axis in (i for i, g in enumerate(spec.axes[path]) if g == f):
-      parts = jax.lax.cond(needed[path], functools.partial(add, path=path, axis=axis),
-                           lambda parts: parts, parts)
-  return jax.tree.map(jnp.add, *parts)
+      total = jax.lax.cond(needed[path], functools.partial(add, path=path, axis=axis),
+                           lambda total: total, total)
+  return total
 
 
 def _factor_update(spec: spec_lib.SymmetrySpec, f: str, scores: tuple[jax.Array, ...],
@@ -304,7 +352,8 @@ def _factor_update(spec: spec_lib.SymmetrySpec, f: str, scores: tuple[jax.Array,
 
 def _factor_step(spec: spec_lib.SymmetrySpec, plan: list[_Step], step: _Step, flat_a, flat_b,
                  element, reads: dict[str, dict[str, jax.Array]], rounds: jax.Array,
-                 on: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
+                 on: dict[str, jax.Array], fixed: dict[str, Scores]
+                 ) -> tuple[dict[str, Any], jax.Array]:
   """Solves every factor of ``step`` in scope (``on``) given the rest of ``element``;
   (element, changed).
 
@@ -314,7 +363,8 @@ def _factor_step(spec: spec_lib.SymmetrySpec, plan: list[_Step], step: _Step, fl
   held at a time: a step holds the FFNs of every layer.
   """
   def solve(f, values):
-    scores = _factor_scores(spec, plan, f, flat_a, flat_b, element, reads[f], rounds)
+    scores = _factor_scores(spec, plan, f, flat_a, flat_b, element, reads[f], rounds,
+                            fixed[f])
     i = step.names.index(f)
     value, moved = _factor_update(spec, f, scores, values[i])
     return values[:i] + (value,) + values[i + 1:], moved
@@ -460,6 +510,7 @@ def _align_core(flat_a, flat_b, learning_rate, stage, active, distance, *, spec,
   on = dict(zip(_active_names(spec), active))
   reads, again = _first_round_reads(spec, plan, on)
   neighbours = _neighbours(spec, plan, active)
+  fixed = _fixed_scores(spec, flat_a, flat_b, on)
   sites_on = [jnp.stack([on[s] for s in step.names]) if step.attention else None for step in plan]
 
   def run(i, element, rounds):
@@ -468,7 +519,7 @@ def _align_core(flat_a, flat_b, learning_rate, stage, active, distance, *, spec,
       return _attention_step(spec, step, flat_a, flat_b, element, learning_rate, rounds == 0,
                              descent, sites_on[i], distance, steps=steps, init=init,
                              solver=solver)
-    return (*_factor_step(spec, plan, step, flat_a, flat_b, element, reads, rounds, on),
+    return (*_factor_step(spec, plan, step, flat_a, flat_b, element, reads, rounds, on, fixed),
             jnp.int32(0))
 
   def body(state):
