@@ -38,6 +38,7 @@ from absl import logging
 from attn_symmetry import runtime
 from experiments import atomic_io
 from experiments import config_checks
+from experiments import report
 from experiments import study
 from experiments import train
 from experiments.configs import cpu_paper
@@ -124,8 +125,9 @@ def _cell(row: dict[str, Any] | None, key: str) -> str:
 
 def results_table(results_root: str) -> str:
   """Markdown table of every committed setting under ``results_root``: per setting and
-  scope, the naive loss barrier, each method's loss barrier as % of naive (mean ± std over
-  pairs [95 % CI half-width]), Stage 1's rank and L-hat, the wall time, the commit the run
+  scope, the pairs (and how many have a ratio, when a naive barrier is zero), the naive loss
+  barrier, each method's loss barrier as % of naive (mean ± std over pairs [95 % CI
+  half-width]), Stage 1's rank and L-hat, the wall time, the commit the run
   started from and its command."""
   methods = ("perm", "ortho", "full", "learned")
   lines = ["| setting | scope | pairs | naive loss barrier | Variant 1 (%) | Variant 2 (%) | "
@@ -149,8 +151,14 @@ def results_table(results_root: str) -> str:
       rank = "n/a" if not abl else f"{abl['loss_rank_mean']:.2f} ± {abl['loss_rank_std']:.2f}"
       lhat = ("n/a" if not abl or abl["loss_lhat_mean"] is None
               else f"{abl['loss_lhat_mean']:.1f} ± {abl['loss_lhat_std']:.1f}")
+      # Pairs whose naive barrier is zero have no ratio (report.ratio_pct): say so.
+      with_ratio = sum(report.ratio_pct(1.0, p["methods"]["naive"]["loss_barrier"]) is not None
+                       for p in res["pairs"])
+      pairs = naive["num_pairs"]
+      if with_ratio < pairs:
+        pairs = f"{pairs} (ratios over {with_ratio})"
       lines.append(
-          f"| {setting} | {scope} | {naive['num_pairs']} | "
+          f"| {setting} | {scope} | {pairs} | "
           f"{naive['loss_barrier_mean']:.4f} ± {naive['loss_barrier_std']:.4f} | "
           + " | ".join(_cell(rows.get(m), "loss_barrier_ratio_pct") for m in methods)
           + f" | {rank} | {lhat} | {run['wall_seconds'] / 60:.0f} min | {_commit(run)} | "

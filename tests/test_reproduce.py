@@ -2,6 +2,7 @@
 and its numbers compared with the committed ones; every setting's config is valid."""
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -90,3 +91,19 @@ def test_readme_table_is_generated_from_the_committed_runs():
     with open(os.path.join(root, setting, "run.json")) as f:
       commit = json.load(f)["commit"][:7]
     assert f"| {setting} |" in table and f"| {commit}" in table
+
+
+def test_table_says_when_a_ratio_leaves_out_pairs(tmp_path):
+  """A pair whose naive barrier is zero has no ratio to naive; the row says over how many
+  pairs its ratios are taken."""
+  setting = "table1_vit_mnist_ape"
+  shutil.copytree(os.path.join(REPO, "results", setting), tmp_path / setting,
+                  ignore=shutil.ignore_patterns("reduced", "*.png"))
+  path = tmp_path / setting / "first_attention" / "results.json"
+  res = json.loads(path.read_text())
+  assert f"| {setting} | first_attention | 10 |" in reproduce.results_table(str(tmp_path))
+  for pair in res["pairs"][:3]:
+    pair["methods"]["naive"]["loss_barrier"] = 0.0
+  path.write_text(json.dumps(res))
+  assert (f"| {setting} | first_attention | 10 (ratios over 7) |"
+          in reproduce.results_table(str(tmp_path)))
