@@ -344,7 +344,6 @@ def test_match_ffn_planted_and_coordinatewise_optimal(x64):
     np.testing.assert_allclose(ours, optimum, rtol=1e-9)
 
 
-
 @pytest.mark.parametrize("build,fixed", [(vit_like, ["embed/kernel"]),
                                          (llama_like, ["embed", "head/kernel"])],
                          ids=["vit_like", "llama_like"])
@@ -375,6 +374,7 @@ def test_fixed_leaves_scored_once_keep_every_factor_optimal(x64, build, fixed):
   for f in (f for f in spec.factors if spec.factors[f].kind == "permutation"):
     ours, optimum = _lap_score(spec, a, b, _numpy(element), f)
     np.testing.assert_allclose(ours, optimum, rtol=1e-9)
+
 
 def test_one_trace_for_equal_specs(x64, monkeypatch):
   counted = jax.jit(chex.assert_max_traces(_model._align_core, n=1),

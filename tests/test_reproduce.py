@@ -2,8 +2,8 @@
 and its numbers compared with the committed ones; every setting's config is valid."""
 
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 
@@ -59,7 +59,8 @@ def test_reduced_rerun_gives_the_committed_numbers(tmp_path):
   assert list(new["methods"]) == list(old["methods"])
   # A barrier is a difference of points of a loss (accuracy) curve: it carries their
   # rounding, RTOL of the largest, which differs between CPUs' kernels.
-  tolerance = lambda values, key: dict(rtol=RTOL, atol=RTOL * max(np.max(np.abs(v[key])) for v in values))
+  tolerance = lambda values, key: dict(
+      rtol=RTOL, atol=RTOL * max(np.max(np.abs(v[key])) for v in values))
   ablations = [r["ablation"]["permutations"]["per_pair"] for r in (new, old)]
   assert len(ablations[0]) == len(ablations[1]) == len(old["pairs"])
   for p_new, p_old, abl_new, abl_old in zip(new["pairs"], old["pairs"], *ablations):
@@ -96,7 +97,7 @@ def test_readme_table_is_generated_from_the_committed_runs():
 def test_table_says_when_a_ratio_leaves_out_pairs(tmp_path):
   """A pair whose naive barrier is zero has no ratio to naive; the row says over how many
   pairs its ratios are taken."""
-  setting = "table1_vit_mnist_ape"
+  setting = SMALLEST
   shutil.copytree(os.path.join(REPO, "results", setting), tmp_path / setting,
                   ignore=shutil.ignore_patterns("reduced", "*.png"))
   path = tmp_path / setting / "first_attention" / "results.json"
