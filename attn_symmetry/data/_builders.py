@@ -16,6 +16,9 @@ package):
   data, as one byte stream (the enwik8 analogue).
 * ``newsgroups_mini``: 200 Usenet posts of 20 Newsgroups in ``gensim``'s test
   data, alt.atheism (0) against sci.space (1), headers removed.
+* ``fortune_languages``: language identification, 2,000 fortune cookies in
+  each of English, German, Spanish, Italian and Polish from Debian's
+  ``fortunes`` packages.
 
 Downloaded (prepared by ``python -m attn_symmetry.data.prepare NAME``), for the
 paper's corpora that TFDS does not have: ``enwik8``, ``wikitext103``,
@@ -266,6 +269,75 @@ with tfds.core.registered.skip_registration():
         raise ValueError(f"{self.SOURCE}: unexpected target_names {bunch['target_names']}")
       return [{"text": _strip_headers(text).encode("utf-8"), "label": int(label)}
               for text, label in zip(bunch["data"], bunch["target"])]
+
+
+  class FortuneLanguages(_ListBuilder):
+    """Language identification of short texts: 2,000 fortune cookies in each of five
+    languages, from Debian's ``fortunes`` packages."""
+
+    name = "fortune_languages"
+    SOURCE_DIR = "/usr/share/games/fortunes"
+    PER_LANGUAGE = 2000
+    # Label name -> the files it reads, relative to SOURCE_DIR (a folder: each plain file in it).
+    SOURCES = {"english": ("computers", "cookie", "definitions", "people", "politics", "science",
+                           "wisdom", "work"),
+               "german": ("de",), "spanish": ("es",), "italian": ("it",), "polish": ("pl",)}
+    PACKAGES = "fortunes fortunes-de fortunes-es fortunes-it fortunes-pl"
+    DESCRIPTION = ("Language identification: fortune cookies (quotations, jokes, poems) of "
+                   "Debian's fortunes, fortunes-de, fortunes-es, fortunes-it and fortunes-pl "
+                   f"packages ({SOURCE_DIR}), labels 0 English, 1 German, 2 Spanish, 3 Italian, "
+                   f"4 Polish. Each language's cookies (its files in name order, ascii-art files "
+                   f"left out; the UTF-8 bytes as stored) are thinned evenly to {PER_LANGUAGE}. "
+                   "Split: "
+                   "every fifth cookie is test.")
+    HOMEPAGE = "https://packages.debian.org/stable/fortunes"
+
+    def _features(self):
+      return _text_features(list(self.SOURCES))
+
+    @classmethod
+    def _files(cls, entry: str) -> list[str]:
+      path = os.path.join(cls.SOURCE_DIR, entry)
+      if not os.path.isdir(path):
+        return [path]
+      return [os.path.join(path, name) for name in sorted(os.listdir(path))
+              if os.path.isfile(os.path.join(path, name)) and "ascii" not in name
+              and not name.endswith((".dat", ".u8"))]
+
+    @classmethod
+    def check_sources(cls):
+      missing = [entry for entries in cls.SOURCES.values() for entry in entries
+                 if not os.path.exists(os.path.join(cls.SOURCE_DIR, entry))]
+      if missing:
+        raise FileNotFoundError(
+            f"fortune_languages needs the fortune files {', '.join(missing)} in "
+            f"{cls.SOURCE_DIR}. Install them with: apt-get install -y {cls.PACKAGES}")
+
+    def _examples(self):
+      examples = []
+      for label, entries in enumerate(self.SOURCES.values()):
+        cookies = [c for entry in entries for path in self._files(entry)
+                   for c in _read_fortunes(path)]
+        keep = np.unique(np.linspace(0, len(cookies) - 1, self.PER_LANGUAGE).round().astype(int))
+        examples += [{"text": cookies[i], "label": label} for i in keep]
+      return examples
+
+
+def _read_fortunes(path: str) -> list[bytes]:
+  """The cookies of a fortune file (strfile format: texts separated by lines holding "%"),
+  each stripped of surrounding white space, empty ones dropped."""
+  with open(path, "rb") as f:
+    lines = f.read().split(b"\n")
+  cookies, current = [], []
+  for line in [*lines, b"%"]:
+    if line.rstrip(b"\r") == b"%":
+      text = b"\n".join(current).strip()
+      if text:
+        cookies.append(text)
+      current = []
+    else:
+      current.append(line)
+  return cookies
 
 
 def _strip_headers(message: str) -> str:

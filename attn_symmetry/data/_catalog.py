@@ -91,6 +91,7 @@ CATALOG: dict[str, Entry] = {
     "fashion_mnist_deb": Entry("image", _builders.FashionMnistDeb, _image, flip=True),
     "wiki_bytes": Entry("stream", _builders.WikiBytes),
     "newsgroups_mini": Entry("text", _builders.NewsgroupsMini, _text("text")),
+    "fortune_languages": Entry("text", _builders.FortuneLanguages, _text("text")),
     # The paper's data sets, TFDS names.
     "mnist": Entry("image", "mnist", _image),
     "cifar10": Entry("image", "cifar10", _image, flip=True),
