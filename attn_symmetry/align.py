@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import importlib.util
 import json
 import math
@@ -557,7 +558,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--method", default="full",
                       help="full (default), ortho, perm, naive, or learned (with an evaluation file: "
                            "trained on its first half, chosen on the next quarter, the curve on "
-                           "the last quarter)")
+                           "the last quarter), or a method that an --import module registers")
+  parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                      help="import MODULE first (repeatable; the current folder is on the path): "
+                           "a module that registers a matching method or a model family")
   parser.add_argument("--scope", default="full",
                       help=f"{', '.join(SCOPES)} (default full), or comma-separated parameter "
                            "path prefixes such as layers_0/attention")
@@ -593,6 +597,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   say = None if args.quiet else lambda line: print(f"[align] {line}", file=sys.stderr, flush=True)
   try:
+    _import_modules(args.imports)
     align_checkpoints(args.model_a, args.model_b, out=args.out, method=args.method,
                       scope=args.scope, merge=args.merge, eval_text=args.eval_text,
                       eval_images=args.eval_images, dtype=args.dtype, overwrite=args.overwrite,
@@ -602,6 +607,26 @@ def _run(args: argparse.Namespace, prog: str) -> int:
     print(f"{prog}: error: {e}", file=sys.stderr)
     return 2
   return 0
+
+
+def _import_modules(names: Sequence[str]) -> None:
+  """Imports the ``--import`` modules, the current folder first on the path, so that the
+  methods and families they register are known to the alignment.
+
+  Raises:
+    InputError: a module is not found (an error inside a module that is found propagates
+      with its traceback).
+  """
+  if names and os.getcwd() not in sys.path:
+    sys.path.insert(0, os.getcwd())
+  for name in names:
+    try:
+      importlib.import_module(name)
+    except ModuleNotFoundError as e:
+      if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+        raise  # the module was found and fails on an import of its own
+      raise InputError(f"--import {name}: no module named {e.name!r} in the current folder or "
+                       "on the Python path") from e
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from safetensors.numpy import save_file
 
 import attn_symmetry
 from attn_symmetry import align
+from attn_symmetry import matching
 from attn_symmetry.models import convert
 
 transformers = pytest.importorskip("transformers")
@@ -451,6 +452,8 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
       ([a, b, "--method", "learned"], r"--method learned trains on the task loss: give "
                                       r"--eval-text or --eval-images$"),
       ([a, b, "--method", "best"], r"--method must be one of"),
+      ([a, b, "--import", "no_such_module.methods"], r"--import no_such_module.methods: no module "
+                                                    r"named 'no_such_module' in the current folder"),
       ([a, b, "--scope", "layers_9"], r"--scope: scope prefix 'layers_9' matches no parameter"),
       ([a, b, "--merge", "1.5"], r"--merge must lie in \[0, 1\], got 1.5"),
       ([a, b, "--out", os.path.join(a, "aligned")], r"--out .* overlaps MODEL_A"),
@@ -467,6 +470,42 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
     assert re.search(message, _refusal(capsys, *args)), (args, message)
   assert _snapshot(tmp_path) == before  # nothing written, nothing created
   assert not os.path.exists(tmp_path / "out")
+
+
+METHOD_MODULE = """
+from attn_symmetry import matching
+
+SCOPES = []
+
+
+def align(spec, params_a, params_b, *, scope, **options):
+  SCOPES.append(scope)
+  return matching.align_model(spec, params_a, params_b, scope=scope, method="full", init="best",
+                              steps=0)
+
+
+matching.register_method("exact_full_of_a_module", align)
+"""
+
+
+def test_import_makes_a_registered_method_available_to_the_command(tmp_path, monkeypatch):
+  """``--import MODULE`` (found in the current folder) runs the module's registration before
+  the alignment, so ``--method`` accepts the name it registers."""
+  a = _save_model("gpt2", str(tmp_path / "a"))
+  b = _plant("gpt2", a, str(tmp_path / "b"), seed=3)
+  (tmp_path / "my_methods.py").write_text(METHOD_MODULE)
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  try:
+    status = align.cli(["align", a, b, "--out", str(tmp_path / "out"), "--quiet", "--import",
+                        "my_methods", "--method", "exact_full_of_a_module"])
+    assert status == 0 and len(sys.modules["my_methods"].SCOPES) == 1
+  finally:
+    matching.METHODS.pop("exact_full_of_a_module", None)
+    sys.modules.pop("my_methods", None)
+  report = json.load(open(tmp_path / "out" / "report.json"))
+  assert report["method"] == "exact_full_of_a_module"
+  assert report["distance"]["after"]["relative"] <= TOL
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
