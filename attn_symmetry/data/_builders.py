@@ -60,6 +60,16 @@ def _gensim_test_file(name: str) -> str:
   return os.path.join(os.path.dirname(gensim.__file__), "test", "test_data", name)
 
 
+def _check_installed(name: str, what: str, source_dir: str, entries: list[str],
+                     install: str) -> None:
+  """FileNotFoundError naming the missing ``entries`` of ``source_dir`` and the command that
+  installs them."""
+  missing = [e for e in entries if not os.path.exists(os.path.join(source_dir, e))]
+  if missing:
+    raise FileNotFoundError(f"{name} needs {what} in {source_dir} (missing: "
+                            f"{', '.join(missing)}). Install them with: {install}")
+
+
 def _image_features(shape: tuple[int, int, int], num_classes: int) -> tfds.features.FeaturesDict:
   return tfds.features.FeaturesDict({
       "image": tfds.features.Tensor(shape=shape, dtype=np.uint8,
@@ -203,12 +213,9 @@ with tfds.core.registered.skip_registration():
 
     @classmethod
     def check_sources(cls):
-      missing = [name for files in cls._FILES.values() for name in files
-                 if not os.path.exists(os.path.join(cls.SOURCE_DIR, name))]
-      if missing:
-        raise FileNotFoundError(
-            f"fashion_mnist_deb needs Debian's Fashion-MNIST files in {cls.SOURCE_DIR} "
-            f"(missing: {', '.join(missing)}). Install them with: {FASHION_MNIST_APT}")
+      _check_installed(cls.name, "Debian's Fashion-MNIST files", cls.SOURCE_DIR,
+                       [name for files in cls._FILES.values() for name in files],
+                       FASHION_MNIST_APT)
 
     def _read_idx(self, name: str) -> np.ndarray:
       with gzip.open(os.path.join(self.SOURCE_DIR, name), "rb") as f:
@@ -306,12 +313,9 @@ with tfds.core.registered.skip_registration():
 
     @classmethod
     def check_sources(cls):
-      missing = [entry for entries in cls.SOURCES.values() for entry in entries
-                 if not os.path.exists(os.path.join(cls.SOURCE_DIR, entry))]
-      if missing:
-        raise FileNotFoundError(
-            f"fortune_languages needs the fortune files {', '.join(missing)} in "
-            f"{cls.SOURCE_DIR}. Install them with: apt-get install -y {cls.PACKAGES}")
+      _check_installed(cls.name, "Debian's fortune files", cls.SOURCE_DIR,
+                       [entry for entries in cls.SOURCES.values() for entry in entries],
+                       f"apt-get install -y {cls.PACKAGES}")
 
     def _examples(self):
       examples = []
