@@ -293,10 +293,9 @@ with tfds.core.registered.skip_registration():
     DESCRIPTION = ("Language identification: fortune cookies (quotations, jokes, poems) of "
                    "Debian's fortunes, fortunes-de, fortunes-es, fortunes-it and fortunes-pl "
                    f"packages ({SOURCE_DIR}), labels 0 English, 1 German, 2 Spanish, 3 Italian, "
-                   f"4 Polish. Each language's cookies (its files in name order, ascii-art files "
+                   "4 Polish. Each language's cookies (its files in name order, ascii-art files "
                    f"left out; the UTF-8 bytes as stored) are thinned evenly to {PER_LANGUAGE}. "
-                   "Split: "
-                   "every fifth cookie is test.")
+                   "Split: every fifth cookie is test.")
     HOMEPAGE = "https://packages.debian.org/stable/fortunes"
 
     def _features(self):
