@@ -452,8 +452,8 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
       ([a, b, "--method", "learned"], r"--method learned trains on the task loss: give "
                                       r"--eval-text or --eval-images$"),
       ([a, b, "--method", "best"], r"--method must be one of"),
-      ([a, b, "--import", "no_such_module.methods"], r"--import no_such_module.methods: no module "
-                                                    r"named 'no_such_module' in the current folder"),
+      ([a, b, "--import", "no_such_module.methods"],
+       r"--import no_such_module.methods: no module named 'no_such_module' in the current folder"),
       ([a, b, "--scope", "layers_9"], r"--scope: scope prefix 'layers_9' matches no parameter"),
       ([a, b, "--merge", "1.5"], r"--merge must lie in \[0, 1\], got 1.5"),
       ([a, b, "--out", os.path.join(a, "aligned")], r"--out .* overlaps MODEL_A"),

@@ -133,9 +133,9 @@ def test_fortune_languages_are_cookies_of_their_language_files(data_dir):
   assert info.num_classes == 5 and info.splits == {"train": 8000, "test": 2000}
   sources = []
   for entries in builder.SOURCES.values():
-    paths = [p for e in entries for p in (
-        [os.path.join(builder.SOURCE_DIR, e)] if not os.path.isdir(os.path.join(builder.SOURCE_DIR, e))
-        else glob.glob(os.path.join(builder.SOURCE_DIR, e, "*")))]
+    entries = [os.path.join(builder.SOURCE_DIR, e) for e in entries]
+    paths = [p for e in entries for p in (glob.glob(os.path.join(e, "*")) if os.path.isdir(e)
+                                          else [e])]
     sources.append(b"\n%\n".join(open(p, "rb").read() for p in paths if os.path.isfile(p)))
   labels = collections.Counter()
   for batch in data.eval_iterator("fortune_languages", batch_size=500, seq_len=4096,
