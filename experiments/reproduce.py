@@ -59,6 +59,19 @@ def _git_state() -> dict[str, Any]:
     return {}
 
 
+def _cpu_model() -> str:
+  """The CPU's model name (Linux's /proc/cpuinfo), else ``platform.processor()``: float32
+  training follows another trajectory on another CPU's kernels (results/README.md)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor()
+
+
 def command(setting: str, reduced: bool) -> str:
   """The command line that reruns ``setting``."""
   return (f"python experiments/reproduce.py --setting={setting}"
@@ -104,7 +117,8 @@ def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str) 
             **code, "started": started.isoformat(timespec="seconds"),
             "wall_seconds": round(seconds, 1),
             "compile_seconds": {k: round(v, 1) for k, v in clock.seconds.items()},
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+            "machine": {"cpus": os.cpu_count(), "cpu": _cpu_model(),
+                        "platform": platform.platform(),
                         "devices": [str(d) for d in jax.devices()], "jax": jax.__version__},
             "training": {name: {k: v for k, v in m.items()} for name, m in trained.items()},
             "files": sorted(copied + ["config.json", "run.json"])}
@@ -128,18 +142,20 @@ def results_table(results_root: str) -> str:
   scope, the pairs (and how many have a ratio, when a naive barrier is zero), the naive loss
   barrier, each method's loss barrier as % of naive (mean ± std over pairs [95 % CI
   half-width]), Stage 1's rank and L-hat, the wall time, the commit the run
-  started from and its command."""
+  started from and its command; then the settings' total and longest wall time."""
   methods = ("perm", "ortho", "full", "learned")
   lines = ["| setting | scope | pairs | naive loss barrier | Variant 1 (%) | Variant 2 (%) | "
            "full (%) | learned (%) | rank of Stage 1 (of 24) | L̂ (%) | wall time | commit | "
            "command |",
            "|" + "---|" * 13]
+  minutes = {}
   for setting in sorted(os.listdir(results_root)):
     run_path = os.path.join(results_root, setting, "run.json")
     if not os.path.exists(run_path):
       continue
     with open(run_path) as f:
       run = json.load(f)
+    minutes[setting] = run["wall_seconds"] / 60
     with open(os.path.join(results_root, setting, "config.json")) as f:
       scopes = json.load(f)["reinit"]["scopes"]
     for scope in scopes:
@@ -163,6 +179,12 @@ def results_table(results_root: str) -> str:
           + " | ".join(_cell(rows.get(m), "loss_barrier_ratio_pct") for m in methods)
           + f" | {rank} | {lhat} | {run['wall_seconds'] / 60:.0f} min | {_commit(run)} | "
           f"`{run['command']}` |")
+  if minutes:
+    longest = max(minutes, key=minutes.get)
+    total = round(sum(minutes.values()))
+    lines += ["", f"Wall time of the {len(minutes)} settings above, one after another: "
+                  f"{total // 60} h {total % 60:02d} min; the longest, {longest}, "
+                  f"{minutes[longest]:.0f} min."]
   return "\n".join(lines)
 
 

@@ -94,6 +94,29 @@ def test_readme_table_is_generated_from_the_committed_runs():
     assert f"| {setting} |" in table and f"| {commit}" in table
 
 
+def _leaves(tree, prefix=""):
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from _leaves(v, f"{prefix}.{k}")
+  else:
+    yield prefix, tree
+
+
+@pytest.mark.parametrize("setting", sorted(
+    d for d in os.listdir(os.path.join(REPO, "results"))
+    if os.path.exists(os.path.join(REPO, "results", d, "run.json"))))
+def test_committed_runs_are_the_settings_of_the_committed_config(setting):
+  """Each committed run is a setting of cpu_paper, and every config field it recorded has
+  the value the setting has now (fields added to the config since are not in its record), so
+  that a setting's definition cannot change under its committed numbers."""
+  assert setting in cpu_paper.SETTINGS, f"results/{setting} is no setting of cpu_paper"
+  with open(os.path.join(REPO, "results", setting, "config.json")) as f:
+    recorded = dict(_leaves(json.load(f)))
+  now = dict(_leaves(json.loads(cpu_paper.get_config(setting).to_json())))
+  changed = {k: (v, now.get(k)) for k, v in recorded.items() if now.get(k) != v}
+  assert not changed, f"{setting}: fields changed since its run (recorded, now): {changed}"
+
+
 def test_table_says_when_a_ratio_leaves_out_pairs(tmp_path):
   """A pair whose naive barrier is zero has no ratio to naive; the row says over how many
   pairs its ratios are taken."""
