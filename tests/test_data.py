@@ -14,7 +14,7 @@ from attn_symmetry.data import _builders
 from attn_symmetry.data import _records
 
 IMAGE_SETS = ["digits", "mnist5k", "fashion_mnist_deb"]
-TEXT_SETS = ["newsgroups_mini", "fortune_languages"]
+TEXT_SETS = ["newsgroups_mini", "fortune_languages", "wiki_direction"]
 LM_SETS = ["wiki_bytes"]
 OFFLINE = IMAGE_SETS + TEXT_SETS + LM_SETS
 SEQ_LEN = 32  # Short texts keep the tests fast,
@@ -147,6 +147,29 @@ def test_fortune_languages_are_cookies_of_their_language_files(data_dir):
         labels[int(label)] += 1
         assert _is_whole_cookie(text, sources[int(label)]), (int(label), text[:80])
   assert labels == {label: 400 for label in range(5)}
+
+
+def test_wiki_direction_windows_are_the_stream_forward_or_reversed(data_dir):
+  """The test split holds every 64-byte window of wiki_bytes' test part, cut here from the
+  source stream without the builder: those at even places forward (label 0), the others
+  reversed (label 1)."""
+  with bz2.open(_builders._gensim_test_file(_builders.WikiBytes.SOURCE), "rb") as f:
+    stream = f.read()
+  test_bytes = stream[round(0.9 * len(stream)) + round(0.05 * len(stream)):]
+  expected = collections.Counter(
+      (test_bytes[i:i + 64][::-1] if (i // 64) % 2 else test_bytes[i:i + 64], (i // 64) % 2)
+      for i in range(0, len(test_bytes) - 63, 64))
+  found = collections.Counter()
+  for batch in data.eval_iterator("wiki_direction", batch_size=1000, seq_len=64,
+                                  data_dir=data_dir, process_index=0, process_count=1):
+    for tokens, mask, label, valid in zip(batch["tokens"], batch["mask"], batch["label"],
+                                          batch["valid"]):
+      if valid:
+        assert mask.all()
+        found[bytes(tokens.astype(np.uint8)), int(label)] += 1
+  assert found == expected
+  labels = collections.Counter(label for _, label in found.elements())
+  assert abs(labels[0] - labels[1]) <= 1 and labels[0] > 2000
 
 
 @pytest.mark.parametrize("name", OFFLINE)

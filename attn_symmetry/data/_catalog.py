@@ -90,6 +90,7 @@ CATALOG: dict[str, Entry] = {
     "mnist5k": Entry("image", _builders.Mnist5k, _image),
     "fashion_mnist_deb": Entry("image", _builders.FashionMnistDeb, _image, flip=True),
     "wiki_bytes": Entry("stream", _builders.WikiBytes),
+    "wiki_direction": Entry("text", _builders.WikiDirection, _text("text")),
     "newsgroups_mini": Entry("text", _builders.NewsgroupsMini, _text("text")),
     "fortune_languages": Entry("text", _builders.FortuneLanguages, _text("text")),
     # The paper's data sets, TFDS names.
