@@ -138,15 +138,20 @@ def test_fortune_languages_are_cookies_of_their_language_files(data_dir):
                                           else [e])]
     sources.append(b"\n%\n".join(open(p, "rb").read() for p in paths if os.path.isfile(p)))
   labels = collections.Counter()
-  for batch in data.eval_iterator("fortune_languages", batch_size=500, seq_len=4096,
-                                  data_dir=data_dir, process_index=0, process_count=1):
+  for text, label in _test_texts("fortune_languages", data_dir, seq_len=4096):
+    labels[label] += 1
+    assert _is_whole_cookie(text, sources[label]), (label, text[:80])
+  assert labels == {label: 400 for label in range(5)}
+
+
+def _test_texts(name, data_dir, *, seq_len):
+  """(text bytes without padding, label) of every example of the test split."""
+  for batch in data.eval_iterator(name, batch_size=500, seq_len=seq_len, data_dir=data_dir,
+                                  process_index=0, process_count=1):
     for tokens, mask, label, valid in zip(batch["tokens"], batch["mask"], batch["label"],
                                           batch["valid"]):
       if valid:
-        text = bytes(tokens[mask].astype(np.uint8))
-        labels[int(label)] += 1
-        assert _is_whole_cookie(text, sources[int(label)]), (int(label), text[:80])
-  assert labels == {label: 400 for label in range(5)}
+        yield bytes(tokens[mask].astype(np.uint8)), int(label)
 
 
 def test_wiki_direction_windows_are_the_stream_forward_or_reversed(data_dir):
@@ -159,15 +164,8 @@ def test_wiki_direction_windows_are_the_stream_forward_or_reversed(data_dir):
   expected = collections.Counter(
       (test_bytes[i:i + 64][::-1] if (i // 64) % 2 else test_bytes[i:i + 64], (i // 64) % 2)
       for i in range(0, len(test_bytes) - 63, 64))
-  found = collections.Counter()
-  for batch in data.eval_iterator("wiki_direction", batch_size=1000, seq_len=64,
-                                  data_dir=data_dir, process_index=0, process_count=1):
-    for tokens, mask, label, valid in zip(batch["tokens"], batch["mask"], batch["label"],
-                                          batch["valid"]):
-      if valid:
-        assert mask.all()
-        found[bytes(tokens.astype(np.uint8)), int(label)] += 1
-  assert found == expected
+  found = collections.Counter(_test_texts("wiki_direction", data_dir, seq_len=64))
+  assert found == expected  # every window whole: 64 bytes, none padded
   labels = collections.Counter(label for _, label in found.elements())
   assert abs(labels[0] - labels[1]) <= 1 and labels[0] > 2000
 
