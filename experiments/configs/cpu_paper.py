@@ -48,9 +48,10 @@ Settings:
   scopes_vit_mnist_to_fashion_attention (first attention, all attention)
     and scopes_vit_mnist_to_fashion_first_layer: the MNIST base re-initialised
     and fine-tuned on Fashion-MNIST, split in two to keep each setting under
-    an hour (each re-initialised seed runs to its 3,000-step budget, ~4 min
-    at ~12 steps/s). The full model is left out: its re-initialised models
-    never see the MNIST base, so they are scopes_vit_fashion's.
+    an hour (nearly every re-initialised seed runs to its 3,000-step budget:
+    ~3 min at ~19 steps/s alone on 2 cores, ~12 with another job beside it).
+    The full model is left out: its re-initialised models never see the
+    MNIST base, so they are scopes_vit_fashion's.
   No setting repeats another's computation.
   lm_gpt2_wiki, lm_llama_wiki: byte-level language models (GPT-2 with
     learned positions, Llama with RoPE) on gensim's Wikipedia text: the
