@@ -15,7 +15,7 @@ package):
 * ``wiki_bytes``: the shortened English Wikipedia XML dump in ``gensim``'s test
   data, as one byte stream (the enwik8 analogue).
 * ``wiki_direction``: the same text cut into 64-byte windows, every second one
-  reversed; the label says which (a classification that needs word order).
+  reversed; the label says which (a classification that needs byte order).
 * ``newsgroups_mini``: 200 Usenet posts of 20 Newsgroups in ``gensim``'s test
   data, alt.atheism (0) against sci.space (1), headers removed.
 * ``fortune_languages``: language identification, 2,000 fortune cookies in
@@ -261,7 +261,7 @@ with tfds.core.registered.skip_registration():
     name = "wiki_direction"
     WINDOW = 64
     LABELS = ["forward", "reversed"]
-    DESCRIPTION = ("Text classification that needs word order: consecutive 64-byte windows of "
+    DESCRIPTION = ("Text classification that needs byte order: consecutive 64-byte windows of "
                    f"{WikiBytes.SOURCE} in gensim's test data (the wiki_bytes stream), every "
                    "second one with its bytes reversed; label 0 forward, 1 reversed. The two "
                    "classes have the same byte counts, so only the order of the bytes tells them "
