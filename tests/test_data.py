@@ -158,9 +158,7 @@ def test_wiki_direction_windows_are_the_stream_forward_or_reversed(data_dir):
   """The test split holds every 64-byte window of wiki_bytes' test part, cut here from the
   source stream without the builder: those at even places forward (label 0), the others
   reversed (label 1)."""
-  with bz2.open(_builders._gensim_test_file(_builders.WikiBytes.SOURCE), "rb") as f:
-    stream = f.read()
-  test_bytes = stream[round(0.9 * len(stream)) + round(0.05 * len(stream)):]
+  test_bytes = _wiki_test_bytes()
   expected = collections.Counter(
       (test_bytes[i:i + 64][::-1] if (i // 64) % 2 else test_bytes[i:i + 64], (i // 64) % 2)
       for i in range(0, len(test_bytes) - 63, 64))
@@ -275,11 +273,16 @@ def test_text_classification_tokens_are_the_stored_bytes(data_dir, read_mode):
     assert b"\nNewsgroups: " not in b"\n" + text  # The header naming the label is removed.
 
 
-def test_lm_windows_tile_the_source_stream(data_dir, read_mode):
-  path = _builders._gensim_test_file(_builders.WikiBytes.SOURCE)
-  with bz2.open(path, "rb") as f:
+def _wiki_test_bytes():
+  """The last 5 % of gensim's Wikipedia dump, read without the builders: wiki_bytes' test
+  part."""
+  with bz2.open(_builders._gensim_test_file(_builders.WikiBytes.SOURCE), "rb") as f:
     stream = f.read()
-  test_bytes = stream[round(0.9 * len(stream)) + round(0.05 * len(stream)):]  # Last 5 %.
+  return stream[round(0.9 * len(stream)) + round(0.05 * len(stream)):]
+
+
+def test_lm_windows_tile_the_source_stream(data_dir, read_mode):
+  test_bytes = _wiki_test_bytes()
   windows = [w for batch in data.eval_iterator("wiki_bytes", batch_size=100, seq_len=LM_SEQ_LEN,
                                                data_dir=data_dir, process_index=0,
                                                process_count=1)

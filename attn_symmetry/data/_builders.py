@@ -250,10 +250,14 @@ with tfds.core.registered.skip_registration():
       return tfds.features.FeaturesDict(_STREAM_FEATURES)
 
     def _split_examples(self, dl_manager):
-      with bz2.open(_gensim_test_file(self.SOURCE), "rb") as f:
+      return {split: _chunks(data) for split, data in self.splits().items()}
+
+    @classmethod
+    def splits(cls) -> dict[str, bytes]:
+      """The stream's train/validation/test parts, in order (90/5/5)."""
+      with bz2.open(_gensim_test_file(cls.SOURCE), "rb") as f:
         stream = f.read()
-      splits = _split_stream(stream, {"train": 0.9, "validation": 0.05, "test": 0.05})
-      return {split: _chunks(data) for split, data in splits.items()}
+      return _split_stream(stream, {"train": 0.9, "validation": 0.05, "test": 0.05})
 
   class WikiDirection(_Builder):
     """Reading direction: is a 64-byte window of Wikipedia text forward or reversed?"""
@@ -273,10 +277,7 @@ with tfds.core.registered.skip_registration():
       return _text_features(self.LABELS)
 
     def _split_examples(self, dl_manager):
-      with bz2.open(_gensim_test_file(WikiBytes.SOURCE), "rb") as f:
-        stream = f.read()
-      splits = _split_stream(stream, {"train": 0.9, "validation": 0.05, "test": 0.05})
-      return {split: self._windows(data) for split, data in splits.items()}
+      return {split: self._windows(data) for split, data in WikiBytes.splits().items()}
 
     @classmethod
     def _windows(cls, data: bytes) -> Iterator[tuple[int, dict]]:
