@@ -20,6 +20,32 @@ from attn_symmetry import tasks
 from experiments import inputs
 
 Params = dict[str, Any]
+MASK_FRACTION = 0.15  # of a masked-LM example's positions, hidden and predicted (BERT's share)
+_MASK_KEY = 0  # the seed of every example's hidden positions (``masked_positions``)
+
+
+def masked_positions(tokens: jax.Array, fraction: float = MASK_FRACTION) -> jax.Array:
+  """[B, T] bool: the positions that a masked-LM example hides, from int tokens [B, T].
+
+  Each position is hidden with probability ``fraction``, drawn from a key that
+  folds a hash of the example's tokens into one fixed seed: an example hides the
+  same positions whenever it is met (in training, at every point of an
+  interpolation path, in every run), and different examples hide independent
+  ones. Pure and jittable.
+  """
+  t = tokens.shape[-1]
+  # h = sum_t tokens[t] * w_t mod 2^32, w_t odd and distinct (Knuth's multiplicative constant).
+  weights = jnp.arange(t, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+  hashes = jnp.sum(tokens.astype(jnp.uint32) * weights, axis=-1, dtype=jnp.uint32)
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(_MASK_KEY), hashes.reshape(-1))
+  draws = jax.vmap(lambda k: jax.random.uniform(k, (t,)))(keys)
+  return draws.reshape(tokens.shape) < fraction
+
+
+def mask_token(model: models.Model) -> int:
+  """The id that replaces a hidden byte of a masked-LM model: its vocabulary's last, one past
+  the data set's (``inputs.model_overrides``)."""
+  return model.config.vocab_size - 1
 
 
 def batch_metrics(model: models.Model, params: Params, batch: Mapping[str, jax.Array]
@@ -28,9 +54,11 @@ def batch_metrics(model: models.Model, params: Params, batch: Mapping[str, jax.A
 
   The inputs are ``batch[model.input_key]``. Classification: one prediction
   per example. Language modelling: one per token, inputs ``tokens[:, :-1]``
-  and targets ``tokens[:, 1:]``. Examples
-  with ``valid`` False (padding of the last evaluation batch) count zero.
-  Pure and jittable.
+  and targets ``tokens[:, 1:]``. Masked language modelling (BERT's MLM head,
+  on the same windows of T + 1 tokens): the first T tokens with the positions
+  of ``masked_positions`` replaced by ``mask_token``, one prediction per hidden
+  position (its original token). Examples with ``valid`` False (padding of the
+  last evaluation batch) count zero. Pure and jittable.
 
   Returns:
     {"loss": sum of cross-entropies, "correct": number of correct argmax
@@ -40,12 +68,17 @@ def batch_metrics(model: models.Model, params: Params, batch: Mapping[str, jax.A
     tokens = batch[model.input_key]
     logits, _ = model.apply(params, tokens[:, :-1])
     labels = tokens[:, 1:]
+    counted = jnp.ones(labels.shape, bool)
+  elif model.task == tasks.MLM:
+    labels = batch[model.input_key][:, :-1]
+    counted = masked_positions(labels)
+    logits, _ = model.apply(params, jnp.where(counted, mask_token(model), labels))
   else:
     logits, _ = model.apply(params, batch[model.input_key], mask=batch.get("mask"))
     labels = batch["label"]
+    counted = jnp.ones(labels.shape, bool)
   valid = batch.get("valid", jnp.ones(labels.shape[:1], bool))
-  weights = jnp.broadcast_to(valid.reshape(valid.shape + (1,) * (labels.ndim - 1)),
-                             labels.shape).astype(jnp.float32)
+  weights = (counted & valid.reshape(valid.shape + (1,) * (labels.ndim - 1))).astype(jnp.float32)
   logits = logits.astype(jnp.float32)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
   correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)

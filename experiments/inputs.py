@@ -67,8 +67,14 @@ def shared_records(a: data.SplitRange, b: data.SplitRange) -> tuple[int, int] | 
   return (start, stop) if a.base == b.base and start < stop else None
 
 
-def model_overrides(info: data.DatasetInfo) -> dict[str, Any]:
-  """The model config fields that a data set fixes: input and output sizes."""
+# The data a model of each task trains on (``data.DatasetInfo.task``): a masked-LM model reads
+# the windows of a byte or token stream, as a language model does.
+DATA_TASK = {tasks.CLASSIFICATION: tasks.CLASSIFICATION, tasks.LM: tasks.LM, tasks.MLM: tasks.LM}
+
+
+def model_overrides(info: data.DatasetInfo, *, mask_token: bool = False) -> dict[str, Any]:
+  """The model config fields that a data set fixes: input and output sizes (one more id in
+  the vocabulary with ``mask_token``: a masked-LM model's ``evaluation.mask_token``)."""
   out = {}
   if info.task == tasks.CLASSIFICATION:
     out["num_classes"] = info.num_classes
@@ -78,27 +84,34 @@ def model_overrides(info: data.DatasetInfo) -> dict[str, Any]:
       raise ValueError(f"data set {info.name!r} has non-square images {info.image_shape}")
     out.update(image_size=height, num_channels=channels)
   else:
-    out.update(vocab_size=info.vocab_size, max_len=info.seq_len)
+    out.update(vocab_size=info.vocab_size + mask_token, max_len=info.seq_len)
   return out
 
 
 def create_model(config: ml_collections.ConfigDict) -> models.Model:
   """The model of ``config.model``, sized for the base data set.
 
-  The data set fixes the input and output sizes (``model_overrides``);
-  ``config.model.overrides`` is applied on top.
+  The data set fixes the input and output sizes (``model_overrides``, with a
+  mask token for a masked-LM model); ``config.model.overrides`` is applied on top.
 
   Raises:
     ValueError: the model reads another kind of input than the data set holds
-      (a ViT on text).
+      (a ViT on text), or its task needs other data (a classifier on a byte
+      stream, a language model on labelled texts: ``DATA_TASK``).
   """
   info = dataset_info(config, config.dataset.name)
-  model = models.build(config.model.family, config.model.preset,
-                       **{**model_overrides(info), **config.model.overrides.to_dict()})
+  build = lambda sizes: models.build(config.model.family, config.model.preset,
+                                     **{**sizes, **config.model.overrides.to_dict()})
+  model = build(model_overrides(info))
   if model.input_key != info.input_key:
     raise ValueError(f"config.model.family {config.model.family!r} reads {model.input_key!r} "
                      f"inputs; data set {info.name!r} holds {info.input_key!r}")
-  return model
+  if DATA_TASK[model.task] != info.task:
+    raise ValueError(
+        f"config.model: {config.model.family} with head {model.config.head!r} is a "
+        f"{model.task!r} model, which trains on {DATA_TASK[model.task]!r} data; data set "
+        f"{info.name!r} holds {info.task!r} data")
+  return build(model_overrides(info, mask_token=True)) if model.task == tasks.MLM else model
 
 
 def train_batches(config: ml_collections.ConfigDict, dataset: str, *, seed: int):

@@ -98,7 +98,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
   info = inputs.dataset_info(config, dataset)
   evaluator = path_evaluation.PathEvaluator(
       model, batches, chunk_size=config.study.lambda_chunk,
-      bits_per_byte=model.task == tasks.LM and info.byte_level)
+      bits_per_byte=model.task in (tasks.LM, tasks.MLM) and info.byte_level)
   reports = result_cache.Reports(os.path.join(workdir, "study"))
   paths, results = {}, {}
   for scope in config.reinit.scopes:

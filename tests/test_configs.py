@@ -24,7 +24,7 @@ SETTINGS = sorted(os.path.basename(p)[:-3]
 PAPER = ["vit_mnist", "vit_cifar", "vit_cifar100", "vit_imagenet", "gpt2_enwik8",
          "gpt2_wikitext103", "llama_lm1b", "bert_imdb", "bert_agnews", "bert_dbpedia"]
 OFFLINE = ["quickstart", "vit_mnist_to_fashion", "gpt2_wiki_bytes", "llama_wiki_bytes",
-           "bert_offline"]
+           "bert_offline", "bert_mlm_wiki_bytes"]
 # Input and output sizes of the paper's data sets, which are not prepared on this machine.
 PAPER_DATA = {
     "mnist": dict(image_size=28, num_channels=1, num_classes=10),
@@ -59,7 +59,8 @@ def _model_config(config):
   elif name in ("enwik8", "wikitext103", "lm1b"):
     sizes = dict(vocab_size=data.VOCAB_SIZE, max_len=config.dataset.seq_len)
   else:
-    sizes = inputs.model_overrides(inputs.dataset_info(config, name))
+    sizes = inputs.model_overrides(inputs.dataset_info(config, name),
+                                   mask_token=config.model.overrides.get("head") == "mlm")
   return models.make_config(config.model.family, config.model.preset,
                             **{**sizes, **config.model.overrides.to_dict()})
 

@@ -24,6 +24,7 @@ from experiments import inputs
 from experiments import main
 from experiments import metric_writers
 from experiments import train
+from experiments.configs import bert_mlm_wiki_bytes
 from experiments.configs import bert_offline
 from experiments.configs import gpt2_wiki_bytes
 from experiments.configs import llama_wiki_bytes
@@ -220,8 +221,8 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypat
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("setting", [gpt2_wiki_bytes, llama_wiki_bytes, bert_offline],
-                         ids=["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("setting", [gpt2_wiki_bytes, llama_wiki_bytes, bert_offline,
+                                     bert_mlm_wiki_bytes], ids=["gpt2", "llama", "bert", "bert_mlm"])
 def test_runlocal_family(setting, tmp_path):
   config = _base_only(setting.get_config("runlocal"))
   results = train.train_and_evaluate(config, str(tmp_path))
@@ -231,7 +232,7 @@ def test_runlocal_family(setting, tmp_path):
   assert all(not _bits_equal(trained[p], init[p]) for p in init if p.endswith("kernel"))
   loss = results["base"]["loss"]
   assert math.isfinite(loss)
-  if model.task == "lm":  # Better than the uniform guess over bytes after a few steps.
+  if model.task in ("lm", "mlm"):  # Better than the uniform guess over bytes after a few steps.
     assert loss < math.log(model.config.vocab_size)
 
 

@@ -204,12 +204,13 @@ def runlocal(config: ml_collections.ConfigDict) -> None:
 def language_model(variants: set[str], *, family: str, dataset: str, seq_len: int = 256,
                    transfers: dict[str, str] | None = None, default_pe: str = "ape",
                    **model_overrides) -> ml_collections.ConfigDict:
-  """A byte-level language-modelling setting (GPT-2 or Llama, 6 layers, 4 heads).
+  """A byte-level language-modelling setting (GPT-2 or Llama, 6 layers, 4 heads; BERT with
+  ``head="mlm"``: masked language modelling on the same windows).
 
   Args:
     variants: parsed variants: "ape"/"rope", or a key of ``transfers``
       ("runlocal" is left to the caller, after its own changes).
-    family: "gpt2" or "llama".
+    family: "gpt2", "llama" or "bert" (with ``head="mlm"``).
     dataset: the LM data set (A).
     seq_len: tokens per training window.
     transfers: variant name -> data set B of an A->B transfer.
