@@ -234,6 +234,27 @@ def language_model(variants: set[str], *, family: str, dataset: str, seq_len: in
   return config
 
 
+def wiki_bytes_setting(arg: str | None, *, family: str, **options) -> ml_collections.ConfigDict:
+  """The offline byte-level setting on ``wiki_bytes`` (gpt2_wiki_bytes, llama_wiki_bytes,
+  bert_mlm_wiki_bytes): ``language_model`` at ``cpu_schedule`` size on windows of 128 bytes;
+  a re-initialised run stops after 5 validations (100 steps apart) without improvement, or
+  after 3000 steps.
+
+  Args:
+    arg: the config variant string ("ape"/"rope", "runlocal").
+    family: the model family.
+    **options: further ``language_model`` arguments (``default_pe``, ``head``, ...).
+  """
+  variants = parse_arg(arg, allowed=("ape", "rope"))
+  config = language_model(variants, family=family, dataset="wiki_bytes", seq_len=128, **options)
+  cpu_schedule(config)
+  config.reinit.num_steps = 3000
+  stopping_rule(config, validation_split="validation", patience=5, validate_every=100)
+  if "runlocal" in variants:
+    runlocal(config)
+  return config
+
+
 def text_classifier(variants: set[str], *, dataset: str, seq_len: int
                     ) -> ml_collections.ConfigDict:
   """A BERT text-classification setting on bytes (6 layers, 4 heads).

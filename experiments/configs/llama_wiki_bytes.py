@@ -15,12 +15,4 @@ from experiments.configs import default
 
 
 def get_config(arg=None):
-  variants = default.parse_arg(arg, allowed=("ape", "rope"))
-  config = default.language_model(variants, family="llama", dataset="wiki_bytes", seq_len=128,
-                                  default_pe="rope")
-  default.cpu_schedule(config)
-  config.reinit.num_steps = 3000
-  default.stopping_rule(config, validation_split="validation", patience=5, validate_every=100)
-  if "runlocal" in variants:
-    default.runlocal(config)
-  return config
+  return default.wiki_bytes_setting(arg, family="llama", default_pe="rope")
