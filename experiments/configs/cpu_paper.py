@@ -32,7 +32,7 @@ Settings:
     paper's BERT rows classify IMDB and DBPedia): on Wikipedia bytes a
     held-out barrier exists. BERT with learned (or sinusoidal) absolute
     positions does not learn this task within such a budget: it stays at
-    the loss of the byte frequencies for at least 1,500 steps (pilots in
+    the loss of the byte frequencies for at least 4,000 steps (pilots in
     results/README.md), where RoPE leaves it after about 300; so there is no
     table1_bert_mlm_ape.
   table1_bert_ape: BERT classifying newsgroups_mini (bytes,
