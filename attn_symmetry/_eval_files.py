@@ -39,7 +39,6 @@ from attn_symmetry import tasks
 from attn_symmetry.models.model import Model
 
 Batch = dict[str, np.ndarray]
-MASK_FRACTION = 0.15
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
@@ -160,7 +159,8 @@ def text_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, A
   for i, e in enumerate(encodings):
     ordinary = np.flatnonzero(~np.asarray(e.special_tokens_mask[:seq_len], bool))
     if ordinary.size:
-      chosen = rng.choice(ordinary, max(1, round(MASK_FRACTION * ordinary.size)), replace=False)
+      hidden = max(1, round(tasks.MLM_MASK_FRACTION * ordinary.size))
+      chosen = rng.choice(ordinary, hidden, replace=False)
       weights[i, chosen] = 1.0
   masked = np.where(weights > 0, mask_id, inputs).astype(np.int32)
   return _batches({"inputs": masked, "mask": mask, "labels": inputs, "weights": weights},

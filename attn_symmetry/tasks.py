@@ -14,3 +14,4 @@ CLASSIFICATION = "classification"
 LM = "lm"
 MLM = "mlm"
 TASKS = (CLASSIFICATION, LM, MLM)
+MLM_MASK_FRACTION = 0.15  # of a masked-LM example's tokens, hidden and predicted (BERT's share)

@@ -20,11 +20,10 @@ from attn_symmetry import tasks
 from experiments import inputs
 
 Params = dict[str, Any]
-MASK_FRACTION = 0.15  # of a masked-LM example's positions, hidden and predicted (BERT's share)
 _MASK_KEY = 0  # the seed of every example's hidden positions (``masked_positions``)
 
 
-def masked_positions(tokens: jax.Array, fraction: float = MASK_FRACTION) -> jax.Array:
+def masked_positions(tokens: jax.Array, fraction: float = tasks.MLM_MASK_FRACTION) -> jax.Array:
   """[B, T] bool: the positions that a masked-LM example hides, from int tokens [B, T].
 
   Each position is hidden with probability ``fraction``, drawn from a key that

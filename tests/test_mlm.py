@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from attn_symmetry import models
+from attn_symmetry import tasks
 from experiments import evaluation
 from experiments import inputs
 from experiments.configs import bert_mlm_wiki_bytes
@@ -36,7 +37,7 @@ def test_about_the_fraction_of_positions_is_hidden_independently():
   tokens = jnp.asarray(_windows(1, n=2000)[:, :-1])
   hidden = np.asarray(evaluation.masked_positions(tokens))
   n = hidden.size
-  p = evaluation.MASK_FRACTION
+  p = tasks.MLM_MASK_FRACTION
   assert abs(hidden.mean() - p) < 5 * math.sqrt(p * (1 - p) / n)
   per_position = hidden.mean(0)  # no position is favoured: each near p over 2000 examples
   assert np.all(np.abs(per_position - p) < 5 * math.sqrt(p * (1 - p) / len(hidden)))
