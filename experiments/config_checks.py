@@ -160,6 +160,7 @@ RULES: dict[str, Rule] = {
     "dataset.num_workers": _AT_LEAST_0,
     "dataset.train_split": _split(),
     "dataset.validation_split": _split(optional=True),  # "": none
+    "dataset.validation_examples": _AT_LEAST_0,  # 0: the whole of dataset.validation_split
     "train.num_steps": _AT_LEAST_1,
     "train.batch_size": _AT_LEAST_1,
     "train.eval_batch_size": _AT_LEAST_1,

@@ -20,7 +20,8 @@ Stages and their fields:
   ``TRAINING``, its schedule (``REINIT_SCHEDULE`` when fine-tuning a scope,
   ``TRAIN_SCHEDULE`` for the "full" scope, which trains from scratch),
   ``STOPPING`` when the stopping rule is on (``reinit.patience`` > 0: the
-  rule's fields and the validation split; with the rule off they change
+  rule's fields, the validation split and ``dataset.validation_examples``
+  unless 0, ``UNKEYED_DEFAULTS``; with the rule off they change
   nothing and are not keyed, so turning it on retrains), and, for every scope
   but "full", ``sha256 of base params``: the content hash of the base model's
   final parameters.
@@ -29,8 +30,9 @@ Stages and their fields:
   the content hash of the evaluation examples (through which the data set
   and its reader options enter), ``study.num_lambdas`` and
   ``study.eval_examples``, ``study.eval_split`` when it is not "test" (the
-  default keys nothing, so that results stored before the field existed stay
-  valid; the examples' content hash changes with it either way), the content
+  default keys nothing, ``UNKEYED_DEFAULTS``, so that results stored before
+  the field existed stay valid; the examples' content hash changes with it
+  either way), the content
   hashes of both endpoints, and the
   options the stage uses (``study.distance`` for Stage 1 of every method but
   "naive", ``study.match_steps``, ``study.match_learning_rate``,
@@ -100,7 +102,7 @@ TRAIN_SCHEDULE = ("train.num_steps", "train.learning_rate", "train.warmup_steps"
 REINIT_SCHEDULE = ("reinit.num_steps", "reinit.learning_rate", "reinit.warmup_steps")
 # The stopping rule of a re-initialised run, keyed when it is on (reinit.patience > 0).
 STOPPING = ("reinit.patience", "reinit.min_delta", "reinit.validate_every",
-            "dataset.validation_split")
+            "dataset.validation_split", "dataset.validation_examples")
 # Options of the study's stages (each stage keys the ones it uses).
 STUDY = ("study.num_lambdas", "study.eval_examples", "study.eval_split", "study.distance",
          "study.match_steps",
@@ -108,6 +110,9 @@ STUDY = ("study.num_lambdas", "study.eval_examples", "study.eval_split", "study.
          "study.match_solver",
          "study.learn_steps", "study.learn_learning_rate", "study.learn_uniform_lambda",
          "study.learn_holdout_batches", "study.noise_levels")
+# Fields added after results were stored, with the value they had before: at it they key
+# nothing (``config_fields`` leaves them out), so those results stay valid.
+UNKEYED_DEFAULTS = {"study.eval_split": "test", "dataset.validation_examples": 0}
 # Keyed per run or stage, by the value that run or stage uses (see the module docstring).
 PER_RUN = ("seed", "dataset.name", "reinit.dataset")
 NOT_KEYED = ("train.log_every", "train.eval_every", "train.checkpoint_every",
@@ -150,12 +155,15 @@ def _flat(prefix: str, value: Any) -> dict[str, Any]:
 def config_fields(config: ml_collections.ConfigDict, names: Iterable[str]) -> dict[str, Any]:
   """{"train.learning_rate": 0.003, "model.overrides.width": 64, ...}: the named
   fields of ``config``, a sub-config given by name flattened into its leaves,
-  as JSON reads them back (tuples become lists)."""
+  as JSON reads them back (tuples become lists); a field of ``UNKEYED_DEFAULTS`` at
+  its value there is left out."""
   out = {}
   for name in names:
     node = config
     for part in name.split("."):
       node = node[part]
+    if name in UNKEYED_DEFAULTS and node == UNKEYED_DEFAULTS[name]:
+      continue
     if isinstance(node, ml_collections.ConfigDict):
       node = node.to_dict()
     out.update(_flat(name, node))

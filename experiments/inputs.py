@@ -7,14 +7,15 @@ parameters replicated.
 
 Three splits of a data set are read: ``config.dataset.train_split`` (training
 batches), ``config.dataset.validation_split`` (the held-out loss on which a
-re-initialised run stops, ``validation_batches``), and the test split
+re-initialised run stops, ``validation_batches``: its first
+``config.dataset.validation_examples`` examples, all for 0), and the test split
 (``eval_batches``: the evaluations that are reported, and the study's unless
 ``config.study.eval_split`` names another). No training decision reads the test split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -135,9 +136,10 @@ def eval_batches(config: ml_collections.ConfigDict, dataset: str, split: str = "
                             **data_options(config))
 
 
-def validation_batches(config: ml_collections.ConfigDict, dataset: str) -> Iterable[Batch]:
-  """This process's share of one pass over ``config.dataset.validation_split``, batches
-  with "valid" (as ``eval_batches``).
+def validation_batches(config: ml_collections.ConfigDict, dataset: str) -> Iterator[Batch]:
+  """This process's share of the first ``config.dataset.validation_examples`` examples of
+  ``config.dataset.validation_split`` (all of it for 0), batches with "valid" (as
+  ``eval_batches``, through ``first_examples``).
 
   Raises:
     ValueError: the config names no validation split.
@@ -146,8 +148,25 @@ def validation_batches(config: ml_collections.ConfigDict, dataset: str) -> Itera
   if not split:
     raise ValueError("config.dataset.validation_split is empty: there is no held-out split "
                      "to validate on")
-  return data.eval_iterator(dataset, batch_size=config.train.eval_batch_size, split=split,
-                            **data_options(config))
+  return first_examples(data.eval_iterator(dataset, batch_size=config.train.eval_batch_size,
+                                           split=split, **data_options(config)),
+                        config.dataset.validation_examples)
+
+
+def first_examples(batches: Iterable[Batch], limit: int) -> Iterator[dict[str, np.ndarray]]:
+  """The batches that hold the first ``limit`` valid examples (every batch for 0), with
+  ``valid`` False past them: a fixed subset of the split read, in its stored order
+  (this process's share of it when several processes read). Read lazily: no batch past
+  the subset is read."""
+  seen = 0
+  for batch in batches:
+    valid = np.asarray(batch["valid"], bool)
+    if limit:
+      valid = valid & (np.cumsum(valid) + seen <= limit)
+    seen += int(valid.sum())
+    yield {**batch, "valid": valid}
+    if limit and seen >= limit:
+      return
 
 
 def create_mesh(devices=None) -> jax.sharding.Mesh:

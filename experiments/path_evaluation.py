@@ -95,32 +95,14 @@ def curve_result(curve: Mapping[str, list[float]], lams: np.ndarray) -> dict[str
 def evaluation_examples(config: ml_collections.ConfigDict, dataset: str
                         ) -> list[dict[str, np.ndarray]]:
   """The study's evaluation set: the batches of ``dataset``'s ``config.study.eval_split``
-  that hold its first ``config.study.eval_examples`` examples (``first_examples``).
+  that hold its first ``config.study.eval_examples`` examples (``inputs.first_examples``).
 
   Raises:
     ValueError: naming ``config.study.eval_split``: ``dataset`` has no such split or slice.
   """
   inputs.split_range(config, "study.eval_split", dataset)  # the error names the field
-  return first_examples(inputs.eval_batches(config, dataset, config.study.eval_split),
-                        config.study.eval_examples)
-
-
-def first_examples(batches: Iterable[Mapping[str, np.ndarray]], limit: int
-                   ) -> list[dict[str, np.ndarray]]:
-  """The batches that hold the first ``limit`` valid examples (every batch for 0), with
-  ``valid`` False past them: a fixed subset of the split read, in its stored order
-  (this process's share of it when several processes read)."""
-  out, seen = [], 0
-  for batch in batches:
-    if limit and seen >= limit:
-      break
-    batch = dict(batch)
-    valid = np.asarray(batch["valid"], bool)
-    if limit:
-      valid = valid & (np.cumsum(valid) + seen <= limit)
-    seen += int(valid.sum())
-    out.append({**batch, "valid": valid})
-  return out
+  return list(inputs.first_examples(
+      inputs.eval_batches(config, dataset, config.study.eval_split), config.study.eval_examples))
 
 
 def examples_digest(batches: Iterable[Mapping[str, np.ndarray]]) -> str:

@@ -56,7 +56,8 @@ _OPTION_FIELDS = {"distance": "study.distance", "steps": "study.match_steps",
 # the training and validation batches it learns from and chooses on.
 LEARNED_FIELDS = ("study.learn_steps", "study.learn_learning_rate", "study.learn_uniform_lambda",
                   "study.learn_holdout_batches", "dataset.train_split",
-                  "dataset.validation_split", "train.batch_size", "dataset.augment")
+                  "dataset.validation_split", "dataset.validation_examples", "train.batch_size",
+                  "dataset.augment")
 
 
 def learned_overlap(config: ml_collections.ConfigDict, dataset: str) -> dict[str, str]:
@@ -137,9 +138,7 @@ class ScopeStudy:
     and the stage's own ``fields`` (the options it uses). The first stage of this
     scope recomputed for a given change logs it.
     """
-    keyed = ("model", "study.num_lambdas", "study.eval_examples")
-    if self.config.study.eval_split != "test":  # the default keys nothing (fingerprints.py)
-      keyed += ("study.eval_split",)
+    keyed = ("model", "study.num_lambdas", "study.eval_examples", "study.eval_split")
     fields = {"scope paths": list(self.scope_paths),
               **fingerprints.config_fields(self.config, keyed),
               fingerprints.INPUT + "evaluation data": self.data_fingerprint,

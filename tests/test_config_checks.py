@@ -131,6 +131,7 @@ BAD = [
     (IMAGES, "study.learn_uniform_lambda", 1, "study.learn_uniform_lambda", "True or False"),
     (IMAGES, "study.learn_holdout_batches", 0, "study.learn_holdout_batches", "must be"),
     (IMAGES, "study.eval_examples", -5, "study.eval_examples", "must be"),
+    (IMAGES, "dataset.validation_examples", -1, "dataset.validation_examples", "must be"),
     (IMAGES, "study.eval_split", "train+test", "study.eval_split",
      "must be a split such as 'train' or one slice of it such as 'train[:90%]'"),
     (IMAGES, "study.eval_split", 0.9, "study.eval_split", "must be a split name"),

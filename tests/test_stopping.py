@@ -11,6 +11,7 @@ with a loss that falls at every evaluation runs the whole budget.
 """
 
 import collections
+import json
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ import pytest
 from attn_symmetry import data
 from attn_symmetry import spec as spec_lib
 from experiments import checkpoints
+from experiments import evaluation
 from experiments import inputs
 from experiments import metric_writers
 from experiments import train
@@ -220,6 +222,33 @@ def test_changed_patience_retrains_the_runs_under_the_rule(frozen, tmp_path, cap
               "retraining") in messages
   assert "base: complete (step 8, at the end of its budget), skipped" in messages
   assert results["reinit/first_attention/seed_1"]["steps"] == 2 * (1 + 3)
+
+
+def test_the_rule_can_validate_on_the_first_examples_of_the_split(halving, tmp_path, caplog):
+  """dataset.validation_examples: the rule's loss is that of the split's first examples (the
+  reader stops there); 0, the whole split, keys nothing; another value retrains."""
+  config, reference, results = halving
+  assert "dataset.validation_examples" not in json.dumps(train.run_fields(
+      config, train.runs(config)[1], base_params="x"))
+  copy = str(tmp_path / "w")
+  shutil.copytree(reference, copy)
+  subset = make_config(**HALVING)
+  subset.dataset.validation_examples = 20
+  with caplog.at_level(logging.INFO):
+    got = train.train_and_evaluate(subset, copy)
+  messages = " ".join(r.getMessage() for r in caplog.records)
+  model = inputs.create_model(subset)
+  split = data.eval_iterator("digits", batch_size=subset.train.eval_batch_size,
+                             split="train[90%:]")
+  first_20 = list(inputs.first_examples(split, 20))
+  assert sum(int(b["valid"].sum()) for b in first_20) == 20
+  for seed in SEEDS:
+    name = f"reinit/first_attention/seed_{seed}"
+    assert f"{name}: config changed (dataset.validation_examples (none) -> 20); retraining" \
+        in messages
+    on_first_20 = evaluation.evaluate(model, _params(subset, copy, name), first_20)["loss"]
+    assert got[name]["validation_loss"] == pytest.approx(on_first_20, rel=1e-6)
+    assert got[name]["validation_loss"] != results[name]["validation_loss"]
 
 
 def test_turning_the_rule_on_retrains(frozen, tmp_path, caplog):

@@ -259,13 +259,23 @@ def test_bad_input_raises_before_work(finished, tmp_path):
 def test_first_examples_keeps_a_fixed_prefix_of_the_valid_examples():
   batches = [{"label": np.arange(4) + 4 * i, "valid": np.array([True, True, True, i < 2])}
              for i in range(3)]  # 11 valid examples: 0..10 (11 is padding)
-  kept = path_evaluation.first_examples(batches, 6)
+  kept = list(inputs.first_examples(batches, 6))
   assert len(kept) == 2
   labels = np.concatenate([b["label"][b["valid"]] for b in kept])
   np.testing.assert_array_equal(labels, np.arange(6))
-  everything = path_evaluation.first_examples(batches, 0)
+  everything = list(inputs.first_examples(batches, 0))
   assert len(everything) == 3 and sum(int(b["valid"].sum()) for b in everything) == 11
-  assert sum(int(b["valid"].sum()) for b in path_evaluation.first_examples(batches, 50)) == 11
+  assert sum(int(b["valid"].sum()) for b in inputs.first_examples(batches, 50)) == 11
+
+  def reads(limit):  # the batches read: none past the subset
+    read = []
+    def source():
+      for b in batches:
+        read.append(b)
+        yield b
+    list(inputs.first_examples(source(), limit))
+    return len(read)
+  assert (reads(6), reads(8), reads(9), reads(0)) == (2, 2, 3, 3)
 
 
 def test_evaluation_examples_are_a_prefix_of_the_named_split():
@@ -279,7 +289,7 @@ def test_evaluation_examples_are_a_prefix_of_the_named_split():
   assert len(set(digests.values())) == 3
   whole = data.eval_iterator("digits", batch_size=config.train.eval_batch_size, split="train")
   assert digests["train[:50%]"] == path_evaluation.examples_digest(
-      path_evaluation.first_examples(whole, 16))
+      inputs.first_examples(whole, 16))
 
 
 def test_learned_overlap_names_the_slices_learned_reads_from_the_evaluation_split():
@@ -312,8 +322,8 @@ def test_study_evaluates_the_paths_on_study_eval_split(finished, tmp_path):
   test_ends = _results(finished)["endpoints"]
   assert all(res["endpoints"][s]["loss"] != test_ends[s]["loss"] for s in test_ends)
   model, params = inputs.create_model(changed), train.load_checkpoints(changed, copy)
-  first_40 = path_evaluation.first_examples(
-      data.eval_iterator("digits", batch_size=changed.train.eval_batch_size, split="train"), 40)
+  first_40 = list(inputs.first_examples(
+      data.eval_iterator("digits", batch_size=changed.train.eval_batch_size, split="train"), 40))
   for seed in changed.reinit.seeds:
     on_train = evaluation.evaluate(model, params[f"reinit/first_attention/seed_{seed}"], first_40)
     assert res["endpoints"][f"seed_{seed}"]["loss"] == pytest.approx(on_train["loss"], rel=1e-5)

@@ -19,8 +19,10 @@ Fields:
     the split (or one slice of it, "train[:90%]") that every run trains on;
     ``validation_split`` ("" for none) the held-out one, sharing no record
     with it ("train[90%:]", or a real "validation" split), on which the
-    stopping rule computes its loss. Neither may be the test split: it is
-    kept for the reported evaluations and the study.
+    stopping rule computes its loss, on its first ``validation_examples``
+    examples (0 for all; the "learned" method picks its iterate among
+    them too). Neither may be the test split: it is kept for the reported
+    evaluations and the study.
   train: optimisation of the base model (AdamW with linear warmup and cosine
     decay), evaluation, logging and checkpointing intervals.
   reinit: the re-initialisation protocol (docs/lmc.md, 'Re-initialisation'). ``scopes``
@@ -88,6 +90,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.dataset.num_workers = 0
   config.dataset.train_split = "train"
   config.dataset.validation_split = ""
+  config.dataset.validation_examples = 0
 
   config.train = ml_collections.ConfigDict()
   config.train.num_steps = 1000
