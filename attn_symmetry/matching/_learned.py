@@ -36,8 +36,12 @@ taken.
 
 Selection. At the start, every ``eval_every`` steps and at the end, the
 interpolated loss is evaluated on ``holdout_batches``, a slice of the training
-split that the steps never see, at lambda = 0, 1 and lambda itself (for uniform
-lambda at 1/4, 1/2 and 3/4), each averaged over the batches. The held-out
+split that the steps never see, at lambda itself (for uniform lambda at 1/4,
+1/2 and 3/4), averaged over the batches; at lambda = 0 and 1 once, at the start:
+theta_A does not move, and g_D acts on the function of g0 . theta_B as the
+identity (it is an element of the symmetry group), so the endpoints' losses
+are the same for every iterate (up to rounding; the path evaluation of the
+study computes them anew). The held-out
 barrier is the largest gap between that loss and the chord
 (1 - lambda) L(0) + lambda L(1), or 0 if the path lies below it. The iterate
 with the lowest held-out barrier is returned; a later one replaces an earlier
@@ -245,11 +249,10 @@ def _step(state: _State, data: _Data, batch: Any, key: jax.Array, step: jax.Arra
   return new, loss.astype(limit.dtype), ~take
 
 
-def _holdout(delta: tuple[dict[str, Any], ...], data: _Data, batch: Any, lams: jax.Array, *,
+def _holdout(delta: tuple[dict[str, Any], ...], data: _Data, batch: Any, lam: jax.Array, *,
              loss_fn: LossFn, groups: tuple[_Group, ...]) -> jax.Array:
-  """The interpolated loss [P] on one batch at each of the P ``lams``."""
-  losses = jax.lax.map(lambda lam: loss_fn(_interpolate(delta, data, lam, groups), batch), lams)
-  return losses.astype(lams.dtype)
+  """The interpolated loss on one batch at ``lam`` (a scalar of its dtype)."""
+  return loss_fn(_interpolate(delta, data, lam, groups), batch).astype(lam.dtype)
 
 
 _step_jit = jax.jit(_step, static_argnames=("loss_fn", "groups", "uniform"))
@@ -303,16 +306,25 @@ def _prepare(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
   return data, groups
 
 
-def _held_out(delta: tuple[dict[str, Any], ...], data: _Data, batches: Sequence[Any],
-              lams: np.ndarray, *, loss_fn: LossFn, groups: tuple[_Group, ...]) -> dict[str, Any]:
-  """The held-out evaluation (module docstring): {"loss" (mean over the interior ``lams``),
-  "barrier", "endpoints" (the losses at lambda 0 and 1)}, ``lams`` = (0, ..., 1)."""
-  curve = np.mean([np.asarray(_holdout_jit(delta, data, b, jnp.asarray(lams), loss_fn=loss_fn,
-                                           groups=groups), np.float64) for b in batches], axis=0)
+def _mean_holdout(delta: tuple[dict[str, Any], ...], data: _Data, batches: Sequence[Any],
+                  lams: Sequence[float], dtype, *, loss_fn: LossFn,
+                  groups: tuple[_Group, ...]) -> np.ndarray:
+  """The interpolated loss at each of ``lams`` averaged over ``batches`` (each read once)."""
+  lams = [jnp.asarray(x, dtype) for x in lams]
+  return np.mean([[np.asarray(_holdout_jit(delta, data, b, x, loss_fn=loss_fn, groups=groups),
+                              np.float64) for x in lams] for b in batches], axis=0)
+
+
+def _held_out(inner: Sequence[float], ends: tuple[float, float], lams: Sequence[float]
+              ) -> dict[str, Any]:
+  """The held-out evaluation (module docstring) from the losses ``inner`` at the interior
+  ``lams`` and ``ends`` at lambda 0 and 1: {"loss" (mean over the interior), "barrier",
+  "endpoints"}."""
+  curve = np.asarray((ends[0], *inner, ends[1]))
   if not np.isfinite(curve).all():
     return {"loss": math.inf, "barrier": math.inf, "endpoints": (math.inf, math.inf)}
-  inner = lams[1:-1]
-  gap = curve[1:-1] - ((1 - inner) * curve[0] + inner * curve[-1])
+  lams = np.asarray(lams)
+  gap = curve[1:-1] - ((1 - lams) * curve[0] + lams * curve[-1])
   return {"loss": float(np.mean(curve[1:-1])), "barrier": float(max(0.0, np.max(gap))),
           "endpoints": (float(curve[0]), float(curve[-1]))}
 
@@ -393,10 +405,14 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
                  lam=jnp.asarray(0.0 if uniform else lam, dtype),
                  limit=jnp.asarray(_stage2.max_condition(dtype), dtype))
   key = jax.random.key(0) if key is None else key  # unused for a fixed lambda
-  lams = np.asarray((0.0, *(UNIFORM_HOLDOUT_LAMBDAS if uniform else (lam,)), 1.0), dtype)
-  held_out = lambda d: _held_out(d, data, holdout_batches, lams, loss_fn=loss_fn, groups=groups)
+  lams = UNIFORM_HOLDOUT_LAMBDAS if uniform else (lam,)
+  losses_at = lambda d, xs: _mean_holdout(d, data, holdout_batches, xs, dtype, loss_fn=loss_fn,
+                                          groups=groups)
+  start_curve = losses_at(delta, (0.0, *lams, 1.0))
+  ends = (start_curve[0], start_curve[-1])  # the same for every iterate (module docstring)
+  held_out = lambda d: _held_out(losses_at(d, lams), ends, lams)
 
-  initial = best_value = final = held_out(delta)
+  initial = best_value = final = _held_out(start_curve[1:-1], ends, lams)
   best, best_step = delta, 0
   scale = max(abs(x) for x in initial["endpoints"])
   tolerance = math.sqrt(float(jnp.finfo(dtype).eps)) * scale if math.isfinite(scale) else 0.0
