@@ -35,6 +35,7 @@ from attn_symmetry import group_action
 from attn_symmetry import lmc
 from attn_symmetry import matching
 from attn_symmetry import runtime
+from attn_symmetry import tasks
 from attn_symmetry.spec import subtree
 from experiments import fingerprints
 from experiments import input_noise
@@ -322,6 +323,11 @@ class ScopeStudy:
                         **fingerprints.config_fields(
                             self.config, ("seed", "study.noise_levels", "study.methods")))
 
+  def _loss_unit(self) -> str:
+    if not self.evaluator.bits_per_byte:
+      return "cross-entropy (nats)"
+    return "bits per hidden byte" if self.model.task == tasks.MLM else "bits per byte"
+
   def run(self) -> dict[str, Any]:
     """Every pair's measurements (each reused from its cache file when unchanged), assembled
     into the scope's result (the ``study/<scope>/results.json`` that reports are drawn from)."""
@@ -342,7 +348,7 @@ class ScopeStudy:
         robust.append(self.robustness(a, b))
     result: dict[str, Any] = {
         "scope": self.scope, "scope_paths": self.scope_paths, "lambdas": self.lams.tolist(),
-        "loss_unit": "bits per byte" if self.evaluator.bits_per_byte else "cross-entropy (nats)",
+        "loss_unit": self._loss_unit(),
         "eval_split": self.config.study.eval_split,
         "eval_examples": sum(int(np.sum(b["valid"])) for b in self.evaluator.batches),
         "learned_overlap": self.learned_overlap,

@@ -1,6 +1,7 @@
 """Masked language modelling: BERT's MLM head trained and evaluated on byte-stream windows."""
 
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from attn_symmetry import models
 from attn_symmetry import tasks
 from experiments import evaluation
 from experiments import inputs
+from experiments import scope_study
 from experiments.configs import bert_mlm_wiki_bytes
 from experiments.configs import gpt2_wiki_bytes
 
@@ -91,3 +93,13 @@ def test_a_classifier_on_a_byte_stream_is_rejected():
   config.model.overrides.head = "classifier"
   with pytest.raises(ValueError, match="'classifier' is a 'classification' model"):
     inputs.create_model(config)
+
+
+def test_the_study_reports_the_masked_lm_loss_per_hidden_byte():
+  study = scope_study.ScopeStudy.__new__(scope_study.ScopeStudy)  # only its unit is asked
+  for bits, task, unit in ((False, tasks.CLASSIFICATION, "cross-entropy (nats)"),
+                           (True, tasks.LM, "bits per byte"),
+                           (True, tasks.MLM, "bits per hidden byte")):
+    study.evaluator = types.SimpleNamespace(bits_per_byte=bits)
+    study.model = types.SimpleNamespace(task=task)
+    assert study._loss_unit() == unit  # pylint: disable=protected-access
