@@ -411,8 +411,7 @@ def assignment_vs_scipy(n: int, *, rounds: int = 3, min_seconds: float = 2.0):
         f"{min_seconds / rounds:.2g} s of calls; scipy = linear_sum_assignment on numpy):")
   for kind, cost in _lap_costs(n).items():
     cost32 = jnp.asarray(cost, jnp.float32)
-    jax.block_until_ready((ours(cost32), device(cost32)))  # compile both outside the timings
-    jax.block_until_ready(transfer(cost32))
+    jax.block_until_ready((ours(cost32), device(cost32), transfer(cost32)))  # compiled before
     solvers = {"scipy": lambda: scipy.optimize.linear_sum_assignment(np.asarray(cost32)),
                "ours": lambda: ours(cost32), "device": lambda: device(cost32),
                "transfer": lambda: transfer(cost32)}

@@ -225,8 +225,8 @@ def test_changed_patience_retrains_the_runs_under_the_rule(frozen, tmp_path, cap
 
 
 def test_the_rule_can_validate_on_the_first_examples_of_the_split(halving, tmp_path, caplog):
-  """dataset.validation_examples: the rule's loss is that of the split's first examples (the
-  reader stops there); 0, the whole split, keys nothing; another value retrains."""
+  """dataset.validation_examples: the rule's loss is that of the split's first examples; 0, the
+  whole split, keys nothing; another value retrains."""
   config, reference, results = halving
   assert "dataset.validation_examples" not in json.dumps(train.run_fields(
       config, train.runs(config)[1], base_params="x"))
