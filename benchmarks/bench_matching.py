@@ -22,13 +22,14 @@ took are printed), or "adam", the reference's own 200 Adam steps. The
 squared distances reached are printed side by side.
 Both are timed in this process, one after the other. Then the jitted attention
 matching alone is timed for a range of N, H and L. Last, ``linear_assignment``
-(jitted; on CPU it calls scipy on the host, on accelerators it runs optax's
-Hungarian algorithm) and optax's Hungarian algorithm forced on CPU are timed
-against ``scipy.optimize.linear_sum_assignment`` on random and on
-near-permutation n x n costs (the kind Weight Matching meets once it has
-nearly converged), beside the cost of the host path's trip alone (a callback
-that reads the costs and solves nothing): the floor of any scipy-behind-a-
-callback solver.
+(jitted: distinct row minima answer at once, else on CPU it calls scipy on the
+host, on accelerators it runs optax's Hungarian algorithm) and optax's
+Hungarian algorithm forced on CPU are timed against
+``scipy.optimize.linear_sum_assignment`` on random and on near-permutation
+n x n costs (the kind Weight Matching meets once it has nearly converged, or
+against a fine-tuned copy of a model: their row minima are distinct), beside
+the cost of the host path's trip alone (a callback that reads the costs and
+solves nothing): the floor of any scipy-behind-a-callback solver.
 
 On CPU, jaxlib's LAPACK kernels (the batched 64 x 64 solves and SVDs of Stage 2)
 run on scipy's OpenBLAS. With its threads on, XLA's concurrent custom calls into
@@ -423,8 +424,11 @@ def assignment_vs_scipy(n: int, *, rounds: int = 3, min_seconds: float = 2.0):
                                                                "transfer"))
     same = np.array_equal(np.asarray(ours(cost32)),
                           scipy.optimize.linear_sum_assignment(np.asarray(cost32))[1])
+    minima = np.argmin(np.asarray(cost32), axis=1)
+    distinct = len(set(minima.tolist())) == n  # linear_assignment then runs no solver
     print(f"  {kind:>16}: scipy {t_scipy:.3f} s | linear_assignment {t_ours:.3f} s "
-          f"({t_ours / t_scipy:.2f}x scipy, same permutation: {same}) | optax Hungarian "
+          f"({t_ours / t_scipy:.2f}x scipy, same permutation: {same}, row minima distinct: "
+          f"{distinct}) | optax Hungarian "
           f"{t_device:.3f} s ({t_device / t_scipy:.2f}x scipy)")
     print(f"  {'':>16}  the costs' trip to the host alone (a callback that reads them and "
           f"solves nothing): {t_transfer:.3f} s, so scipy behind a callback is at least "

@@ -108,6 +108,7 @@ def _use_solver(monkeypatch, solver):
   (optax, problems of a batch one after another) or "device" (optax, vmapped)."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu" if solver == "device" else "cpu")
   monkeypatch.setattr(_assignment, "HOST_MIN_SIZE", 0 if solver == "host" else 10**9)
+  jax.clear_caches()  # a program traced with another path is otherwise reused: the key is the shape
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (5, 5), (3, 9, 9), (2, 3, 9, 9), (17, 17)])
@@ -117,6 +118,35 @@ def test_linear_assignment_is_optimal(x64, monkeypatch, shape, solver):
   _use_solver(monkeypatch, solver)
   cost = np.random.default_rng(sum(shape)).normal(size=shape)
   _assert_optimal(cost, jax.jit(matching.linear_assignment)(cost))
+
+
+@pytest.mark.parametrize("solver", ["host", "device_cpu"])
+def test_linear_assignment_certifies_distinct_row_minima_without_a_solver(x64, monkeypatch,
+                                                                         solver):
+  """Costs whose row minima lie in distinct columns are answered by the minima (optimal) and
+  reach no solver; costs where two rows share their minimum's column reach it."""
+  _use_solver(monkeypatch, solver)
+  calls = []
+
+  def counted(real):  # counts the calls that run, not the traces (lax.cond traces both)
+    def solve(cost):
+      jax.debug.callback(lambda: calls.append(1))
+      return real(cost)
+    return solve
+
+  for name in ("_host_assignment", "_device_assignment"):
+    monkeypatch.setattr(_assignment, name, counted(getattr(_assignment, name)))
+  rng = np.random.default_rng(7)
+  perm = rng.permutation(9)
+  near = -np.eye(9)[perm] + 0.1 * rng.normal(size=(9, 9))  # row i's minimum at perm[i]
+  clash = near.copy()
+  clash[0] = clash[1]  # rows 0 and 1 share their minimum's column
+  for cost, solved in ((near, False), (clash, True)):
+    calls.clear()
+    got = jax.jit(matching.linear_assignment)(cost)
+    _assert_optimal(cost, got)
+    assert bool(calls) == solved
+  np.testing.assert_array_equal(jax.jit(matching.linear_assignment)(near), perm)
 
 
 def test_linear_assignment_keeps_small_problems_on_the_device(monkeypatch):
