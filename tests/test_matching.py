@@ -152,6 +152,7 @@ def test_linear_assignment_certifies_distinct_row_minima_without_a_solver(x64, m
 def test_linear_assignment_keeps_small_problems_on_the_device(monkeypatch):
   """Below HOST_MIN_SIZE no host callback enters the program (it stays persistently cacheable)."""
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  jax.clear_caches()  # as in _use_solver
   small = jax.jit(matching.linear_assignment).lower(jnp.zeros((8, 8))).as_text()
   large = jax.jit(matching.linear_assignment).lower(
       jnp.zeros((_assignment.HOST_MIN_SIZE,) * 2)).as_text()
