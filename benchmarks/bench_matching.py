@@ -26,8 +26,10 @@ matching alone is timed for a range of N, H and L. Last, ``linear_assignment``
 host, on accelerators it runs optax's Hungarian algorithm) and optax's
 Hungarian algorithm forced on CPU are timed against
 ``scipy.optimize.linear_sum_assignment`` on random and on near-permutation
-n x n costs (the kind Weight Matching meets once it has nearly converged, or
-against a fine-tuned copy of a model: their row minima are distinct), beside
+n x n costs (the kind Weight Matching meets between a model and a fine-tuned
+or planted copy of it; their row minima are distinct, so linear_assignment
+answers them without a solver, as it does every assignment of the GPT-2 pair
+above), beside
 the cost of the host path's trip alone (a callback that reads the costs and
 solves nothing): the floor of any scipy-behind-a-callback solver.
 
