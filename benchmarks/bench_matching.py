@@ -29,9 +29,8 @@ Hungarian algorithm forced on CPU are timed against
 n x n costs (the kind Weight Matching meets between a model and a fine-tuned
 or planted copy of it; their row minima are distinct, so linear_assignment
 answers them without a solver, as it does every assignment of the GPT-2 pair
-above), beside
-the cost of the host path's trip alone (a callback that reads the costs and
-solves nothing): the floor of any scipy-behind-a-callback solver.
+above), beside the cost of the host path's trip alone (a callback that reads
+the costs and solves nothing): the floor of any scipy-behind-a-callback solver.
 
 On CPU, jaxlib's LAPACK kernels (the batched 64 x 64 solves and SVDs of Stage 2)
 run on scipy's OpenBLAS. With its threads on, XLA's concurrent custom calls into
@@ -426,8 +425,8 @@ def assignment_vs_scipy(n: int, *, rounds: int = 3, min_seconds: float = 2.0):
                                                                "transfer"))
     same = np.array_equal(np.asarray(ours(cost32)),
                           scipy.optimize.linear_sum_assignment(np.asarray(cost32))[1])
-    minima = np.argmin(np.asarray(cost32), axis=1)
-    distinct = len(set(minima.tolist())) == n  # linear_assignment then runs no solver
+    # pylint: disable-next=protected-access
+    distinct = bool(_assignment._is_permutation(jnp.argmin(cost32, axis=-1)))  # then no solver
     print(f"  {kind:>16}: scipy {t_scipy:.3f} s | linear_assignment {t_ours:.3f} s "
           f"({t_ours / t_scipy:.2f}x scipy, same permutation: {same}, row minima distinct: "
           f"{distinct}) | optax Hungarian "
