@@ -189,9 +189,13 @@ def results_table(results_root: str) -> str:
 
 
 def _commit(run: dict[str, Any]) -> str:
-  """The short commit a run started from, marked when tracked files differed from it."""
+  """The short commit a run started from, marked when tracked files outside ``results/``
+  differed from it. Reports under ``results/`` are what runs write, never what they read:
+  a setting run after another in the same tree (``--all``) finds the first one's reports
+  changed, and its own code is still the commit's."""
   commit, _, edited = run.get("commit", "unknown").partition("+")  # older records: "<sha>+..."
-  edited = edited or run.get("uncommitted")
+  edited = edited or [path for path in run.get("uncommitted", ())
+                      if not path.startswith("results/")]
   return commit[:7] + (" (with edits)" if edited else "")
 
 

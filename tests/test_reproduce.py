@@ -79,6 +79,16 @@ def test_reduced_rerun_gives_the_committed_numbers(tmp_path):
   assert "## Re-initialisation scope: first_attention" in committed_summary
 
 
+def test_commit_column_marks_edited_code_but_not_reports_of_other_settings():
+  sha = "0123456789abcdef"
+  assert reproduce._commit({"commit": sha, "uncommitted": []}) == "0123456"
+  assert reproduce._commit({"commit": sha, "uncommitted": ["results/other/run.json"]}) == "0123456"
+  assert reproduce._commit({"commit": sha, "uncommitted": ["results/other/run.json",
+                                                           "experiments/train.py"]}
+                           ) == "0123456 (with edits)"
+  assert reproduce._commit({"commit": sha + "+dirty"}) == "0123456 (with edits)"
+
+
 def test_readme_table_is_generated_from_the_committed_runs():
   """results/README.md's table is exactly what --table makes of results/*/run.json and the
   results beside them, one row per setting and scope, with the commit each run started from."""
