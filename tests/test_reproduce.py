@@ -42,16 +42,22 @@ def test_reduced_rerun_gives_the_committed_numbers(tmp_path):
   """The committed reduced run, recomputed by the committed command in a process of its own:
   the same barriers, curves, ranks and chosen permutations (to float32 rounding across runs).
 
-  Its own process, as a user runs it."""
+  Its own process, as a user runs it, beside another setting (``--jobs=2``): a setting's
+  numbers do not depend on what shares the machine."""
   results = tmp_path / "results"
-  subprocess.run([sys.executable, "experiments/reproduce.py", f"--setting={SMALLEST}",
-                  "--reduced", f"--workdir_root={tmp_path / 'work'}", f"--results={results}",
-                  "--compilation_cache="], cwd=REPO, check=True,
+  other = "table1_vit_mnist_rope"
+  subprocess.run([sys.executable, "experiments/reproduce.py", f"--setting={SMALLEST},{other}",
+                  "--jobs=2", "--reduced", f"--workdir_root={tmp_path / 'work'}",
+                  f"--results={results}", "--compilation_cache="], cwd=REPO, check=True,
                  env=dict(os.environ, PYTHONPATH=REPO))
+  for setting in (SMALLEST, other):
+    with open(results / setting / "reduced" / "run.json") as f:
+      record = json.load(f)
+    assert record["jobs"] == 2
+    assert record["command"] == f"python experiments/reproduce.py --setting={setting} --reduced"
   rerun = results / SMALLEST / "reduced"
   with open(rerun / "run.json") as f:
     record = json.load(f)
-  assert record["command"] == f"python experiments/reproduce.py --setting={SMALLEST} --reduced"
   with open(os.path.join(COMMITTED, "run.json")) as f:
     assert json.load(f)["command"] == record["command"]
   new, old = _load(rerun), _load(COMMITTED)
@@ -141,3 +147,59 @@ def test_table_says_when_a_ratio_leaves_out_pairs(tmp_path):
   path.write_text(json.dumps(res))
   assert (f"| {setting} | first_attention | 10 (ratios over 7) |"
           in reproduce.results_table(str(tmp_path)))
+
+
+def test_run_concurrently_keeps_at_most_jobs_running_and_reports_each_exit(tmp_path):
+  """Four commands, two at a time, in the order given: at no moment do three run, each
+  one's output lands in its log, and a failure leaves the others running."""
+  script = ("import sys, time; print('out', sys.argv[1]); open(sys.argv[2], 'a').write("
+            "f'{sys.argv[1]} {time.time()} '); time.sleep(0.4); open(sys.argv[2], 'a').write("
+            "f'{time.time()}\\n'); sys.exit(3 if sys.argv[1] == 'c' else 0)")
+  names = ["a", "b", "c", "d"]
+  commands = [(n, [sys.executable, "-c", script, n, str(tmp_path / f"{n}.times")]) for n in names]
+  status = reproduce.run_concurrently(commands, jobs=2, log_dir=str(tmp_path / "logs"),
+                                      poll_seconds=0.05)
+  assert status == {"a": 0, "b": 0, "c": 3, "d": 0} and set(status) == set(names)
+  spans = [tuple(map(float, (tmp_path / f"{n}.times").read_text().split()[1:])) for n in names]
+  for t in [start for start, _ in spans]:
+    assert sum(start <= t < end for start, end in spans) <= 2
+  assert spans[0][0] < spans[2][0] and spans[1][0] < spans[3][0]  # in order
+  assert (tmp_path / "logs" / "c.log").read_text().strip() == "out c"
+
+
+def test_longest_first_orders_by_the_committed_wall_time(tmp_path):
+  for setting, seconds in (("short", 60.0), ("long", 3000.0)):
+    (tmp_path / setting).mkdir()
+    (tmp_path / setting / "run.json").write_text(json.dumps({"wall_seconds": seconds}))
+  assert reproduce.longest_first(["short", "new", "long"], str(tmp_path)) == [
+      "new", "long", "short"]
+
+
+def test_busy_seconds_is_the_length_of_the_union_of_runs():
+  assert reproduce.busy_seconds([]) == 0
+  assert reproduce.busy_seconds([(0, 10), (20, 25)]) == 15  # one after another: the sum
+  assert reproduce.busy_seconds([(0, 10), (5, 12), (6, 8), (30, 31)]) == 13
+
+
+def test_table_says_how_long_overlapping_runs_kept_the_machine(tmp_path):
+  """Two settings run at the same time: the footer adds up their wall times and says how
+  long the machine was busy; run one after another, it says only the sum."""
+  for setting in (SMALLEST, "table1_vit_mnist_rope"):
+    shutil.copytree(os.path.join(REPO, "results", setting), tmp_path / setting,
+                    ignore=shutil.ignore_patterns("reduced", "*.png"))
+    record = json.loads((tmp_path / setting / "run.json").read_text())
+    record.update(started="2026-12-01T10:00:00+00:00", wall_seconds=1800.0)
+    (tmp_path / setting / "run.json").write_text(json.dumps(record))
+  table = reproduce.results_table(str(tmp_path))
+  assert "added up: 1 h 00 min" in table and "took 0 h 30 min of the machines' time" in table
+  record.update(started="2026-12-01T11:00:00+00:00")
+  (tmp_path / "table1_vit_mnist_rope" / "run.json").write_text(json.dumps(record))
+  table = reproduce.results_table(str(tmp_path))
+  assert "added up: 1 h 00 min" in table and "machines' time" not in table
+
+
+def test_jobs_must_be_positive():
+  done = subprocess.run([sys.executable, "experiments/reproduce.py", "--all", "--jobs=0"],
+                        cwd=REPO, capture_output=True, text=True,
+                        env=dict(os.environ, PYTHONPATH=REPO))
+  assert done.returncode != 0 and "--jobs must be at least 1" in done.stderr
