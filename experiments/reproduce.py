@@ -18,15 +18,18 @@ command, the git commit, wall time, the machine) into
 Files already in the target folder are replaced only by this setting's new
 reports.
 
-``--jobs=N`` runs N settings at a time, each in a process of its own (the
-longest first, by the wall time of its committed run). A setting's numbers do
-not depend on it: XLA splits each computation over the threads of its
-process's pool, whose size is the number of cores, whatever else runs. On a
-2-core CPU two settings at a time finish about 1.6 times as many settings per
-hour as one (measured: the reduced ``table1_vit_fashion_ape`` took 42 s alone,
-52 s with a second copy beside it, with results equal to the last digit);
-each setting's wall time grows accordingly, and its ``run.json`` records how
-many ran at once.
+Each setting runs on one CPU core (``use_one_core``), so that its numbers do
+not depend on the machine's core count or on what runs beside it: XLA splits
+a computation over its process's thread pool, which has one thread per core
+the process may use, and another split rounds float32 sums differently
+(measured: the reduced ``table1_vit_fashion_ape`` on one core and on two
+differ from the base model's first loss on). ``--noone_core`` runs on every
+core instead (faster alone, other last digits). ``--jobs=N`` runs N settings
+at a time, each in a process of its own on a core of its own, the longest
+first (by the wall time of its committed run): on a 2-core machine two
+settings at a time finish more settings per hour than one on both cores,
+because XLA's CPU code for models this small gains little from a second
+thread (``benchmarks/bench_settings_at_once.py``).
 """
 
 from __future__ import annotations
@@ -84,10 +87,30 @@ def _cpu_model() -> str:
   return platform.processor()
 
 
+def _cores_used() -> int:
+  """How many cores this process may run on (its thread pool's size)."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def command(setting: str, reduced: bool) -> str:
   """The command line that reruns ``setting``."""
   return (f"python experiments/reproduce.py --setting={setting}"
           + (" --reduced" if reduced else ""))
+
+
+def use_one_core() -> int | None:
+  """Restricts this process to the lowest-numbered core it may use and returns it (None where
+  the platform cannot, and this process keeps every core).
+
+  Call it before JAX creates its CPU client (the first ``jax.devices()`` or
+  computation), whose thread pool then holds one thread. A parent that has
+  already pinned this process to one core (``run_concurrently``) keeps it there.
+  """
+  if not hasattr(os, "sched_setaffinity"):
+    return None
+  core = min(os.sched_getaffinity(0))
+  os.sched_setaffinity(0, {core})
+  return core
 
 
 def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str, jobs: int = 1
@@ -135,7 +158,7 @@ def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str, 
             **code, "started": started.isoformat(timespec="seconds"),
             "wall_seconds": round(seconds, 1), "jobs": jobs,
             "compile_seconds": {k: round(v, 1) for k, v in clock.seconds.items()},
-            "machine": {"cpus": os.cpu_count(), "cpu": _cpu_model(),
+            "machine": {"cpus": os.cpu_count(), "cores_used": _cores_used(), "cpu": _cpu_model(),
                         "platform": platform.platform(),
                         "devices": [str(d) for d in jax.devices()], "jax": jax.__version__},
             "training": {name: {k: v for k, v in m.items()} for name, m in trained.items()},
@@ -155,28 +178,39 @@ def longest_first(settings: list[str], results_root: str) -> list[str]:
 
 
 def run_concurrently(commands: list[tuple[str, list[str]]], *, jobs: int, log_dir: str,
-                     env: dict[str, str] | None = None, poll_seconds: float = 1.0
-                     ) -> dict[str, int]:
+                     env: dict[str, str] | None = None, one_core_each: bool = True,
+                     poll_seconds: float = 1.0) -> dict[str, int]:
   """Runs each ``(name, argv)`` in a process of its own, at most ``jobs`` at a time, in the
   order given; a process's output goes to ``log_dir/<name>.log``. One that fails does not
   stop the others.
+
+  With ``one_core_each``, where the platform can, each process runs on one core: the i-th of
+  the ``jobs`` slots on the i-th core this process may use (slots share cores when ``jobs``
+  exceeds them).
 
   Returns:
     {name: exit status}, in the order the processes ended.
   """
   os.makedirs(log_dir, exist_ok=True)
+  cores = (sorted(os.sched_getaffinity(0))
+           if one_core_each and hasattr(os, "sched_setaffinity") else [])
   pending, running, status = list(commands), {}, {}
   while pending or running:
-    while pending and len(running) < jobs:
-      name, argv = pending.pop(0)
+    free = sorted(set(range(jobs)) - {slot for _, _, slot in running.values()})
+    while pending and free:
+      (name, argv), slot = pending.pop(0), free.pop(0)
+      pin = None
+      if cores:
+        pin = lambda core=cores[slot % len(cores)]: os.sched_setaffinity(0, {core})
       log_path = os.path.join(log_dir, name + ".log")
       with open(log_path, "w") as log_file:  # the child holds its own descriptor
         running[name] = (subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                          cwd=REPO, env=env), time.perf_counter())
+                                          cwd=REPO, env=env, preexec_fn=pin),
+                         time.perf_counter(), slot)
       print(f"started {name} ({len(status) + len(running)} of {len(commands)}; log {log_path})",
             flush=True)
     time.sleep(poll_seconds)
-    for name, (process, start) in list(running.items()):
+    for name, (process, start, _) in list(running.items()):
       if process.poll() is not None:
         del running[name]
         status[name] = process.returncode
@@ -313,6 +347,9 @@ def main(argv):
   if FLAGS.jobs > 1 and len(settings) > 1:
     _run_in_processes(settings)
     return
+  core = use_one_core() if FLAGS.one_core else None  # before JAX starts its CPU client
+  if core is not None:
+    print(f"running on core {core} of {os.cpu_count()} (--noone_core: every core)", flush=True)
   for setting in settings:
     name = setting + ("_reduced" if FLAGS.reduced else "")
     out = os.path.join(FLAGS.results, setting, *(["reduced"] if FLAGS.reduced else []))
@@ -337,7 +374,8 @@ def _run_in_processes(settings: list[str]) -> None:
       config_checks.validate(cpu_paper.get_config(setting + variant))
     except ValueError as e:
       sys.exit(f"FATAL {setting}: {e}")
-  shared = [f"--jobs={FLAGS.jobs}", f"--workdir_root={FLAGS.workdir_root}",
+  shared = [f"--jobs={FLAGS.jobs}", f"--one_core={FLAGS.one_core}",
+            f"--workdir_root={FLAGS.workdir_root}",
             f"--results={FLAGS.results}", f"--compilation_cache={FLAGS.compilation_cache}",
             *(["--reduced"] if FLAGS.reduced else [])]
   commands = [(setting, [sys.executable, os.path.abspath(__file__), f"--setting={setting}",
@@ -347,7 +385,7 @@ def _run_in_processes(settings: list[str]) -> None:
   # The children import this checkout's code, wherever the package is installed from.
   path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
   status = run_concurrently(commands, jobs=FLAGS.jobs, log_dir=FLAGS.workdir_root,
-                            env=dict(os.environ, PYTHONPATH=path))
+                            env=dict(os.environ, PYTHONPATH=path), one_core_each=FLAGS.one_core)
   failed = sorted(name for name, code in status.items() if code)
   print(f"{len(settings)} settings, {FLAGS.jobs} at a time: "
         f"{(time.perf_counter() - start) / 60:.0f} min")
@@ -362,6 +400,8 @@ def _define_flags() -> None:
   flags.DEFINE_list("setting", None, f"One of {sorted(cpu_paper.SETTINGS)}, or several, "
                     "separated by commas (run one after another, or --jobs at a time).")
   flags.DEFINE_bool("all", False, "Run every setting, one after another (see --jobs).")
+  flags.DEFINE_bool("one_core", True, "Run each setting on one core, so that its numbers do "
+                    "not depend on the core count (--noone_core: on every core, faster alone).")
   flags.DEFINE_integer("jobs", 1, "Settings run at the same time (--all, or several "
                        "--setting), each in a "
                        "process of its own; with --setting, recorded in run.json as the number "
