@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -98,17 +99,23 @@ def command(setting: str, reduced: bool) -> str:
           + (" --reduced" if reduced else ""))
 
 
-def use_one_core() -> int | None:
-  """Restricts this process to the lowest-numbered core it may use and returns it (None where
-  the platform cannot, and this process keeps every core).
+def use_one_core(core: int | None = None) -> int | None:
+  """Restricts this process to ``core`` (default: the lowest-numbered core it may use) and
+  returns it; None where the platform cannot, and this process keeps every core.
 
   Call it before JAX creates its CPU client (the first ``jax.devices()`` or
-  computation), whose thread pool then holds one thread. A parent that has
-  already pinned this process to one core (``run_concurrently``) keeps it there.
+  computation), whose thread pool then holds one thread.
+
+  Raises:
+    ValueError: ``core`` is not one this process may use.
   """
   if not hasattr(os, "sched_setaffinity"):
     return None
-  core = min(os.sched_getaffinity(0))
+  allowed = os.sched_getaffinity(0)
+  if core is None:
+    core = min(allowed)
+  elif core not in allowed:
+    raise ValueError(f"--core={core}: this process may use cores {sorted(allowed)}")
   os.sched_setaffinity(0, {core})
   return core
 
@@ -178,34 +185,30 @@ def longest_first(settings: list[str], results_root: str) -> list[str]:
 
 
 def run_concurrently(commands: list[tuple[str, list[str]]], *, jobs: int, log_dir: str,
-                     env: dict[str, str] | None = None, one_core_each: bool = True,
+                     env: dict[str, str] | None = None,
+                     slot_args: Callable[[int], list[str]] = lambda slot: [],
                      poll_seconds: float = 1.0) -> dict[str, int]:
   """Runs each ``(name, argv)`` in a process of its own, at most ``jobs`` at a time, in the
   order given; a process's output goes to ``log_dir/<name>.log``. One that fails does not
   stop the others.
 
-  With ``one_core_each``, where the platform can, each process runs on one core: the i-th of
-  the ``jobs`` slots on the i-th core this process may use (slots share cores when ``jobs``
-  exceeds them).
+  Each running process holds one of ``jobs`` slots (0 .. jobs - 1; no two running processes
+  hold the same), and ``slot_args(slot)`` is appended to its ``argv``: where it runs (its
+  core).
 
   Returns:
     {name: exit status}, in the order the processes ended.
   """
   os.makedirs(log_dir, exist_ok=True)
-  cores = (sorted(os.sched_getaffinity(0))
-           if one_core_each and hasattr(os, "sched_setaffinity") else [])
   pending, running, status = list(commands), {}, {}
   while pending or running:
     free = sorted(set(range(jobs)) - {slot for _, _, slot in running.values()})
     while pending and free:
       (name, argv), slot = pending.pop(0), free.pop(0)
-      pin = None
-      if cores:
-        pin = lambda core=cores[slot % len(cores)]: os.sched_setaffinity(0, {core})
       log_path = os.path.join(log_dir, name + ".log")
       with open(log_path, "w") as log_file:  # the child holds its own descriptor
-        running[name] = (subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                          cwd=REPO, env=env, preexec_fn=pin),
+        running[name] = (subprocess.Popen([*argv, *slot_args(slot)], stdout=log_file,
+                                          stderr=subprocess.STDOUT, cwd=REPO, env=env),
                          time.perf_counter(), slot)
       print(f"started {name} ({len(status) + len(running)} of {len(commands)}; log {log_path})",
             flush=True)
@@ -347,7 +350,10 @@ def main(argv):
   if FLAGS.jobs > 1 and len(settings) > 1:
     _run_in_processes(settings)
     return
-  core = use_one_core() if FLAGS.one_core else None  # before JAX starts its CPU client
+  try:
+    core = use_one_core(FLAGS.core) if FLAGS.one_core else None  # before JAX's CPU client
+  except ValueError as e:
+    sys.exit(f"FATAL {e}")
   if core is not None:
     print(f"running on core {core} of {os.cpu_count()} (--noone_core: every core)", flush=True)
   for setting in settings:
@@ -384,8 +390,11 @@ def _run_in_processes(settings: list[str]) -> None:
   start = time.perf_counter()
   # The children import this checkout's code, wherever the package is installed from.
   path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+  cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+  core_of = ((lambda slot: [f"--core={cores[slot % len(cores)]}"]) if FLAGS.one_core and cores
+             else (lambda slot: []))
   status = run_concurrently(commands, jobs=FLAGS.jobs, log_dir=FLAGS.workdir_root,
-                            env=dict(os.environ, PYTHONPATH=path), one_core_each=FLAGS.one_core)
+                            env=dict(os.environ, PYTHONPATH=path), slot_args=core_of)
   failed = sorted(name for name, code in status.items() if code)
   print(f"{len(settings)} settings, {FLAGS.jobs} at a time: "
         f"{(time.perf_counter() - start) / 60:.0f} min")
@@ -402,6 +411,8 @@ def _define_flags() -> None:
   flags.DEFINE_bool("all", False, "Run every setting, one after another (see --jobs).")
   flags.DEFINE_bool("one_core", True, "Run each setting on one core, so that its numbers do "
                     "not depend on the core count (--noone_core: on every core, faster alone).")
+  flags.DEFINE_integer("core", None, "The core of --one_core (default: the lowest this "
+                       "process may use; --jobs gives each setting its own).")
   flags.DEFINE_integer("jobs", 1, "Settings run at the same time (--all, or several "
                        "--setting), each in a "
                        "process of its own; with --setting, recorded in run.json as the number "

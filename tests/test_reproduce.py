@@ -150,17 +150,22 @@ def test_table_says_when_a_ratio_leaves_out_pairs(tmp_path):
 
 
 def test_run_concurrently_keeps_at_most_jobs_running_and_reports_each_exit(tmp_path):
-  """Four commands, two at a time, in the order given: at no moment do three run, each
-  one's output lands in its log, and a failure leaves the others running."""
+  """Four commands, two at a time, in the order given: at no moment do three run, two that
+  run at once hold different slots, each one's output lands in its log, and a failure leaves
+  the others running."""
   script = ("import sys, time; print('out', sys.argv[1]); open(sys.argv[2], 'a').write("
-            "f'{sys.argv[1]} {time.time()} '); time.sleep(0.4); open(sys.argv[2], 'a').write("
+            "f'{sys.argv[3]} {time.time()} '); time.sleep(0.4); open(sys.argv[2], 'a').write("
             "f'{time.time()}\\n'); sys.exit(3 if sys.argv[1] == 'c' else 0)")
   names = ["a", "b", "c", "d"]
   commands = [(n, [sys.executable, "-c", script, n, str(tmp_path / f"{n}.times")]) for n in names]
   status = reproduce.run_concurrently(commands, jobs=2, log_dir=str(tmp_path / "logs"),
-                                      poll_seconds=0.05)
+                                      slot_args=lambda slot: [f"slot{slot}"], poll_seconds=0.05)
   assert status == {"a": 0, "b": 0, "c": 3, "d": 0} and set(status) == set(names)
-  spans = [tuple(map(float, (tmp_path / f"{n}.times").read_text().split()[1:])) for n in names]
+  runs = [(tmp_path / f"{n}.times").read_text().split() for n in names]
+  spans = [(float(start), float(end)) for _, start, end in runs]
+  for slot, (start, end) in zip([r[0] for r in runs], spans):
+    beside = [r[0] for r, (s, e) in zip(runs, spans) if s < end and start < e]
+    assert beside.count(slot) == 1, f"{slot} held twice at once: {runs}"
   for t in [start for start, _ in spans]:
     assert sum(start <= t < end for start, end in spans) <= 2
   assert spans[0][0] < spans[2][0] and spans[1][0] < spans[3][0]  # in order
@@ -203,3 +208,16 @@ def test_jobs_must_be_positive():
                         cwd=REPO, capture_output=True, text=True,
                         env=dict(os.environ, PYTHONPATH=REPO))
   assert done.returncode != 0 and "--jobs must be at least 1" in done.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_use_one_core_pins_this_process_and_refuses_a_core_it_may_not_use():
+  """In a child process (pinning is for the process's life): the lowest core by default, a
+  named core if allowed, a clear error otherwise."""
+  script = ("import os; from experiments import reproduce\n"
+            "low = min(os.sched_getaffinity(0)); high = max(os.sched_getaffinity(0))\n"
+            "assert reproduce.use_one_core() == low and os.sched_getaffinity(0) == {low}\n"
+            "try:\n  reproduce.use_one_core(high + 1)\nexcept ValueError as e:\n  print(e)\n")
+  done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                        text=True, env=dict(os.environ, PYTHONPATH=REPO), check=True)
+  assert "this process may use cores" in done.stdout
