@@ -6,7 +6,8 @@ or, with the reports copied into ``results/``, ``python experiments/reproduce.py
 --setting=table1_vit_mnist_ape`` (``--all`` for every setting, ``--jobs=2`` for
 two at a time, ``--list`` to list them). reproduce.py runs each setting on one
 CPU core (results/ rows from 4defd67 on); main.py uses every core, which rounds
-float32 sums otherwise, so its numbers follow another trajectory. The variant names a setting of ``SETTINGS``; adding "reduced"
+float32 sums otherwise, so its numbers follow another trajectory. The variant
+names a setting of ``SETTINGS``; adding "reduced"
 (``:table1_vit_mnist_ape,reduced``) shrinks it to a minute, the form that
 ``tests/test_reproduce.py`` reruns against the committed numbers.
 
