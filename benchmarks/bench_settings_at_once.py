@@ -37,11 +37,11 @@ def start(setting: str, root: str, tag: str, cache: str, *, reduced: bool, one_c
   argv = [sys.executable, os.path.join(REPO, "experiments", "reproduce.py"),
           f"--setting={setting}", f"--workdir_root={root}/{tag}/work",
           f"--results={root}/{tag}/results", f"--compilation_cache={cache}",
-          f"--one_core={one_core}", *(["--reduced"] if reduced else [])]
-  preexec = None if core is None else (lambda: os.sched_setaffinity(0, {core}))
+          f"--one_core={one_core}", *(["--reduced"] if reduced else []),
+          *([] if core is None else [f"--core={core}"])]
   with open(os.path.join(root, tag + ".log"), "w") as log:
     return subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONPATH=REPO), preexec_fn=preexec)
+                            env=dict(os.environ, PYTHONPATH=REPO))
 
 
 def run(setting, root, cache, runs, *, reduced) -> float:

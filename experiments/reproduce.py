@@ -414,9 +414,8 @@ def _define_flags() -> None:
   flags.DEFINE_integer("core", None, "The core of --one_core (default: the lowest this "
                        "process may use; --jobs gives each setting its own).")
   flags.DEFINE_integer("jobs", 1, "Settings run at the same time (--all, or several "
-                       "--setting), each in a "
-                       "process of its own; with --setting, recorded in run.json as the number "
-                       "of settings that shared the machine.")
+                       "--setting), each in a process of its own; with --setting, recorded in "
+                       "run.json as the number of settings that shared the machine.")
   flags.DEFINE_bool("list", False, "List the settings and exit.")
   flags.DEFINE_bool("table", False, "Rewrite the table of results/README.md from the committed "
                     "results and exit.")
