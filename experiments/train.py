@@ -12,7 +12,9 @@ parameters, so a retrained base retrains it too. A complete run's final
 parameters are verified (``checkpoints.py``) before it is skipped. Layout:
 
     workdir/base/                       the base model: seed ``config.seed``,
-                                        data set ``config.dataset.name``
+                                        data set ``config.dataset.name`` (not
+                                        trained when every scope is "full":
+                                        nothing starts from it)
     workdir/reinit/<scope>/seed_<s>/    the base model with ``scope``
                                         re-initialised from seed s and
                                         fine-tuned (trained from scratch for
@@ -203,12 +205,16 @@ def ended(meta: dict[str, Any], step: int, num_steps: int) -> str | None:
 
 
 def runs(config: ml_collections.ConfigDict) -> list[Run]:
-  """The base run, then every (scope, seed) of ``config.reinit``, in training order."""
+  """The base run, then every (scope, seed) of ``config.reinit``, in training order.
+
+  The base run is left out when every scope is "full": no run starts from it, and
+  the study never reads it (it trains only when a scope fine-tunes it, or when
+  there are no scopes and it is the only run)."""
   transfer = config.reinit.dataset or config.dataset.name
-  out = [Run("base", None, config.seed, config.dataset.name)]
-  for scope in config.reinit.scopes:
-    out += [Run(f"reinit/{scope}/seed_{s}", scope, s, transfer) for s in config.reinit.seeds]
-  return out
+  reinit = [Run(f"reinit/{scope}/seed_{s}", scope, s, transfer)
+            for scope in config.reinit.scopes for s in config.reinit.seeds]
+  base = Run("base", None, config.seed, config.dataset.name)
+  return ([base] if not reinit or any(r.fine_tunes for r in reinit) else []) + reinit
 
 
 def run_dir(workdir: str, run: Run) -> str:

@@ -126,15 +126,38 @@ def test_path_ends_are_the_seeds_own_evaluations(finished):
     final = trained[f"reinit/first_attention/seed_{seed}"]
     assert ends[f"seed_{seed}"]["loss"] == pytest.approx(final["loss"], rel=1e-6)
     assert ends[f"seed_{seed}"]["accuracy"] == pytest.approx(final["accuracy"], abs=1e-9)
-  one_example = 1.0 / 300  # the digits test split has more examples than that
   for p in res["pairs"]:
     a, b = ends[p["a"]], ends[p["b"]]
-    for m, curve in p["methods"].items():
-      # A is never moved; the aligned B computes B's function (up to float32 rounding).
+    for m, curve in p["methods"].items():  # evaluated once per pair (ScopeStudy._path)
       assert curve["loss"][0] == pytest.approx(a["loss"], rel=1e-6), m
       assert curve["accuracy"][0] == pytest.approx(a["accuracy"], abs=1e-9), m
-      assert curve["loss"][-1] == pytest.approx(b["loss"], rel=1e-4), m
-      assert curve["accuracy"][-1] == pytest.approx(b["accuracy"], abs=one_example), m
+      assert curve["loss"][-1] == pytest.approx(b["loss"], rel=1e-6), m
+      assert curve["accuracy"][-1] == pytest.approx(b["accuracy"], abs=1e-9), m
+
+
+def test_each_path_is_its_aligned_models_path_evaluated_at_every_lambda(finished):
+  """The study evaluates a pair's endpoints once and each path's interior points: the same
+  curve as evaluating theta_A -> g.theta_B at every lambda, since the (norm-folded) theta_A
+  and g.theta_B compute the seeds' own functions (up to float32 rounding)."""
+  config, workdir, _, _ = finished
+  res = _results(finished)
+  model = inputs.create_model(config)
+  evaluator = path_evaluation.PathEvaluator(
+      model, path_evaluation.evaluation_examples(config, config.dataset.name),
+      chunk_size=config.study.lambda_chunk, bits_per_byte=False)
+  checkpoints = train.load_checkpoints(config, workdir, require_complete=True)
+  scope = scope_study.ScopeStudy(config, model, "first_attention", checkpoints, evaluator,
+                                 workdir=str(workdir), data_fingerprint="")
+  one_example = 1.0 / 300  # the digits test split has more examples than that
+  for p in res["pairs"]:
+    a, b = (int(p[k].removeprefix("seed_")) for k in ("a", "b"))
+    for m, curve in p["methods"].items():
+      theta_a, aligned_b, _ = scope.align(a, b, m)
+      every = evaluator(theta_a, aligned_b, np.asarray(res["lambdas"]))
+      np.testing.assert_allclose(curve["loss"], every["loss"], rtol=1e-4, err_msg=m)
+      np.testing.assert_allclose(curve["accuracy"], every["accuracy"], atol=one_example,
+                                 err_msg=m)
+      np.testing.assert_array_equal(curve["loss"][1:-1], every["loss"][1:-1], err_msg=m)
 
 
 def test_ablations_and_robustness_are_recomputed(finished):

@@ -85,6 +85,21 @@ def test_quickstart_trains_every_run(quickstart_run):
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(directory))
 
 
+def test_no_base_model_when_every_scope_trains_from_scratch(tmp_path):
+  """Only "full" scopes: no run starts from the base model, so it is not trained (and the
+  study loads the seeds alone); with no scope at all it is the only run."""
+  config = quickstart.get_config("runlocal")
+  assert [r.name for r in train.runs(_base_only(quickstart.get_config("runlocal")))] == ["base"]
+  config.reinit.scopes, config.reinit.seeds = ("full",), (1, 2)
+  names = ["reinit/full/seed_1", "reinit/full/seed_2"]
+  assert [r.name for r in train.runs(config)] == names
+  assert list(train.train_and_evaluate(config, str(tmp_path))) == names
+  assert not os.path.exists(tmp_path / "base")
+  assert list(train.load_checkpoints(config, str(tmp_path), require_complete=True)) == names
+  config.reinit.scopes = ("full", "first_attention")
+  assert train.runs(config)[0].name == "base"
+
+
 def test_reinit_freezes_everything_outside_the_scope(quickstart_run):
   config, workdir, _ = quickstart_run
   model = inputs.create_model(config)

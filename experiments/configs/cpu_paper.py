@@ -77,7 +77,8 @@ Settings:
   lm_{gpt2,llama}_wiki_{first_attention,full}: byte-level language models
     (GPT-2 with learned positions, Llama with RoPE) on gensim's Wikipedia
     text, the first attention layer or the full model re-initialised (one
-    setting per scope, each training the same base, ~4 min: as one setting
+    setting per scope; the first_attention ones train the base, ~4 min, which
+    no "full" run starts from, so the full ones skip it: as one setting
     of both scopes they took 79 (Llama, alone) and 111 (GPT-2, shared
     cores) minutes, over the hour a setting may take). Sized to this
     machine (measured on 2 cores: a training step of 16 x 128 bytes takes
