@@ -99,7 +99,7 @@ def _option_fields(options: Mapping[str, Any], changes: Iterable[str] = ()) -> d
 
 # How a path's endpoints are measured (``ScopeStudy._path``): a stage result computed
 # otherwise (every lambda evaluated on its own path) is recomputed.
-_ENDPOINTS = "theta_A and theta_B, evaluated once per pair"
+_ENDPOINTS = "each seed's own model, evaluated once"
 
 
 def align(spec, params_a: Params, params_b: Params, *, scope: list[str], method: str,
@@ -131,7 +131,7 @@ class ScopeStudy:
     self._announced: set[str] = set()
     self._alignments: dict[tuple, tuple[Params, Params, dict]] = {}
     self._elements: dict[tuple, tuple[dict, dict]] = {}
-    self._ends: dict[tuple[int, int], dict[str, list[float]]] = {}
+    self._ends: dict[int, dict[str, list[float]]] = {}  # by seed: its loss and accuracy
     # g.theta compiled once: the ablation applies one element per head permutation.
     self._apply = path_evaluation.compiled(model)[1]
 
@@ -172,15 +172,16 @@ class ScopeStudy:
     model that computes theta_A's function and ends at one that computes theta_B's
     (g.theta_B is theta_B under a symmetry, and folding norm scales keeps a model's
     function), so the endpoints' loss and accuracy are theta_A's and theta_B's,
-    evaluated once per pair. This saves 2 of ``study.num_lambdas`` points on each of
-    the pair's paths (30 with the 24-permutation ablation).
+    each seed's evaluated once. This saves 2 of ``study.num_lambdas`` points on each
+    of the pair's paths (30 with the 24-permutation ablation).
     """
-    if (a, b) not in self._ends:
-      self._ends[a, b] = self.evaluator(self.params[a], self.params[b], self.lams[[0, -1]])
-    ends = self._ends[a, b]
+    for seed in (a, b):
+      if seed not in self._ends:
+        self._ends[seed] = self.evaluator(self.params[seed], self.params[seed], self.lams[:1])
+    start, end = self._ends[a], self._ends[b]
     interior = self.evaluator(theta_a, aligned_b, self.lams[1:-1]) if len(self.lams) > 2 else {
-        k: [] for k in ends}
-    curve = {k: [ends[k][0], *interior[k], ends[k][1]] for k in ends}
+        k: [] for k in start}
+    curve = {k: [*start[k], *interior[k], *end[k]] for k in start}
     return path_evaluation.curve_result(curve, self.lams)
 
   def _matching_options(self, method: str, **overrides) -> dict[str, Any]:

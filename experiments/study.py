@@ -5,7 +5,7 @@ re-initialised seeds, each matching method aligns B to A inside the scope
 (``matching.align_model`` with the scope's parameter prefixes), and the path
 theta(lambda) = (1 - lambda) theta_A + lambda g.theta_B is evaluated at
 ``study.num_lambdas`` points by one compiled function (its ends, the
-seeds' own models up to a symmetry, once per pair), on the first
+seeds' own models up to a symmetry, each evaluated once), on the first
 ``study.eval_examples`` examples of ``study.eval_split``: the test split by
 default, or the training slice for the barrier of the fitted objective (the
 "learned" method then trains on the data it is evaluated on, which

@@ -128,7 +128,7 @@ def test_path_ends_are_the_seeds_own_evaluations(finished):
     assert ends[f"seed_{seed}"]["accuracy"] == pytest.approx(final["accuracy"], abs=1e-9)
   for p in res["pairs"]:
     a, b = ends[p["a"]], ends[p["b"]]
-    for m, curve in p["methods"].items():  # evaluated once per pair (ScopeStudy._path)
+    for m, curve in p["methods"].items():  # each seed evaluated once (ScopeStudy._path)
       assert curve["loss"][0] == pytest.approx(a["loss"], rel=1e-6), m
       assert curve["accuracy"][0] == pytest.approx(a["accuracy"], abs=1e-9), m
       assert curve["loss"][-1] == pytest.approx(b["loss"], rel=1e-6), m
