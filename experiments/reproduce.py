@@ -355,7 +355,8 @@ def main(argv):
   except ValueError as e:
     sys.exit(f"FATAL {e}")
   if core is not None:
-    print(f"running on core {core} of {os.cpu_count()} (--noone_core: every core)", flush=True)
+    print(f"running on core {core} of {os.cpu_count()} (to run on every core: --noone_core)",
+          flush=True)
   for setting in settings:
     name = setting + ("_reduced" if FLAGS.reduced else "")
     out = os.path.join(FLAGS.results, setting, *(["reduced"] if FLAGS.reduced else []))
