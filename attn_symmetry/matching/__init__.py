@@ -36,7 +36,9 @@ registered by ``register_method`` (docs/extending.md).
 bfloat16 and float16 parameters are matched in float32, and the elements are
 float32 (float32 and float64 parameters are matched in their own dtype);
 ``group_action.apply_model`` applies them keeping the parameters' dtype.
-Everything is jitted end to end and imports jax, numpy and optax only.
+Everything is jitted end to end and imports jax, numpy and optax only; on a CPU
+backend a linear assignment of 512 or more rows (``_assignment.HOST_MIN_SIZE``) calls scipy's solver on
+the host through ``jax.pure_callback`` (``linear_assignment``), importing scipy then.
 """
 
 from attn_symmetry.matching._assignment import head_permutations
