@@ -1,0 +1,166 @@
+"""Statistics over seeds for a study's pairs (docs/lmc.md, 'Intervals over seeds').
+
+n re-initialised seeds give n (n - 1) / 2 pairs, and every seed sits in n - 1
+of them, so the pairs are not independent draws: an interval that treats them
+as such is too narrow. The unit of replication is the seed. Every interval
+here is a leave-one-seed-out jackknife: with theta_(s) the statistic over the
+pairs that do not contain seed s, and theta_(.) their mean,
+
+    SE^2 = (n - 1) / n * sum_s (theta_(s) - theta_(.))^2,
+    interval = theta_hat +- t_{0.975, n - 1} * SE,
+
+where theta_hat is the statistic over every pair. The jackknife is used rather
+than a cluster bootstrap because it is deterministic and defined for any
+statistic of the pairs, and because with 5 seeds a bootstrap over seeds has
+only 5^5 distinct draws and its percentile interval is narrower still; t with
+n - 1 degrees of freedom accounts for the few seeds.
+
+Ratios of small barriers are heavy-tailed, so beside the mean of per-pair
+ratios (the paper's statistic) ``seed_summary`` gives the ratio of mean
+barriers and the median ratio, and ``paired_difference`` compares two methods
+pair by pair. A statistic needs at least ``MIN_SEEDS`` seeds with a finite
+value; below that the functions return None and say why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import scipy.stats
+
+MIN_SEEDS = 3
+# A pair: (seed a, seed b, value); the value may be None or not finite (left out).
+Pair = tuple[str, str, float | None]
+Statistic = Callable[[np.ndarray], float]
+
+
+class Interval(NamedTuple):
+  """A statistic over pairs and its 95 % leave-one-seed-out jackknife interval."""
+  estimate: float
+  low: float
+  high: float
+  num_seeds: int
+  num_pairs: int
+
+
+def _finite_pairs(pairs: Sequence[Pair]) -> list[tuple[str, str, float]]:
+  return [(a, b, float(v)) for a, b, v in pairs if v is not None and math.isfinite(v)]
+
+
+def _seeds(pairs: Sequence[tuple[str, str, Any]]) -> list[str]:
+  return sorted({s for a, b, _ in pairs for s in (a, b)})
+
+
+def why_no_interval(pairs: Sequence[Pair]) -> str | None:
+  """None when ``jackknife`` can compute an interval from ``pairs``, else the reason (one
+  line): fewer than ``MIN_SEEDS`` seeds among the pairs with a finite value."""
+  finite = _finite_pairs(pairs)
+  seeds = _seeds(finite)
+  if len(seeds) < MIN_SEEDS:
+    left_out = len(pairs) - len(finite)
+    return (f"{len(seeds)} seed(s) in {len(finite)} pair(s) with a finite value "
+            f"({left_out} left out); an interval over seeds needs at least {MIN_SEEDS}")
+  for s in seeds:
+    if all(s in (a, b) for a, b, _ in finite):
+      return f"every pair with a finite value contains seed {s}; leaving it out leaves none"
+  return None
+
+
+def jackknife(pairs: Sequence[Pair], statistic: Statistic = np.mean) -> Interval | None:
+  """The statistic of the pairs' finite values and its leave-one-seed-out interval.
+
+  Args:
+    pairs: (seed a, seed b, value) for every pair; a value that is None or not
+      finite is left out (with every other pair kept).
+    statistic: maps a [k] array of values to a number (mean, median, ...).
+
+  Returns:
+    ``Interval``, or None when ``why_no_interval(pairs)`` gives a reason.
+  """
+  if why_no_interval(pairs) is not None:
+    return None
+  finite = _finite_pairs(pairs)
+  def over(kept: list[tuple[str, str, float]]) -> float:
+    return float(statistic(np.asarray([v for _, _, v in kept], np.float64)))
+  return _leave_one_seed_out(finite, over)
+
+
+def _leave_one_seed_out(pairs: list[tuple[str, str, Any]],
+                        statistic: Callable[[list[tuple[str, str, Any]]], float]
+                        ) -> Interval | None:
+  """The jackknife of the module docstring over ``pairs`` (none of them left out here);
+  None if the statistic is not finite over every pair or without some seed."""
+  seeds = _seeds(pairs)
+  n = len(seeds)
+  estimate = statistic(pairs)
+  left_out = np.asarray([statistic([p for p in pairs if s not in p[:2]]) for s in seeds])
+  if not (math.isfinite(estimate) and np.all(np.isfinite(left_out))):
+    return None
+  se = math.sqrt((n - 1) / n * float(np.sum((left_out - left_out.mean()) ** 2)))
+  half = float(scipy.stats.t.ppf(0.975, n - 1)) * se
+  return Interval(estimate, estimate - half, estimate + half, n, len(pairs))
+
+
+def ratio_of_means(method: Sequence[Pair], naive: Sequence[Pair]) -> Interval | None:
+  """100 * mean(method barrier) / mean(naive barrier) over the pairs where both are finite,
+  with its leave-one-seed-out interval; None where a mean naive barrier is not positive.
+
+  Args:
+    method, naive: (seed a, seed b, barrier) of the same pairs (matched by their seeds).
+  """
+  zs = {(a, b): z for a, b, z in naive}
+  both = [(a, b, (m, zs.get((a, b)))) for a, b, m in method]
+  both = [(a, b, (m, z)) for a, b, (m, z) in both
+          if m is not None and z is not None and math.isfinite(m) and math.isfinite(z)]
+  if why_no_interval([(a, b, 0.0) for a, b, _ in both]) is not None:
+    return None
+  def statistic(kept):
+    total = sum(z for _, _, (_, z) in kept)
+    return 100.0 * sum(m for _, _, (m, _) in kept) / total if total > 0 else math.nan
+  return _leave_one_seed_out(both, statistic)
+
+
+class Difference(NamedTuple):
+  """The mean of per-pair differences x - y, its seed-level interval, and how many pairs
+  lie above, below and at zero."""
+  interval: Interval
+  above: int
+  below: int
+  zero: int
+
+
+def paired_difference(x: Sequence[Pair], y: Sequence[Pair]) -> Difference | None:
+  """Pair by pair x - y (e.g. full's ratio minus Variant 2's), summarised by ``jackknife``.
+
+  Args:
+    x, y: (seed a, seed b, value) of the same pairs (matched by their seeds).
+
+  Returns:
+    ``Difference``, or None when no interval can be computed.
+  """
+  ys = {(a, b): v for a, b, v in y}
+  diffs: list[Pair] = []
+  for a, b, v in x:
+    w = ys.get((a, b))
+    ok = v is not None and w is not None and math.isfinite(v) and math.isfinite(w)
+    diffs.append((a, b, v - w if ok else None))
+  interval = jackknife(diffs)
+  if interval is None:
+    return None
+  values = np.asarray([d for _, _, d in _finite_pairs(diffs)])
+  return Difference(interval, int(np.sum(values > 0)), int(np.sum(values < 0)),
+                    int(np.sum(values == 0)))
+
+
+def interval_record(interval: Interval | None) -> list[float] | None:
+  """[low, high] for results.json, None without an interval."""
+  return None if interval is None else [interval.low, interval.high]
+
+
+def method_pairs(pairs: Sequence[Mapping[str, Any]], method: str, key: str
+                 ) -> list[Pair]:
+  """(a, b, ``pairs[i]["methods"][method][key]``) for a study's pairs (results.json)."""
+  return [(p["a"], p["b"], p["methods"][method].get(key)) for p in pairs]
