@@ -15,9 +15,15 @@ import scipy.stats
 from matplotlib import figure  # bare Figures, no pyplot: the caller's backend stays as it is
 
 from experiments import atomic_io
+from experiments import seed_statistics
 
 METHOD_LABELS = {"naive": "naive", "perm": "Variant 1 (Stage 1)", "ortho": "Variant 2 (+ ortho init)",
                  "full": "full (+ gradient refinement)", "learned": "learned (+ loss of the path)"}
+# Below this mean naive loss barrier (nats, or bits per byte on text) a ratio to naive is
+# float32 noise divided by noise: reports print the barrier and no ratio.
+RATIO_FLOOR = 0.02
+# The paired differences that reports show: (x, y) for x - y, in % of naive.
+DIFFERENCES = (("ortho", "perm"), ("full", "ortho"), ("learned", "full"))
 _COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green",
            "learned": "tab:red"}
 
@@ -40,9 +46,10 @@ def ci95(values: Sequence[float | None]) -> float | None:
   t_{0.975, n-1} s / sqrt(n), with s the sample std (ddof 1); None for fewer than 2.
 
   The study's pairs share seeds (5 seeds give 10 pairs), so they are not
-  independent draws and this interval is narrower than an interval over
-  independent pairs would be; it says how well the mean is pinned down by
-  these pairs, not more.
+  independent draws and this pair-level interval is too narrow (1.5-2.7x on
+  the committed results); reports show the seed-level interval of
+  ``seed_statistics`` instead and keep this one in results.json as
+  ``*_ci95``, labelled pair-level.
   """
   v = _finite(values)
   if len(v) < 2:
@@ -55,37 +62,106 @@ def ratio_pct(value: float, naive: float, eps: float = 1e-12) -> float | None:
   return None if naive <= eps else 100.0 * value / naive
 
 
-def summarise_methods(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
-  """Mean and std over pairs of every method's barriers and barrier ratios to naive.
+def _seed_pairs(pairs: Sequence[Mapping[str, Any]], values: Sequence[float | None]
+                ) -> list[seed_statistics.Pair] | None:
+  """(seed a, seed b, value) per pair; None when the entries do not name their seeds."""
+  if not all("a" in p and "b" in p for p in pairs):
+    return None
+  return [(p["a"], p["b"], v) for p, v in zip(pairs, values)]
+
+
+def _seed_ci(pairs: Sequence[Mapping[str, Any]], values: Sequence[float | None]
+             ) -> list[float] | None:
+  seeded = _seed_pairs(pairs, values)
+  return None if seeded is None else seed_statistics.interval_record(
+      seed_statistics.jackknife(seeded))
+
+
+def _ratio_of_means(method: Sequence[float | None], naive: Sequence[float | None]
+                    ) -> float | None:
+  """100 * mean(method) / mean(naive) over the pairs where both are finite."""
+  both = [(m, z) for m, z in zip(method, naive)
+          if m is not None and z is not None and math.isfinite(m) and math.isfinite(z)]
+  if not both:
+    return None
+  return ratio_pct(float(np.mean([m for m, _ in both])), float(np.mean([z for _, z in both])))
+
+
+def summarise_methods(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+  """Every method's barriers and barrier ratios to naive over the pairs, with intervals.
 
   A pair whose barrier is not finite (a diverged path) is left out of that
-  barrier's mean, std and ratio, and ``<metric>_num_finite`` says how many
-  pairs are left; a ratio also leaves out pairs whose naive barrier is zero.
+  barrier's statistics, and ``<metric>_num_finite`` says how many pairs are
+  left; a ratio also leaves out pairs whose naive barrier is zero.
 
   Args:
-    pairs: entries {"methods": {method: {"loss_barrier", "accuracy_barrier"}}}.
+    pairs: entries {"a": seed, "b": seed, "methods": {method: {"loss_barrier",
+      "accuracy_barrier"}}}; without "a" and "b" no seed-level interval is given.
 
   Returns:
-    {method: {"loss_barrier_mean", "loss_barrier_std", "accuracy_barrier_mean",
-    "accuracy_barrier_std", "loss_barrier_ratio_pct", "loss_barrier_ratio_pct_std",
-    "accuracy_barrier_ratio_pct", "accuracy_barrier_ratio_pct_std", "num_pairs",
-    "loss_barrier_num_finite", "accuracy_barrier_num_finite"}} and the
-    half-widths of the 95 % intervals of the means (``ci95``):
-    "<metric>_ci95", "<metric>_ratio_pct_ci95" (None for one pair).
+    {method: row}; for each metric ("loss_barrier", "accuracy_barrier") the row
+    holds "<metric>_mean", "_std", "_num_finite"; the mean of per-pair ratios to
+    naive "<metric>_ratio_pct" and its "_std"; "<metric>_ratio_pct_median"; the
+    ratio of mean barriers "<metric>_ratio_of_means_pct"; the 95 % seed-level
+    intervals ``seed_statistics.jackknife`` [low, high] of the mean barrier and
+    of the mean ratio, "<metric>_seed_ci" and "<metric>_ratio_pct_seed_ci"
+    (None with fewer than 3 seeds); the pair-level half-widths "<metric>_ci95"
+    and "<metric>_ratio_pct_ci95" (``ci95``, too narrow: kept for comparison);
+    and "num_pairs", "num_seeds".
   """
   methods = list(pairs[0]["methods"]) if pairs else []
+  seeds = {s for p in pairs for s in (p.get("a"), p.get("b")) if s is not None}
   out = {}
   for m in methods:
-    row: dict[str, float | None] = {"num_pairs": len(pairs)}
+    row: dict[str, Any] = {"num_pairs": len(pairs), "num_seeds": len(seeds)}
     for metric in ("loss_barrier", "accuracy_barrier"):
       values = [p["methods"][m][metric] for p in pairs]
+      naive = [p["methods"]["naive"][metric] for p in pairs]
       row[f"{metric}_mean"], row[f"{metric}_std"] = _mean_std(values)
       row[f"{metric}_ci95"] = ci95(values)
+      row[f"{metric}_seed_ci"] = _seed_ci(pairs, values)
       row[f"{metric}_num_finite"] = len(_finite(values))
-      ratios = [ratio_pct(p["methods"][m][metric], p["methods"]["naive"][metric]) for p in pairs]
+      ratios = [ratio_pct(v, z) for v, z in zip(values, naive)]
       row[f"{metric}_ratio_pct"], row[f"{metric}_ratio_pct_std"] = _mean_std(ratios)
       row[f"{metric}_ratio_pct_ci95"] = ci95(ratios)
+      row[f"{metric}_ratio_pct_seed_ci"] = _seed_ci(pairs, ratios)
+      finite = _finite(ratios)
+      row[f"{metric}_ratio_pct_median"] = float(np.median(finite)) if len(finite) else None
+      row[f"{metric}_ratio_of_means_pct"] = _ratio_of_means(values, naive)
     out[m] = row
+  return out
+
+
+def paired_differences(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+  """Pair by pair differences of loss-barrier ratios between the methods of
+  ``DIFFERENCES`` that the pairs hold ("full - ortho": full's ratio minus Variant 2's, in
+  points of % of naive).
+
+  Returns:
+    {"x - y": {"mean", "seed_ci" ([low, high] or None), "above", "below", "zero" (pairs
+    on each side of zero), "num_pairs"}}; empty without seeds named in the pairs.
+  """
+  if not pairs:
+    return {}
+  out = {}
+  for x, y in DIFFERENCES:
+    if x not in pairs[0]["methods"] or y not in pairs[0]["methods"]:
+      continue
+    series = {}
+    for method in (x, y):
+      series[method] = _seed_pairs(pairs, [
+          ratio_pct(p["methods"][method]["loss_barrier"], p["methods"]["naive"]["loss_barrier"])
+          for p in pairs])
+    if series[x] is None:
+      return {}
+    d = seed_statistics.paired_difference(series[x], series[y])
+    finite = [a - b for (_, _, a), (_, _, b) in zip(series[x], series[y])
+              if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    out[f"{x} - {y}"] = {
+        "mean": float(np.mean(finite)) if finite else None,
+        "seed_ci": None if d is None else [d.interval.low, d.interval.high],
+        "above": sum(v > 0 for v in finite), "below": sum(v < 0 for v in finite),
+        "zero": sum(v == 0 for v in finite), "num_pairs": len(finite)}
   return out
 
 
@@ -95,8 +171,68 @@ def _fmt(mean: float | None, std: float | None, digits: int = 4) -> str:
   return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
-def _fmt_ci(half_width: float | None, digits: int = 1) -> str:
-  return "n/a" if half_width is None else f"± {half_width:.{digits}f}"
+def _fmt_interval(interval: Sequence[float] | None, digits: int = 1) -> str:
+  return "n/a" if interval is None else f"[{interval[0]:.{digits}f}, {interval[1]:.{digits}f}]"
+
+
+def _fmt_value(value: float | None, digits: int = 1) -> str:
+  return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def below_floor(methods: Mapping[str, Mapping[str, Any]]) -> float | None:
+  """The mean naive loss barrier when it is under ``RATIO_FLOOR`` (no ratio is shown), else
+  None."""
+  naive = methods.get("naive", {}).get("loss_barrier_mean")
+  return naive if naive is not None and naive < RATIO_FLOOR else None
+
+
+INTERVALS_NOTE = (
+    "Mean ± std over pairs. Intervals are 95 % and follow the seeds, not the pairs: n seeds "
+    "give n (n - 1) / 2 pairs, each seed in n - 1 of them, so the pairs are not independent. "
+    "A leave-one-seed-out jackknife with t at n - 1 degrees of freedom (docs/lmc.md, "
+    "'Intervals over seeds'). An interval says how far these seeds pin the mean down; with "
+    "few seeds it is wide, and two settings whose intervals overlap are not told apart.")
+
+
+def _method_table(methods: Mapping[str, Mapping[str, Any]]) -> list[str]:
+  """Rows of every method: barriers, ratios to naive with their seed-level intervals, the
+  median and the ratio of means; no loss ratio under the floor."""
+  floor = below_floor(methods)
+  lines = ["| method | loss barrier | accuracy barrier | loss barrier / naive (%) | "
+           "95 % interval over seeds | median (%) | ratio of means (%) | "
+           "accuracy barrier / naive (%) | 95 % interval over seeds |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for m, row in methods.items():
+    if floor is None:
+      loss = (f"{_fmt(row['loss_barrier_ratio_pct'], row['loss_barrier_ratio_pct_std'], 1)} | "
+              f"{_fmt_interval(row.get('loss_barrier_ratio_pct_seed_ci'))} | "
+              f"{_fmt_value(row.get('loss_barrier_ratio_pct_median'))} | "
+              f"{_fmt_value(row.get('loss_barrier_ratio_of_means_pct'))}")
+    else:
+      loss = "no ratio | | |"
+    lines.append(f"| {METHOD_LABELS.get(m, m)} | {_fmt_barrier(row, 'loss_barrier')} | "
+                 f"{_fmt_barrier(row, 'accuracy_barrier')} | {loss} | "
+                 f"{_fmt(row['accuracy_barrier_ratio_pct'], row['accuracy_barrier_ratio_pct_std'], 1)} | "
+                 f"{_fmt_interval(row.get('accuracy_barrier_ratio_pct_seed_ci'))} |")
+  lines += ["", INTERVALS_NOTE, ""]
+  if floor is not None:
+    lines += [f"The mean naive loss barrier, {floor:.4f}, is under the floor of {RATIO_FLOOR} "
+              "below which a ratio to it would divide float32 noise by noise: no loss ratio is "
+              "given.", ""]
+  return lines
+
+
+def _difference_table(differences: Mapping[str, Mapping[str, Any]]) -> list[str]:
+  """Paired differences of the loss-barrier ratios, with their seed-level intervals."""
+  lines = ["Paired differences of the loss barrier / naive (points of %), pair by pair:", "",
+           "| difference | mean | 95 % interval over seeds | pairs below 0 | pairs above 0 |",
+           "|---|---|---|---|---|"]
+  for name, d in differences.items():
+    x, y = name.split(" - ")
+    label = f"{METHOD_LABELS.get(x, x)} − {METHOD_LABELS.get(y, y)}"
+    lines.append(f"| {label} | {_fmt_value(d['mean'])} | {_fmt_interval(d['seed_ci'])} | "
+                 f"{d['below']} | {d['above']} |")
+  return lines + [""]
 
 
 def _fmt_barrier(row: Mapping[str, Any], metric: str) -> str:
@@ -137,17 +273,13 @@ def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any
                         for name, m in res.get("endpoints", {}).items()), ""]
     if res.get("learned_overlap"):
       lines += [_overlap_note(res["learned_overlap"]), ""]
-    lines += ["| method | loss barrier | accuracy barrier | loss barrier / naive (%) | 95 % CI | "
-              "accuracy barrier / naive (%) | 95 % CI |", "|---|---|---|---|---|---|---|"]
-    for m, row in res["methods"].items():
-      lines.append(f"| {METHOD_LABELS.get(m, m)} | {_fmt_barrier(row, 'loss_barrier')} | "
-                   f"{_fmt_barrier(row, 'accuracy_barrier')} | "
-                   f"{_fmt(row['loss_barrier_ratio_pct'], row['loss_barrier_ratio_pct_std'], 1)} | "
-                   f"{_fmt_ci(row.get('loss_barrier_ratio_pct_ci95'))} | "
-                   f"{_fmt(row['accuracy_barrier_ratio_pct'], row['accuracy_barrier_ratio_pct_std'], 1)} | "
-                   f"{_fmt_ci(row.get('accuracy_barrier_ratio_pct_ci95'))} |")
-    lines += ["", "Mean ± std over pairs; 95 % CI: half-width of the t interval of the mean "
-              "(pairs share seeds, so it is optimistic).", ""]
+    lines += _method_table(res["methods"])
+    differences = res.get("differences")
+    if differences is None:  # results stored before the report computed them
+      differences = paired_differences(res["pairs"])
+    if differences and below_floor(res["methods"]) is None:
+      lines += _difference_table(differences)
+    floor = below_floor(res["methods"])  # L-hat and the distances' ratios divide by naive too
     abl = res.get("ablation", {})
     if "permutations" in abl:
       s = abl["permutations"]["summary"]
@@ -155,15 +287,16 @@ def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any
                 f"among all {abl['permutations']['num_permutations']}, each followed by Stage 2", "",
                 "| | Rank (loss) | L̂ (loss) | Rank (accuracy) | L̂ (accuracy) |", "|---|---|---|---|---|",
                 f"| Stage 1 | {_fmt(s['loss_rank_mean'], s['loss_rank_std'], 2)} | "
-                f"{_fmt(s['loss_lhat_mean'], s['loss_lhat_std'], 1)} | "
+                f"{'no ratio' if floor is not None else _fmt(s['loss_lhat_mean'], s['loss_lhat_std'], 1)} | "
                 f"{_fmt(s['accuracy_rank_mean'], s['accuracy_rank_std'], 2)} | "
                 f"{_fmt(s['accuracy_lhat_mean'], s['accuracy_lhat_std'], 1)} |", ""]
     if "distances" in abl:
       lines += ["### Stage 1 head distance (full method)", "",
                 "| distance | loss barrier | loss barrier / naive (%) |", "|---|---|---|"]
       for d, row in abl["distances"].items():
-        lines.append(f"| {d} | {_fmt_barrier(row, 'loss_barrier')} | "
-                     f"{_fmt(row['loss_barrier_ratio_pct'], row['loss_barrier_ratio_pct_std'], 1)} |")
+        ratio = ("no ratio" if floor is not None else
+                 _fmt(row["loss_barrier_ratio_pct"], row["loss_barrier_ratio_pct_std"], 1))
+        lines.append(f"| {d} | {_fmt_barrier(row, 'loss_barrier')} | {ratio} |")
       lines.append("")
     rob = res.get("robustness")
     if rob:

@@ -368,7 +368,8 @@ class ScopeStudy:
       if abl is not None:
         ablations.append(abl)
       for d, res in self.distance_ablation(a, b).items():
-        distances[d].append({"methods": {"naive": entry["methods"]["naive"], "full": res}})
+        distances[d].append({"a": entry["a"], "b": entry["b"],
+                             "methods": {"naive": entry["methods"]["naive"], "full": res}})
       if self.config.study.noise_levels:
         robust.append(self.robustness(a, b))
     result: dict[str, Any] = {
@@ -378,7 +379,8 @@ class ScopeStudy:
         "eval_examples": sum(int(np.sum(b["valid"])) for b in self.evaluator.batches),
         "learned_overlap": self.learned_overlap,
         "endpoints": endpoints, "pairs": pairs,
-        "methods": report.summarise_methods(pairs), "ablation": {}}
+        "methods": report.summarise_methods(pairs),
+        "differences": report.paired_differences(pairs), "ablation": {}}
     if ablations:
       result["ablation"]["permutations"] = {
           "num_permutations": ablations[0]["num_permutations"], "per_pair": ablations,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from experiments import report
+from experiments import seed_statistics
 
 NAN = float("nan")
 
@@ -113,12 +114,13 @@ def test_markdown_summary_holds_the_numbers():
   assert "## Re-initialisation scope: first_attention" in lines
   assert ("3 checkpoint pair(s), 3 interpolation points on the test split. Endpoint metrics: "
           "seed_1 loss 1.2500 acc 0.5000, seed_2 loss 1.5000 acc 0.6250") in lines
-  assert ("| naive | 0.3000 ± 0.0816 | 0.2000 ± 0.0816 | 100.0 ± 0.0 | ± 0.0 | 100.0 ± 0.0 | "
-          "± 0.0 |") in lines
-  # 95 % CIs: t(0.975, 1) * std(25, 50; ddof 1) / sqrt(2) = 158.8 (the NaN pair left out);
-  # t(0.975, 2) * std(25, 0, 10; ddof 1) / sqrt(3) = 31.3.
+  # The pairs name no seeds: no interval over seeds. Median and ratio of means of full: the
+  # NaN pair left out, median(25, 50) = 37.5 and 100 * (0.1 + 0.1) / (0.4 + 0.2) = 33.3.
+  assert ("| naive | 0.3000 ± 0.0816 | 0.2000 ± 0.0816 | 100.0 ± 0.0 | n/a | 100.0 | 100.0 | "
+          "100.0 ± 0.0 | n/a |") in lines
   assert ("| full (+ gradient refinement) | 0.1000 ± 0.0000 (finite in 2 of 3 pairs) | "
-          "0.0267 ± 0.0205 | 37.5 ± 12.5 | ± 158.8 | 11.7 ± 10.3 | ± 31.3 |") in lines
+          "0.0267 ± 0.0205 | 37.5 ± 12.5 | n/a | 37.5 | 33.3 | 11.7 ± 10.3 | n/a |") in lines
+  assert report.INTERVALS_NOTE in lines
   assert "| Stage 1 | 1.50 ± 0.50 | 2.2 ± 0.8 | 3.00 ± 0.00 | n/a |" in lines
   assert "| cosine | 0.1000 ± 0.0000 (finite in 2 of 3 pairs) | 37.5 ± 12.5 |" in lines
   assert "| noise | A | B |" in lines
@@ -180,3 +182,39 @@ def test_drawing_a_report_leaves_the_callers_matplotlib_backend_alone(tmp_path):
     assert matplotlib.get_backend() == "pdf" and (tmp_path / "c.png").stat().st_size > 0
   finally:
     matplotlib.use(previous)
+
+
+def _seeded_pairs(full_ratios, naive=0.5):
+  """Pairs of 4 seeds (6 pairs) whose full barrier is ``full_ratios[k]`` % of naive's."""
+  keys = [(f"seed_{i}", f"seed_{j}") for i in range(1, 5) for j in range(i + 1, 5)]
+  return [{"a": a, "b": b, "methods": {
+      "naive": {"loss_barrier": naive, "accuracy_barrier": naive},
+      "ortho": {"loss_barrier": naive * (r + 2) / 100, "accuracy_barrier": 0.0},
+      "full": {"loss_barrier": naive * r / 100, "accuracy_barrier": 0.0}}}
+          for (a, b), r in zip(keys, full_ratios)]
+
+
+def test_summaries_carry_seed_level_intervals_and_paired_differences():
+  ratios = [10.0, 20.0, 12.0, 30.0, 11.0, 14.0]
+  pairs = _seeded_pairs(ratios)
+  full = report.summarise_methods(pairs)["full"]
+  expected = seed_statistics.jackknife([(p["a"], p["b"], r) for p, r in zip(pairs, ratios)])
+  assert full["loss_barrier_ratio_pct_seed_ci"] == pytest.approx([expected.low, expected.high])
+  assert full["num_seeds"] == 4 and full["num_pairs"] == 6
+  assert full["loss_barrier_ratio_pct_median"] == pytest.approx(13.0)
+  assert full["loss_barrier_ratio_of_means_pct"] == pytest.approx(np.mean(ratios))
+  differences = report.paired_differences(pairs)
+  assert list(differences) == ["full - ortho"]  # the methods DIFFERENCES names that are here
+  d = differences["full - ortho"]
+  assert d["mean"] == pytest.approx(-2.0)
+  assert (d["below"], d["above"], d["zero"], d["num_pairs"]) == (6, 0, 0, 6)
+  assert d["seed_ci"][0] == pytest.approx(-2.0) and d["seed_ci"][1] == pytest.approx(-2.0)
+
+
+def test_no_ratio_is_printed_under_the_floor():
+  res = dict(_results(), pairs=_seeded_pairs([10.0, 20.0, 12.0, 30.0, 11.0, 14.0], naive=1e-4))
+  res["methods"] = report.summarise_methods(res["pairs"])
+  text = report.markdown_summary("LMC study", {"first_attention": res})
+  assert "is under the floor of 0.02" in text
+  assert "| full (+ gradient refinement) | 0.0000 ± 0.0000 | 0.0000 ± 0.0000 | no ratio |" in text
+  assert "Paired differences" not in text
