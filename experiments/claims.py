@@ -21,7 +21,7 @@ The rules (docs/lmc.md, 'Verdicts'), on barrier ratios in % of naive:
   differs when it lies wholly on the other side, and is undetermined otherwise.
 
 A ratio needs a barrier to divide by: where the mean naive loss barrier is under
-``FLOOR`` (nats, or bits per byte on text), no ratio claim is judged (the row
+``report.RATIO_FLOOR`` (nats, or bits per byte on text), no ratio claim is judged (the row
 says why). A scope with a method missing, a non-finite barrier, or fewer than
 ``seed_statistics.MIN_SEEDS`` seeds gets "n/a" and one line saying why.
 """
@@ -36,11 +36,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from experiments import report
 from experiments import seed_statistics as ss
 
-# Below this mean naive loss barrier (nats, or bits per byte) a ratio is float32 noise
-# divided by noise: no ratio is printed and no ratio claim judged.
-FLOOR = 0.02
+FLOOR = report.RATIO_FLOOR
 AGREES, DIFFERS, UNDETERMINED = "agrees", "differs", "undetermined"
 # The mean rank of a head permutation drawn at random among the 24 of 4 heads.
 RANDOM_RANK = 12.5
