@@ -12,6 +12,8 @@ compilations of the path function.
 """
 
 import argparse
+import os
+import sys
 import time
 
 import jax
@@ -20,7 +22,11 @@ import numpy as np
 from attn_symmetry import data
 from attn_symmetry import lmc
 from attn_symmetry import models
-from experiments import evaluation
+
+if __package__ in (None, ""):  # run by path: the repository root holds the `experiments` package
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments import evaluation  # noqa: E402  (after the path above)
 from experiments import inputs
 
 

@@ -24,7 +24,11 @@ from absl import logging
 from ml_collections import config_flags
 
 from attn_symmetry import runtime
-from experiments import checkpoints
+
+if __package__ in (None, ""):  # run by path: the repository root holds the `experiments` package
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments import checkpoints  # noqa: E402  (after the path above)
 from experiments import config_checks
 from experiments import study
 from experiments import train

@@ -5,6 +5,7 @@ Each check runs in a fresh interpreter in which the blocked top-level modules ar
 ``importlib.util.find_spec`` reports it missing, as on a machine without it.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -95,3 +96,23 @@ def test_ci_installs_every_extra_the_tests_import():
   install = (ROOT / ".ci/run").read_text().split("pip install", 1)[1].split("\n", 1)[0]
   for extra in ("experiments", "align", "test", "hf"):
     assert extra in install, extra
+
+
+def test_experiments_is_not_installed_and_its_scripts_run_by_path(tmp_path):
+  """Only the library installs (pyproject's package list): outside the checkout no module
+  named ``experiments`` can be imported, and the scripts still run by path from anywhere,
+  putting the checkout's root on the path themselves."""
+  include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+      "packages"]["find"]["include"]
+  assert all(pattern.startswith("attn_symmetry") for pattern in include), include
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  found = subprocess.run([sys.executable, "-c", "import importlib.util as u; "
+                          "print(u.find_spec('experiments'))"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+  assert found.stdout.strip() == "None", found.stdout
+  for script, flag in (("experiments/main.py", "--config"),
+                       ("experiments/reproduce.py", "--setting")):
+    run = subprocess.run([sys.executable, str(ROOT / script), "--helpfull"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert flag in run.stdout + run.stderr, (script, run.returncode, run.stderr[-2000:])
+    assert "ModuleNotFoundError" not in run.stderr, run.stderr[-2000:]
