@@ -43,34 +43,36 @@ Stages and their fields:
 * report (``study/report_fingerprints.json``): the content hash of the
   results it is drawn from.
 
-Fields deliberately left out, because they change no stored result beyond
-the float32 rounding of sums:
+Which group each config field keys is its ``keys`` entry in
+``experiments/config_schema.py`` (``config_schema.Role``); the groups here
+derive from it. Fields deliberately left out (``NOT_KEYED``), because they
+change no stored result beyond the float32 rounding of sums:
 
-* ``train.log_every``, ``train.eval_every``: when the loss is averaged and
-  logged and when the model is evaluated on the way; neither touches the
-  parameters, the data order or the random state, and the final evaluation is
-  always at the last step. They change ``metrics.jsonl`` only.
-* ``train.checkpoint_every``, ``train.keep_checkpoints``: which steps are
-  saved and kept, not the values (a resumed run is bit-identical).
-* ``dataset.num_workers``: reader processes; batch k is the same examples.
-* ``train.eval_batch_size``, ``study.lambda_chunk`` (how many evaluation
-  examples and interpolation points one call takes), like the number of
-  devices: they split the same computation differently, which changes the
-  float32 rounding of its sums and nothing else (``lambda_chunk`` 1 -> 5
-  moved the runlocal study's path losses by at most 7e-8 relative); results
-  computed with another split are kept. Under the stopping rule an
-  evaluation decides when a run stops, so another ``eval_batch_size`` could
-  in principle move the stop, if a validation loss fell within float32
-  rounding of the ``min_delta`` threshold; like the number of devices, it is
-  left out all the same.
-* ``reinit.scopes``, ``reinit.seeds``, ``study.methods``, ``study.distances``,
-  ``study.permutation_ablation``, ``study.max_exhaustive_heads``: which runs
-  and stages exist; each run and stage is keyed by its own scope, seed,
-  method or distance, so adding one adds its stages and keeps the rest.
+* when the loss is logged and the model evaluated on the way (such as
+  ``train.log_every``, ``train.eval_every``): neither touches the parameters,
+  the data order or the random state, and the final evaluation is always at
+  the last step. They change ``metrics.jsonl`` only.
+* which steps are saved and kept (``train.checkpoint_every``,
+  ``train.keep_checkpoints``), not the values (a resumed run is bit-identical).
+* reader processes (``dataset.num_workers``): batch k is the same examples.
+* how one computation is split (``train.eval_batch_size``, ``study.lambda_chunk``:
+  how many evaluation examples and interpolation points one call takes), like
+  the number of devices: another split changes the float32 rounding of the
+  sums and nothing else (``lambda_chunk`` 1 -> 5 moved the runlocal study's
+  path losses by at most 7e-8 relative); results computed with another split
+  are kept. Under the stopping rule an evaluation decides when a run stops, so
+  another ``eval_batch_size`` could in principle move the stop, if a
+  validation loss fell within float32 rounding of the ``min_delta``
+  threshold; like the number of devices, it is left out all the same.
+* which runs and stages exist (such as ``reinit.scopes``, ``reinit.seeds``,
+  ``study.methods``, ``study.distances``, ``study.permutation_ablation``): each
+  run and stage is keyed by its own scope, seed, method or distance, so adding
+  one adds its stages and keeps the rest.
 * the library versions.
 
-``NOT_KEYED`` lists these; a test checks that every field of every setting is
-either keyed or listed there, so a new config field has to be classified.
+A field's ``unkeyed_default`` in the schema (``UNKEYED_DEFAULTS`` here) is a
+value at which it keys nothing: a field added after results were stored, at
+the value those results stand for, so that they stay valid.
 """
 
 from __future__ import annotations
@@ -88,38 +90,27 @@ import ml_collections
 import numpy as np
 
 from experiments import atomic_io
+from experiments import config_schema
 
 log = logging.getLogger(__name__)
 
+# The field groups, from each field's Role in experiments/config_schema.py.
 # Fields of every training run: the model, the data reader, the batch and the optimiser.
-TRAINING = ("model", "dataset.data_dir", "dataset.seq_len", "dataset.image_size",
-            "dataset.augment", "dataset.train_split", "train.batch_size",
-            "train.final_lr_fraction", "train.weight_decay", "train.b1", "train.b2",
-            "train.grad_clip_norm")
+TRAINING = config_schema.keyed_by(config_schema.Role.TRAINING)
 # The schedule of the base run and of the "full" scope.
-TRAIN_SCHEDULE = ("train.num_steps", "train.learning_rate", "train.warmup_steps")
+TRAIN_SCHEDULE = config_schema.keyed_by(config_schema.Role.TRAIN_SCHEDULE)
 # The schedule of a fine-tuned scope.
-REINIT_SCHEDULE = ("reinit.num_steps", "reinit.learning_rate", "reinit.warmup_steps")
+REINIT_SCHEDULE = config_schema.keyed_by(config_schema.Role.REINIT_SCHEDULE)
 # The stopping rule of a re-initialised run, keyed when it is on (reinit.patience > 0).
-STOPPING = ("reinit.patience", "reinit.min_delta", "reinit.validate_every",
-            "dataset.validation_split", "dataset.validation_examples")
+STOPPING = config_schema.keyed_by(config_schema.Role.STOPPING)
 # Options of the study's stages (each stage keys the ones it uses).
-STUDY = ("study.num_lambdas", "study.eval_examples", "study.eval_split", "study.distance",
-         "study.match_steps",
-         "study.match_learning_rate", "study.match_init", "study.match_refine",
-         "study.match_solver",
-         "study.learn_steps", "study.learn_learning_rate", "study.learn_uniform_lambda",
-         "study.learn_holdout_batches", "study.noise_levels")
+STUDY = config_schema.keyed_by(config_schema.Role.STUDY)
+# Keyed per run or stage, by the value that run or stage uses (see the module docstring).
+PER_RUN = config_schema.keyed_by(config_schema.Role.PER_RUN)
+NOT_KEYED = config_schema.keyed_by(config_schema.Role.NOT_KEYED)
 # Fields added after results were stored, with the value they had before: at it they key
 # nothing (``config_fields`` leaves them out), so those results stay valid.
-UNKEYED_DEFAULTS = {"study.eval_split": "test", "dataset.validation_examples": 0}
-# Keyed per run or stage, by the value that run or stage uses (see the module docstring).
-PER_RUN = ("seed", "dataset.name", "reinit.dataset")
-NOT_KEYED = ("train.log_every", "train.eval_every", "train.checkpoint_every",
-             "train.keep_checkpoints", "dataset.num_workers", "train.eval_batch_size",
-             "study.lambda_chunk",
-             "reinit.scopes", "reinit.seeds", "study.methods", "study.distances",
-             "study.permutation_ablation", "study.max_exhaustive_heads")
+UNKEYED_DEFAULTS = config_schema.unkeyed_defaults()
 
 RECORD = "fingerprint.json"
 # Fields that hold the content hash of an input (an upstream checkpoint, the evaluation

@@ -14,6 +14,7 @@ from attn_symmetry import data
 from attn_symmetry import matching
 from attn_symmetry import models
 from experiments import config_checks
+from experiments import config_schema
 from experiments import main
 from experiments import path_evaluation
 from experiments import train
@@ -159,11 +160,22 @@ def test_bad_field_is_named_in_one_line(setting, field, value, where, says):
   assert says in message and "\n" not in message, message
 
 
-def test_every_field_has_a_rule_and_a_bad_value():
+def test_rules_are_the_schemas():
+  """RULES holds each schema entry's rule, and the default config has exactly those fields."""
+  assert config_checks.RULES == {f.path: f.rule for f in config_schema.FIELDS}
   assert sorted(config_checks.field_paths(default.get_config())) == sorted(config_checks.RULES)
-  covered = {re.sub(r"\[\d+\]$", "", c[3]) for c in BAD}
-  covered = {"model.overrides" if c.startswith("model.overrides") else c for c in covered}
-  assert set(config_checks.RULES) <= covered
+
+
+@pytest.mark.parametrize("field", config_schema.FIELDS, ids=lambda f: f.path)
+def test_every_field_rejects_its_rules_bad_value(field):
+  """Every schema entry's rule rejects a value, and validate names the field (or its entry)."""
+  with pytest.raises(ValueError, match=rf"^config\.{re.escape(field.path)}"):
+    field.rule(field.path, field.rule.bad)
+  with pytest.raises(ValueError) as raised:
+    config_checks.validate(_config(**{field.path: field.rule.bad}))
+  message = str(raised.value)
+  assert re.match(rf"config\.{re.escape(field.path)}(\[0\]|\.\w+)? ", message), message
+  assert "\n" not in message
 
 
 @pytest.mark.parametrize("setting, field, value", [

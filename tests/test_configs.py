@@ -1,9 +1,12 @@
-"""Every setting in experiments/configs: its command, its variants, a valid model and data set."""
+"""Every setting in experiments/configs: its command, its variants, a valid model and data set;
+the schema its fields come from (experiments/config_schema.py) and what derives from it."""
 
+import dataclasses
 import glob
 import importlib
 import os
 
+import ml_collections
 import pytest
 from absl import flags
 from ml_collections import config_flags
@@ -11,6 +14,8 @@ from ml_collections import config_flags
 from attn_symmetry import data
 from attn_symmetry import models
 from experiments import config_checks
+from experiments import config_schema
+from experiments import fingerprints
 from experiments import inputs
 from experiments import train
 
@@ -169,3 +174,109 @@ def test_command_line_overrides():
   # The config is locked: a field that does not exist cannot be created by an override.
   with pytest.raises((AttributeError, KeyError, flags.Error), match="num_stepz"):
     _parse(["main.py", setting, "--config.train.num_stepz=3"])
+
+
+# The schema (experiments/config_schema.py): every field defined there once, the rest derived.
+
+
+def _setting_args(name):
+  """Every variant string of a setting: alone and with its shrinking variant."""
+  module = _module(name)
+  if name == "cpu_paper":
+    return [s + v for s in sorted(module.SETTINGS) for v in ("", ",reduced")]
+  accepted = [v for v in VARIANTS if _accepts(name, v)]
+  return [a for v in [None, *accepted] for a in (v, ",".join(filter(None, (v, "runlocal"))))]
+
+
+def _not_in_schema(config):
+  """(fields of ``config`` outside the schema, schema fields missing from ``config``)."""
+  present = list(config_checks.field_paths(config))
+  return ([f for f in present if f not in config_schema.BY_PATH],
+          [f for f in config_schema.BY_PATH if f not in present])
+
+
+@pytest.mark.parametrize("name", SETTINGS + ["cpu_paper"])
+def test_every_setting_has_exactly_the_schemas_fields(name):
+  """A setting file changes values of the schema's fields; a field it creates fails here."""
+  for arg in _setting_args(name):
+    assert _not_in_schema(_module(name).get_config(arg)) == ([], []), (name, arg)
+
+
+def test_a_field_created_outside_the_schema_is_found():
+  config = _module("quickstart").get_config("runlocal")
+  config.train.new_option = 1
+  del config.study.eval_split
+  assert _not_in_schema(config) == (["train.new_option"], ["study.eval_split"])
+
+
+def test_default_config_is_the_schemas_defaults():
+  """default.py writes no default of its own: get_config() is the table's defaults."""
+  expected = {}
+  for field in config_schema.FIELDS:
+    *sections, name = field.path.split(".")
+    node = expected
+    for section in sections:
+      node = node.setdefault(section, {})
+    node[name] = field.default
+  config = _module("default").get_config()
+  assert config.to_dict() == expected
+  assert sorted(config_checks.field_paths(config)) == sorted(config_schema.BY_PATH)
+  for field in config_schema.FIELDS:  # types too: 1e-3 stays a float, () a tuple
+    value = config
+    for key in field.path.split("."):
+      value = value[key]
+    assert type(value) is (ml_collections.ConfigDict if isinstance(field.default, dict)
+                           else type(field.default)), field.path
+
+
+def test_every_entry_has_a_rule_a_role_and_a_doc():
+  paths = [f.path for f in config_schema.FIELDS]
+  assert len(paths) == len(set(paths)) == len(config_schema.BY_PATH)
+  for field in config_schema.FIELDS:
+    assert isinstance(field.rule, config_schema.Rule) and field.rule.says, field.path
+    assert isinstance(field.keys, config_schema.Role), field.path
+    assert field.doc and "\n" not in field.doc, field.path
+    field.rule(field.path, field.default)  # the default passes its own check
+    if field.unkeyed_default is not config_schema.ALWAYS:
+      assert field.keys is not config_schema.Role.NOT_KEYED, field.path
+      field.rule(field.path, field.unkeyed_default)
+    if "." in field.path:
+      assert field.path.split(".")[0] in config_schema.SECTIONS, field.path
+  reference = config_schema.reference()
+  assert all(f"  {path} = " in reference for path in paths)
+
+
+GROUPS = ("TRAINING", "TRAIN_SCHEDULE", "REINIT_SCHEDULE", "STOPPING", "STUDY", "PER_RUN",
+          "NOT_KEYED")
+
+
+def test_fingerprint_groups_derive_from_the_schema():
+  """A few fields where the fingerprints expect them, and every field in exactly one group."""
+  expected = {"TRAINING": ["model", "dataset.train_split", "train.batch_size", "train.b2"],
+              "TRAIN_SCHEDULE": ["train.num_steps", "train.learning_rate", "train.warmup_steps"],
+              "REINIT_SCHEDULE": ["reinit.num_steps", "reinit.learning_rate",
+                                  "reinit.warmup_steps"],
+              "STOPPING": ["reinit.patience", "dataset.validation_split"],
+              "STUDY": ["study.num_lambdas", "study.match_solver", "study.eval_split"],
+              "PER_RUN": ["seed", "dataset.name", "reinit.dataset"],
+              "NOT_KEYED": ["train.log_every", "study.lambda_chunk", "reinit.scopes"]}
+  for group, names in expected.items():
+    assert set(names) <= set(getattr(fingerprints, group)), group
+  assert fingerprints.TRAIN_SCHEDULE == tuple(expected["TRAIN_SCHEDULE"])
+  assert fingerprints.PER_RUN == tuple(expected["PER_RUN"])
+  assert not any(n.startswith("model.") for g in GROUPS for n in getattr(fingerprints, g))
+  assert fingerprints.UNKEYED_DEFAULTS == {"dataset.validation_examples": 0,
+                                           "study.eval_split": "test"}
+  for field in config_schema.FIELDS:
+    holders = [g for g in GROUPS for n in getattr(fingerprints, g)
+               if field.path == n or field.path.startswith(n + ".")]
+    assert holders == [field.keys.name], (field.path, holders)
+
+
+def test_a_section_is_keyed_whole_only_when_all_its_fields_key_the_group(monkeypatch):
+  fields = [dataclasses.replace(f, keys=config_schema.Role.NOT_KEYED)
+            if f.path == "model.preset" else f for f in config_schema.FIELDS]
+  monkeypatch.setattr(config_schema, "FIELDS", tuple(fields))
+  training = config_schema.keyed_by(config_schema.Role.TRAINING)
+  assert training[:2] == ("model.family", "model.overrides") and "model" not in training
+  assert "model.preset" in config_schema.keyed_by(config_schema.Role.NOT_KEYED)

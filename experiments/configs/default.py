@@ -6,57 +6,10 @@ A setting file imports this module, takes ``get_config()``, changes the fields
 that differ, and reads its variant argument with ``parse_arg``: a
 comma-separated list such as "rope,runlocal" (``--config=FILE:rope,runlocal``).
 
-Fields:
-  seed: seed of the base model (initialisation and data order).
-  model: ``family`` and ``preset`` for ``attn_symmetry.models.build``, and
-    ``overrides``, keyword arguments passed on to it (e.g. ``pos_encoding``).
-  dataset: ``name`` (one of ``attn_symmetry.data.DATASETS``) and the reader
-    options: ``data_dir`` ("" for the default), ``seq_len`` (tokens per text
-    example), ``image_size`` (crop side of variable-size images; 0 takes the
-    reader's default for both), ``augment`` (random crop and flip of images),
-    ``num_workers`` (reader processes on top of threads; 0 reads in-process).
-    The data set fixes the model's input and output sizes. ``train_split`` is
-    the split (or one slice of it, "train[:90%]") that every run trains on;
-    ``validation_split`` ("" for none) the held-out one, sharing no record
-    with it ("train[90%:]", or a real "validation" split), on which the
-    stopping rule computes its loss, on its first ``validation_examples``
-    examples (0 for all; the "learned" method picks its iterate among
-    them too). Neither may be the test split: it is kept for the reported
-    evaluations and the study.
-  train: optimisation of the base model (AdamW with linear warmup and cosine
-    decay), evaluation, logging and checkpointing intervals.
-  reinit: the re-initialisation protocol (docs/lmc.md, 'Re-initialisation'). ``scopes``
-    are re-initialised in turn, each once per seed in ``seeds``; only the
-    scope is trained, for ``num_steps`` steps at ``learning_rate`` (the
-    "full" scope trains the whole model from scratch with the base schedule
-    ``train.*``). ``dataset`` names the data set B of an A->B transfer ("" is
-    the base data set). The stopping rule (``patience`` > 0; 0 trains every
-    run its whole budget): a re-initialised run stops after ``patience``
-    validation evaluations, one every ``validate_every`` steps, without
-    improving its validation loss by more than ``min_delta`` relative, or at
-    its budget, whichever comes first (``experiments/train.py``).
-  study: the LMC study after training (``experiments/study.py``): the
-    matching ``methods`` compared (naive must be one), ``num_lambdas``
-    interpolation points evaluated ``lambda_chunk`` at a time, Stage 2
-    ``match_steps`` and ``match_learning_rate`` and its start ``match_init``
-    ("procrustes" or "best"), whether whole-model alignment refines at every
-    round or once at the end (``match_refine``), the refinement's solver
-    ``match_solver`` ("gauss_newton", which stops on a tolerance within
-    ``match_steps`` iterations, or "adam", the paper's ``match_steps`` Adam
-    steps at ``match_learning_rate``), the "learned" method's
-    ``learn_steps`` and ``learn_learning_rate``, ``learn_uniform_lambda``
-    (lambda drawn from U(0, 1) at every step instead of 1/2) and
-    ``learn_holdout_batches`` (training batches held out to pick its best
-    iterate), ``eval_examples`` (the first that many examples of
-    ``eval_split`` evaluate every path; 0 for all), ``eval_split`` (the test
-    split, or another split or slice such as the training slice "train[:90%]"
-    when the barrier of the fitted objective is wanted; the "learned" method
-    trains on the training slice, so its barrier there is not held out, which
-    ``summary.md`` says), the Stage 1 ``distance`` and
-    the ``distances`` of its ablation, the ``permutation_ablation`` over every
-    head order (for at most ``max_exhaustive_heads`` heads), and the input
-    ``noise_levels`` of the robustness check (Gaussian std on normalised
-    images; token replacement rate on text).
+Every field (its default, check, what it keys and what it does) is one entry of
+``experiments/config_schema.py``, from which ``get_config()`` is built; a setting
+changes values of those fields and creates none. ``python -m
+experiments.config_schema`` lists them all.
 
 List-valued fields are tuples, so that a flag sets them:
 ``--config.study.methods="('naive', 'full')"``. ``experiments/config_checks.py``
@@ -68,78 +21,13 @@ from __future__ import annotations
 import ml_collections
 
 from attn_symmetry import models
+from experiments import config_schema
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The default setting: the quickstart's ViT on digits, without re-initialisation."""
   variants = parse_arg(arg, allowed=())
-  config = ml_collections.ConfigDict()
-  config.seed = 0
-
-  config.model = ml_collections.ConfigDict()
-  config.model.family = "vit"
-  config.model.preset = "tiny"
-  config.model.overrides = ml_collections.ConfigDict()
-
-  config.dataset = ml_collections.ConfigDict()
-  config.dataset.name = "digits"
-  config.dataset.data_dir = ""
-  config.dataset.seq_len = 0
-  config.dataset.image_size = 0
-  config.dataset.augment = False
-  config.dataset.num_workers = 0
-  config.dataset.train_split = "train"
-  config.dataset.validation_split = ""
-  config.dataset.validation_examples = 0
-
-  config.train = ml_collections.ConfigDict()
-  config.train.num_steps = 1000
-  config.train.batch_size = 128
-  config.train.eval_batch_size = 256
-  config.train.learning_rate = 1e-3
-  config.train.warmup_steps = 100
-  config.train.final_lr_fraction = 0.01
-  config.train.weight_decay = 0.05
-  config.train.b1 = 0.9
-  config.train.b2 = 0.999
-  config.train.grad_clip_norm = 1.0
-  config.train.log_every = 50
-  config.train.eval_every = 500
-  config.train.checkpoint_every = 500
-  config.train.keep_checkpoints = 2
-
-  config.reinit = ml_collections.ConfigDict()
-  config.reinit.scopes = ()
-  config.reinit.seeds = (1, 2, 3)
-  config.reinit.num_steps = 500
-  config.reinit.learning_rate = 1e-3
-  config.reinit.warmup_steps = 50
-  config.reinit.dataset = ""
-  config.reinit.patience = 0
-  config.reinit.min_delta = 0.0
-  config.reinit.validate_every = 100
-
-  config.study = ml_collections.ConfigDict()
-  config.study.methods = ("naive", "perm", "ortho", "full")
-  config.study.num_lambdas = 25
-  config.study.lambda_chunk = 1  # bench_interpolation.py: 1 beats 5 and 25 on CPU (no copies of the params per lambda)
-  config.study.match_steps = 200
-  config.study.match_learning_rate = 1e-2
-  config.study.match_init = "procrustes"
-  config.study.match_refine = "every_round"
-  config.study.match_solver = "gauss_newton"
-  config.study.learn_steps = 300
-  config.study.learn_learning_rate = 1e-2
-  config.study.learn_uniform_lambda = False
-  config.study.learn_holdout_batches = 4
-  config.study.eval_examples = 0
-  # The split (or slice: "train[:90%]") whose first eval_examples evaluate every path.
-  config.study.eval_split = "test"
-  config.study.distance = "frobenius"
-  config.study.distances = ("frobenius", "squared", "normalised", "cosine")
-  config.study.permutation_ablation = True
-  config.study.max_exhaustive_heads = 6
-  config.study.noise_levels = (0.0, 0.5, 1.0)
+  config = config_schema.default_config()
   if "runlocal" in variants:
     runlocal(config)
   return config

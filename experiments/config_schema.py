@@ -1,0 +1,438 @@
+"""The setting config's schema: each field defined once, in ``FIELDS``.
+
+An entry holds the field's dotted path, its ``default``, its ``rule`` (type and
+range, or the options it is drawn from), what it ``keys`` (``Role``: which
+stage fingerprints it enters) and a one-line ``doc``. The rest derives from it:
+
+* ``experiments/configs/default.py``'s ``get_config()`` is ``default_config()``;
+  a setting file changes values of these fields and creates none
+  (``tests/test_configs.py`` checks every setting and variant);
+* ``experiments/config_checks.py``'s ``RULES`` (the checks that relate fields,
+  such as warmup shorter than training, are ``config_checks._check_relations``);
+* ``experiments/fingerprints.py``'s field groups ``TRAINING``, ``TRAIN_SCHEDULE``,
+  ``REINIT_SCHEDULE``, ``STOPPING``, ``STUDY``, ``PER_RUN``, ``NOT_KEYED`` and
+  ``UNKEYED_DEFAULTS`` (``keyed_by`` and ``unkeyed_defaults``).
+
+Adding a field is one entry here and the code that reads it. Every field, its
+default, its check and what it keys::
+
+    python -m experiments.config_schema
+
+Lists of options are read from their owners when a check runs (methods from
+``attn_symmetry.matching.METHODS``, scopes from ``attn_symmetry.models.SCOPES``,
+data sets from ``attn_symmetry.data.DATASETS``, ...), so this module imports
+no model or data code and a method or scope that its owner adds is accepted.
+It lives beside ``config_checks`` rather than in ``experiments/configs/``, whose
+every module is a setting (``--config=FILE``, and the tests run each one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import math
+import numbers
+import os
+import re
+import textwrap
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+import ml_collections
+
+
+def fail(field: str, problem: str) -> NoReturn:
+  """Raises ValueError("config.<field> <problem>")."""
+  raise ValueError(f"config.{field} {problem}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """The check of one field: ``rule(field, value)`` raises ValueError naming ``config.<field>``.
+
+  Attributes:
+    says: what it accepts, in words ("an integer >= 1").
+    check: (field path, value) -> None; raises ValueError (``fail``) if the value is bad.
+    bad: a value it rejects (the tests set it on every field of the table).
+  """
+  says: str
+  check: Callable[[str, Any], None]
+  bad: Any
+
+  def __call__(self, field: str, value: Any) -> None:
+    self.check(field, value)
+
+
+def _integer(minimum: int) -> Rule:
+  def check(field, value):
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+      fail(field, f"must be an integer, got {value!r}")
+    if value < minimum:
+      fail(field, f"must be >= {minimum}, got {value!r}")
+  return Rule(f"an integer >= {minimum}", check, bad=minimum - 1)
+
+
+def _real(requirement: str, holds: Callable[[float], bool]) -> Rule:
+  """A finite number for which ``holds`` is true (``requirement`` says so in words)."""
+  def check(field, value):
+    if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+        or not math.isfinite(value)):
+      fail(field, f"must be a finite number, got {value!r}")
+    if not holds(value):
+      fail(field, f"must be {requirement}, got {value!r}")
+  return Rule(f"a finite number {requirement}", check, bad=float("nan"))
+
+
+def _check_boolean(field: str, value: Any) -> None:
+  if not isinstance(value, bool):
+    fail(field, f"must be True or False, got {value!r}")
+
+
+def _owned(owner: str) -> tuple[str, ...]:
+  """The option list ``owner`` ("attn_symmetry.matching.METHODS"), read now from its module."""
+  module, name = owner.rsplit(".", 1)
+  return tuple(getattr(importlib.import_module(module), name))
+
+
+def _one_of(noun: str, owner: str, *, or_empty: bool = False) -> Rule:
+  """One of the options that ``owner`` lists ("" too if ``or_empty``), read when the check runs."""
+  def check(field, value):
+    allowed = ("",) * or_empty + _owned(owner)
+    if value not in allowed:
+      fail(field, f"is an unknown {noun} {value!r}; choose from {allowed}")
+  says = f"a {noun}: " + ('"" or ' if or_empty else "") + f"one of {owner}"
+  return Rule(says, check, bad=f"no such {noun}")
+
+
+def _distinct(element: Rule) -> Rule:
+  """A tuple (or list) of distinct entries, each passing ``element``."""
+  def check(field, values):
+    if not isinstance(values, (tuple, list)):
+      fail(field, f"must be a tuple, got {values!r}")
+    for i, value in enumerate(values):
+      try:
+        element(f"{field}[{i}]", value)
+      except ValueError as e:
+        if isinstance(value, str) and "," in value:  # `--config.f=a,b` gives ("a,b",)
+          raise ValueError(f"{e}; on the command line write a tuple as "
+                           f"--config.{field}=\"('a', 'b')\"") from None
+        raise
+      if value in values[:i]:
+        fail(field, f"lists {value!r} twice; its entries must be distinct, got {tuple(values)}")
+  return Rule(f"a tuple of distinct entries, each {element.says}", check, bad=(element.bad,))
+
+
+def _check_data_dir(field: str, value: Any) -> None:
+  if not isinstance(value, str):
+    fail(field, f"must be a path (a string), got {value!r}")
+  if value and not os.path.isdir(value):
+    fail(field, f"{value!r} is not a directory (\"\" takes the default data dir)")
+
+
+def _check_model_overrides(field: str, value: Any) -> None:
+  """A mapping from fields of ``attn_symmetry.models.Config`` to values; their values are
+  checked with the data set's input and output sizes when the model is built
+  (``attn_symmetry.models.make_config``)."""
+  if not isinstance(value, (ml_collections.ConfigDict, Mapping)):
+    fail(field, f"must be a mapping of model config fields, got {value!r}")
+  model_config = importlib.import_module("attn_symmetry.models").Config
+  known = sorted(f.name for f in dataclasses.fields(model_config) if f.name != "family")
+  for key in value:
+    if key not in known:
+      fail(f"{field}.{key}", "is not a field of attn_symmetry.models.Config that a setting "
+           f"overrides; choose from {known}")
+
+
+def _split(optional: bool = False, evaluation: bool = False) -> Rule:
+  """A split of the data set ("train") or one slice of it ("train[:90%]"); "" too if
+  ``optional``. Not the test split (kept for the reported evaluations, so that no training
+  decision reads it), unless ``evaluation``: a split that is only evaluated
+  (``study.eval_split``) may be any. Whether the data set has it is checked when it is
+  opened (``train.check_data``)."""
+  def check(field, value):
+    if not isinstance(value, str):
+      fail(field, f"must be a split name (a string), got {value!r}")
+    if optional and not value:
+      return
+    if not re.fullmatch(r"[A-Za-z][\w-]*(\[[^\[\]]*\])?", value):
+      fail(field, "must be a split such as 'train' or one slice of it such as 'train[:90%]', "
+           f"got {value!r}")
+    if not evaluation and value.split("[", 1)[0] == "test":
+      fail(field, f"reads the test split ({value!r}), which is kept for the reported "
+           "evaluations: no training decision may read it; hold out a slice of the training "
+           "split instead, such as 'train[90%:]'")
+  says = "a split or one slice of it ('train[:90%]')"
+  says += ", the test split included" if evaluation else ", not the test split"
+  return Rule(says + (', or ""' if optional else ""), check, bad="train[:90%")
+
+
+_AT_LEAST_0 = _integer(0)
+_AT_LEAST_1 = _integer(1)
+_POSITIVE = _real("> 0", lambda v: v > 0)
+_NON_NEGATIVE = _real(">= 0", lambda v: v >= 0)
+_FRACTION = _real("in [0, 1)", lambda v: 0 <= v < 1)
+_BOOLEAN = Rule("True or False", _check_boolean, bad="yes")
+_DATA_DIR = Rule('a directory ("" for the default)', _check_data_dir, bad="/no/such/dir")
+_MODEL_OVERRIDES = Rule("a mapping of attn_symmetry.models.Config fields to values",
+                        _check_model_overrides, bad={"no_such_field": 1})
+_DATASET = _one_of("data set", "attn_symmetry.data.DATASETS")
+_DISTANCE = _one_of("distance", "attn_symmetry.matching.DISTANCES")
+
+
+class Role(enum.Enum):
+  """Which stage fingerprints a field enters (``experiments/fingerprints.py`` says how and why)."""
+  TRAINING = "every training run"
+  TRAIN_SCHEDULE = "the base run and the 'full' scope's runs"
+  REINIT_SCHEDULE = "the fine-tuned scopes' runs"
+  STOPPING = "the re-initialised runs, when the stopping rule is on"
+  STUDY = "the study stages that read it"
+  PER_RUN = "each run or stage, by the value it uses"
+  NOT_KEYED = "no stage"
+
+
+class _Always:
+  def __repr__(self):
+    return "always"
+
+
+ALWAYS = _Always()  # ``Field.unkeyed_default`` of a field that keys at every value
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  """One field of the setting config.
+
+  Attributes:
+    path: dotted path, "train.learning_rate".
+    default: its value in ``default_config()`` (a dict becomes a ConfigDict).
+    rule: its check (``Rule``).
+    keys: the stage fingerprints it enters (``Role``).
+    doc: what it does, one line.
+    unkeyed_default: a value at which it keys nothing (a field added after results were
+      stored, at the value it stands for there: those results stay valid), or ``ALWAYS``.
+  """
+  path: str
+  default: Any
+  rule: Rule
+  keys: Role
+  doc: str
+  unkeyed_default: Any = ALWAYS
+
+
+# What each section of the config holds, beyond its fields' own lines.
+SECTIONS = {
+    "model": "the model, built by attn_symmetry.models.build(family, preset, **overrides); "
+             "the data set fixes its input and output sizes.",
+    "dataset": "the data set A and its reader. Every run trains on train_split; the stopping "
+               "rule and the 'learned' method read validation_split, which shares no record "
+               "with it. Neither may be the test split: it is kept for the reported "
+               "evaluations and the study.",
+    "train": "optimisation of the base model (AdamW with linear warmup and cosine decay), "
+             "evaluation, logging and checkpointing intervals.",
+    "reinit": "the re-initialisation protocol (docs/lmc.md, 'Re-initialisation'): each scope is "
+              "re-initialised once per seed and only it is trained (the 'full' scope trains "
+              "the whole model from scratch with the base schedule train.*). The stopping rule "
+              "(patience > 0): a run stops after patience validations, one every "
+              "validate_every steps, without improving its validation loss by more than "
+              "min_delta relative, or at its budget, whichever comes first "
+              "(experiments/train.py).",
+    "study": "the LMC study after training (experiments/study.py): the matching methods "
+             "compared on the paths between each pair of seeds, the Stage 1 distance "
+             "ablation, the ablation over every head order and the input-noise robustness "
+             "check.",
+}
+
+FIELDS: tuple[Field, ...] = (
+    Field("seed", 0, _AT_LEAST_0, Role.PER_RUN,
+          "seed of the base model (initialisation and data order)"),
+
+    Field("model.family", "vit", _one_of("model family", "attn_symmetry.models.FAMILIES"),
+          Role.TRAINING, "the model family"),
+    Field("model.preset", "tiny", _one_of("model preset", "attn_symmetry.models.PRESETS"),
+          Role.TRAINING, "the family's size preset"),
+    Field("model.overrides", {}, _MODEL_OVERRIDES, Role.TRAINING,
+          "keyword arguments passed on to the model config (pos_encoding, width, ...)"),
+
+    Field("dataset.name", "digits", _DATASET, Role.PER_RUN,
+          "the data set A that the base model trains on"),
+    Field("dataset.data_dir", "", _DATA_DIR, Role.TRAINING,
+          'where prepared data sets live ("" for the default)'),
+    Field("dataset.seq_len", 0, _AT_LEAST_0, Role.TRAINING,
+          "tokens per text example (0: the reader's default)"),
+    Field("dataset.image_size", 0, _AT_LEAST_0, Role.TRAINING,
+          "crop side of variable-size images (0: the reader's default)"),
+    Field("dataset.augment", False, _BOOLEAN, Role.TRAINING,
+          "random crop and flip of the training images"),
+    Field("dataset.num_workers", 0, _AT_LEAST_0, Role.NOT_KEYED,
+          "reader processes on top of threads (0 reads in-process); batch k holds the "
+          "same examples"),
+    Field("dataset.train_split", "train", _split(), Role.TRAINING,
+          "the split, or one slice of it ('train[:90%]'), that every run trains on"),
+    Field("dataset.validation_split", "", _split(optional=True), Role.STOPPING,
+          "the held-out split or slice ('train[90%:]', or a real 'validation' split) of the "
+          "stopping rule and the 'learned' method; \"\" for none"),
+    Field("dataset.validation_examples", 0, _AT_LEAST_0, Role.STOPPING,
+          "the first that many examples of validation_split are read (0: all of them)",
+          unkeyed_default=0),
+
+    Field("train.num_steps", 1000, _AT_LEAST_1, Role.TRAIN_SCHEDULE,
+          "steps of the base run (and of the 'full' scope)"),
+    Field("train.batch_size", 128, _AT_LEAST_1, Role.TRAINING,
+          "training batch size of every run, a multiple of the devices"),
+    Field("train.eval_batch_size", 256, _AT_LEAST_1, Role.NOT_KEYED,
+          "evaluation batch size, a multiple of the devices (splits the same sums otherwise)"),
+    Field("train.learning_rate", 1e-3, _POSITIVE, Role.TRAIN_SCHEDULE,
+          "peak learning rate of the base schedule"),
+    Field("train.warmup_steps", 100, _AT_LEAST_0, Role.TRAIN_SCHEDULE,
+          "linear warmup steps of the base schedule, fewer than num_steps"),
+    Field("train.final_lr_fraction", 0.01, _real("in [0, 1]", lambda v: 0 <= v <= 1),
+          Role.TRAINING, "every run's cosine decay ends at this fraction of its peak rate"),
+    Field("train.weight_decay", 0.05, _NON_NEGATIVE, Role.TRAINING, "AdamW's weight decay"),
+    Field("train.b1", 0.9, _FRACTION, Role.TRAINING, "AdamW's beta_1"),
+    Field("train.b2", 0.999, _FRACTION, Role.TRAINING, "AdamW's beta_2"),
+    Field("train.grad_clip_norm", 1.0, _POSITIVE, Role.TRAINING,
+          "gradients are clipped to this global norm"),
+    Field("train.log_every", 50, _AT_LEAST_1, Role.NOT_KEYED,
+          "steps between logged training losses (metrics.jsonl only)"),
+    Field("train.eval_every", 500, _AT_LEAST_1, Role.NOT_KEYED,
+          "steps between evaluations on the way (the last step is always evaluated)"),
+    Field("train.checkpoint_every", 500, _AT_LEAST_1, Role.NOT_KEYED,
+          "steps between checkpoints (a resumed run is bit-identical)"),
+    Field("train.keep_checkpoints", 2, _AT_LEAST_1, Role.NOT_KEYED,
+          "checkpoints kept per run, the newest"),
+
+    Field("reinit.scopes", (), _distinct(_one_of("scope", "attn_symmetry.models.SCOPES")),
+          Role.NOT_KEYED, "the scopes re-initialised in turn (() trains the base model only)"),
+    Field("reinit.seeds", (1, 2, 3), _distinct(_AT_LEAST_0), Role.NOT_KEYED,
+          "each scope is re-initialised once per seed; the study compares every pair"),
+    Field("reinit.num_steps", 500, _AT_LEAST_1, Role.REINIT_SCHEDULE,
+          "step budget of a fine-tuned scope"),
+    Field("reinit.learning_rate", 1e-3, _POSITIVE, Role.REINIT_SCHEDULE,
+          "peak learning rate of a fine-tuned scope"),
+    Field("reinit.warmup_steps", 50, _AT_LEAST_0, Role.REINIT_SCHEDULE,
+          "warmup steps of a fine-tuned scope, fewer than num_steps"),
+    Field("reinit.dataset", "", _one_of("data set", "attn_symmetry.data.DATASETS",
+                                        or_empty=True), Role.PER_RUN,
+          'the data set B of an A->B transfer ("": the base data set)'),
+    Field("reinit.patience", 0, _AT_LEAST_0, Role.STOPPING,
+          "validations without improvement after which a run stops (0: no stopping rule, "
+          "every run trains its whole budget)"),
+    Field("reinit.min_delta", 0.0, _FRACTION, Role.STOPPING,
+          "the relative decrease of the validation loss that counts as an improvement"),
+    Field("reinit.validate_every", 100, _AT_LEAST_1, Role.STOPPING,
+          "steps between the stopping rule's validations"),
+
+    Field("study.methods", ("naive", "perm", "ortho", "full"),
+          _distinct(_one_of("method", "attn_symmetry.matching.METHODS")), Role.NOT_KEYED,
+          "the matching methods compared; 'naive' must be one"),
+    Field("study.num_lambdas", 25, _integer(3), Role.STUDY,
+          "interpolation points of a path, endpoints included (with 2 every barrier is 0)"),
+    Field("study.lambda_chunk", 1, _AT_LEAST_1, Role.NOT_KEYED,
+          "interpolation points evaluated in one call (benchmarks/bench_interpolation.py: "
+          "1 beats 5 and 25 on CPU)"),
+    Field("study.match_steps", 200, _AT_LEAST_0, Role.STUDY,
+          "iterations of the Stage 2 refinement (0: Stage 1 only)"),
+    Field("study.match_learning_rate", 1e-2, _POSITIVE, Role.STUDY,
+          "step size of the 'adam' refinement solver"),
+    Field("study.match_init", "procrustes",
+          _one_of("Stage 2 start", "attn_symmetry.matching.INITS"), Role.STUDY,
+          "start of the Stage 2 refinement: 'procrustes' or the 'best' of it and others"),
+    Field("study.match_refine", "every_round",
+          _one_of("refinement schedule", "attn_symmetry.matching.REFINES"), Role.STUDY,
+          "whole-model alignment refines at every round or once at the end"),
+    Field("study.match_solver", "gauss_newton",
+          _one_of("refinement solver", "attn_symmetry.matching.SOLVERS"), Role.STUDY,
+          "'gauss_newton' (stops on a tolerance within match_steps iterations) or 'adam' "
+          "(the paper's match_steps Adam steps at match_learning_rate)"),
+    Field("study.learn_steps", 300, _AT_LEAST_0, Role.STUDY,
+          "training steps of the 'learned' method"),
+    Field("study.learn_learning_rate", 1e-2, _POSITIVE, Role.STUDY,
+          "learning rate of the 'learned' method"),
+    Field("study.learn_uniform_lambda", False, _BOOLEAN, Role.STUDY,
+          "'learned' draws lambda from U(0, 1) at every step instead of 1/2"),
+    Field("study.learn_holdout_batches", 4, _AT_LEAST_1, Role.STUDY,
+          "held-out batches on which 'learned' picks its best iterate"),
+    Field("study.eval_examples", 0, _AT_LEAST_0, Role.STUDY,
+          "the first that many examples of eval_split evaluate every path (0: all of them)"),
+    Field("study.eval_split", "test", _split(evaluation=True), Role.STUDY,
+          "the split or slice that evaluates every path: the test split, or e.g. "
+          "'train[:90%]' for the barrier of the fitted objective ('learned' trains there, "
+          "so summary.md says its barrier is not held out)", unkeyed_default="test"),
+    Field("study.distance", "frobenius", _DISTANCE, Role.STUDY,
+          "the Stage 1 distance of every method but 'naive'"),
+    Field("study.distances", ("frobenius", "squared", "normalised", "cosine"),
+          _distinct(_DISTANCE), Role.NOT_KEYED, "the Stage 1 distances of the ablation"),
+    Field("study.permutation_ablation", True, _BOOLEAN, Role.NOT_KEYED,
+          "the first attention scope's ablation over every head order"),
+    Field("study.max_exhaustive_heads", 6, _AT_LEAST_1, Role.NOT_KEYED,
+          "the head-order ablation runs on layers of at most this many heads"),
+    Field("study.noise_levels", (0.0, 0.5, 1.0), _distinct(_NON_NEGATIVE), Role.STUDY,
+          "input noise of the robustness check: Gaussian std on normalised images, token "
+          "replacement rate (at most 1) on text"),
+)
+
+BY_PATH: dict[str, Field] = {f.path: f for f in FIELDS}
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """A ConfigDict of every field at its default."""
+  config = ml_collections.ConfigDict()
+  for field in FIELDS:
+    *sections, name = field.path.split(".")
+    node = config
+    for section in sections:
+      if section not in node:
+        node[section] = ml_collections.ConfigDict()
+      node = node[section]
+    default = field.default
+    if isinstance(default, Mapping):  # a fresh copy for every config
+      default = ml_collections.ConfigDict(dict(default))
+    node[name] = default
+  return config
+
+
+def keyed_by(role: Role) -> tuple[str, ...]:
+  """The names of the fields that key ``role``'s stages, in table order, for
+  ``fingerprints.config_fields``: a section all of whose fields key ``role`` is named whole
+  ("model"), so that every leaf under it is keyed (``model.overrides.width``, ...)."""
+  names = []
+  for field in FIELDS:
+    if field.keys is not role:
+      continue
+    section = field.path.split(".", 1)[0]
+    whole = section != field.path and all(
+        f.keys is role for f in FIELDS if f.path.startswith(section + "."))
+    name = section if whole else field.path
+    if name not in names:
+      names.append(name)
+  return tuple(names)
+
+
+def unkeyed_defaults() -> dict[str, Any]:
+  """{path: value} of the fields that key nothing at that value (``Field.unkeyed_default``)."""
+  return {f.path: f.unkeyed_default for f in FIELDS if f.unkeyed_default is not ALWAYS}
+
+
+def reference() -> str:
+  """Every field of ``FIELDS``, section by section: its default, what it does, its check and
+  the stages it keys."""
+  def wrap(text, indent):
+    return textwrap.fill(text, 96, initial_indent=indent, subsequent_indent=indent,
+                         break_on_hyphens=False)
+  lines, section = [], None
+  for field in FIELDS:
+    head = field.path.split(".", 1)[0] if "." in field.path else None
+    if head is not None and head != section:
+      lines += ["", wrap(f"{head}: {SECTIONS[head]}", "")]
+    section = head
+    keys = field.keys.value
+    if field.unkeyed_default is not ALWAYS:
+      keys += f" (none at {field.unkeyed_default!r})"
+    lines += [f"  {field.path} = {field.default!r}", wrap(field.doc, "      "),
+              wrap(f"check: {field.rule.says}; keys: {keys}", "      ")]
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  print(reference())
