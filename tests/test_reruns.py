@@ -211,7 +211,9 @@ def test_study_refuses_a_damaged_endpoint_in_one_line(used, tmp_path):
 
 
 def test_every_config_field_is_keyed_or_listed_as_unkeyed():
-  """A new config field must be classified in fingerprints.py before it can be used."""
+  """Every field of every setting falls in one of fingerprints' groups, which derive from
+  each field's role in experiments/config_schema.py (a field without a role cannot be
+  defined)."""
   keyed = (fingerprints.TRAINING + fingerprints.TRAIN_SCHEDULE + fingerprints.REINIT_SCHEDULE
            + fingerprints.STOPPING + fingerprints.STUDY + fingerprints.PER_RUN
            + fingerprints.NOT_KEYED)
