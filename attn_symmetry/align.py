@@ -87,8 +87,6 @@ from attn_symmetry.models import safetensors_io
 OUTPUTS = ("aligned_b", "merged", "interpolation.json", "interpolation.png", "report.json")
 MATCHING_OPTIONS = ("distance", "steps", "learning_rate", "max_rounds", "init", "refine", "solver")
 DTYPES = ("keep", "float32")
-# The command's default, shared with experiments/main.py: compiled programs of every run.
-COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), "attn_symmetry", "jax_cache")
 Params = dict[str, Any]
 
 
@@ -586,9 +584,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--solver", help="the full method's refinement: gauss_newton, adam")
   parser.add_argument("--distance", help="Stage 1 head distance")
   parser.add_argument("--quiet", action="store_true", help="no progress lines")
-  parser.add_argument("--compilation-cache", metavar="DIR", default=COMPILATION_CACHE,
+  parser.add_argument("--compilation-cache", metavar="DIR", default=runtime.COMPILATION_CACHE,
                       help="JAX's persistent compilation cache: a later alignment of the same "
-                           f"architecture skips compiling (default {COMPILATION_CACHE}; '' off)")
+                           "architecture skips compiling (default "
+                           f"{runtime.COMPILATION_CACHE}; '' off)")
 
 
 def _run(args: argparse.Namespace, prog: str) -> int:
