@@ -6,29 +6,32 @@
 
     from attn_symmetry import align_checkpoints
     result = align_checkpoints("seed1", "seed2", out="aligned", merge=0.5)
-    result.element, result.report, result.params     # g, the report, g . theta_B
+    result.element, result.params, result.report   # g, B' = g . theta_B, the report
 
 MODEL_A and MODEL_B are local model folders of one architecture (GPT-2,
 Llama, BERT or ViT; ``models.safetensors_io``), read and written without torch.
 B is aligned to A by ``matching.align_model`` on the zoo model's symmetry spec
 (head permutations and per-head matrices of every attention layer, FFN and
 residual-stream factors), and re-parametrised as g . B, which computes the
-same function. The stages, each announced by one progress line and timed in
-the report:
+same function. ``align_checkpoints`` runs five stages, one function each, and
+each announced by one progress line and timed in the report (``_Clock``):
 
-1. check: both folders (config, tensor names, shapes and dtypes), their
-   architectures against each other, the options, the output folder and the
-   evaluation file. Every problem is refused here (or, for NaN weights, while
-   loading) with a one-line ``InputError``, before anything is written;
-2. load: both models' float32 parameters, one stored tensor at a time;
-3. align: the element g and B' = g . B; squared distances ||A - B||, ||A - B'||
-   per top-level parameter group (``layers_i``, ``embed``, ...);
-4. evaluate (with an evaluation file, ``_eval_files``): loss and accuracy
+1. ``_check``: the options alone (``_check_options``: method, scope, merge,
+   dtype, matching options, evaluation flags and sizes; no file is read), the
+   packages the evaluation needs, then the folders (``_inspect``: config,
+   tensor names, shapes and dtypes), their architectures against each other,
+   the output folder and the evaluation file. Every problem is refused here
+   (or, for NaN weights, while loading) with a one-line ``InputError``,
+   before anything is written;
+2. ``_load``: both models' float32 parameters, one stored tensor at a time;
+3. ``_align``: the element g and B' = g . B; squared distances ||A - B||,
+   ||A - B'|| per top-level parameter group (``layers_i``, ``embed``, ...);
+4. ``_evaluate`` (with an evaluation file, ``_eval_files``): loss and accuracy
    along (1 - lambda) A + lambda B ("before") and (1 - lambda) A + lambda B'
    ("after"), and their barriers (``lmc``);
-5. save: DIR/aligned_b/ (B' in B's tensor names, shards and dtypes, with B's
-   config and tokenizer files), DIR/merged/ with ``merge`` ((1 - merge) A +
-   merge B' in A's layout), DIR/interpolation.json and .png with an
+5. ``_save``: DIR/aligned_b/ (B' in B's tensor names, shards and dtypes, with
+   B's config and tokenizer files), DIR/merged/ with ``merge`` ((1 - merge) A
+   + merge B' in A's layout), DIR/interpolation.json and .png with an
    evaluation file, DIR/report.json.
 
 RMSNorm models (Llama): an orthogonal map of the residual stream is a
@@ -40,12 +43,13 @@ Memory and time. Peak memory stays within 3x the two checkpoints' size
 (``benchmarks/bench_align_checkpoints.py``, GPT-2 small in float32): the
 models are read one tensor at a time, B' is computed one top-level group of
 leaves at a time with B's group released after it (B is kept only for an
-evaluation), the merged model is computed leaf by leaf as it is written, and
-the C heap's free pages are returned to the system after every stage and
-between compiling the matching program and running it (``runtime``). jaxlib's
-LAPACK kernels run on one OpenBLAS thread during the call
-(``runtime.single_threaded_blas``): with OpenBLAS's own threads, matching's
-batched inverses made GPT-2 small's alignment about 10x slower on 2 cores.
+evaluation: ``_Loaded``), the merged model is computed leaf by leaf as it is
+written, and the C heap's free pages are returned to the system after every
+stage and between compiling the matching program and running it
+(``runtime``). jaxlib's LAPACK kernels run on one OpenBLAS thread during the
+call (``runtime.single_threaded_blas``): with OpenBLAS's own threads,
+matching's batched inverses made GPT-2 small's alignment about 10x slower on
+2 cores.
 
 Outputs are written into a temporary folder inside DIR and then moved into
 place; with ``overwrite`` the earlier outputs of this tool in DIR are replaced
@@ -56,6 +60,7 @@ MODEL_A or MODEL_B, so nothing there is ever written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -67,7 +72,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -87,8 +92,6 @@ from attn_symmetry.models import safetensors_io
 OUTPUTS = ("aligned_b", "merged", "interpolation.json", "interpolation.png", "report.json")
 MATCHING_OPTIONS = ("distance", "steps", "learning_rate", "max_rounds", "init", "refine", "solver")
 DTYPES = ("keep", "float32")
-# The command's default, shared with experiments/main.py: compiled programs of every run.
-COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), "attn_symmetry", "jax_cache")
 Params = dict[str, Any]
 
 
@@ -115,6 +118,46 @@ class Alignment(NamedTuple):
   report: dict[str, Any]
 
 
+# ----------------------------------------------------------------------------- what the stages pass
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Options:
+  """``align_checkpoints``'s options (its Args), as the stages read them.
+
+  Attributes:
+    method: a name of ``matching.METHODS``.
+    scope: a name of ``models.SCOPES``, comma-separated parameter path
+      prefixes, or a tuple of prefixes.
+    merge: lambda of the merged model (1 - lambda) A + lambda B', or None.
+    dtype: one of ``DTYPES``.
+    out: the output folder, or None (nothing is written).
+    overwrite: replace this tool's earlier outputs in ``out``.
+    eval_text, eval_images: the evaluation file or image folder, or None.
+    num_lambdas, batch_size, seq_len, eval_batches: the evaluation's points
+      per path, examples per batch, tokens per text sequence, most batches.
+    matching: ``align_model``'s options, named in ``MATCHING_OPTIONS``.
+  """
+  method: str
+  scope: str | tuple[str, ...]
+  merge: float | None
+  dtype: str
+  out: str | None
+  overwrite: bool
+  eval_text: str | None
+  eval_images: str | None
+  num_lambdas: int
+  batch_size: int
+  seq_len: int
+  eval_batches: int
+  matching: Mapping[str, Any]
+
+  @property
+  def evaluated(self) -> bool:
+    """Whether an evaluation file or folder is given."""
+    return self.eval_text is not None or self.eval_images is not None
+
+
 @dataclasses.dataclass
 class _Inputs:
   """What the check stage found."""
@@ -126,8 +169,189 @@ class _Inputs:
   train: list[dict[str, np.ndarray]] | None = None  # method "learned": its training batches
   holdout: list[dict[str, np.ndarray]] | None = None  # and those it chooses its iterate on
 
+  @property
+  def parameters(self) -> int:
+    """The number of the model's parameters."""
+    return sum(math.prod(s) for s in self.model.param_shapes.values())
 
-# ----------------------------------------------------------------------------- check
+
+@dataclasses.dataclass
+class _Loaded:
+  """A's and B's float32 parameters as stored (norm scales not folded), from the load stage.
+
+  The holder is their only reference: the last stage that needs them takes
+  them out (``take``), so that they are released once it is done with them
+  (the align stage without an evaluation, else the evaluate stage).
+  """
+  a: Params | None
+  b: Params | None
+
+  def take(self) -> tuple[Params, Params]:
+    """(A, B), leaving the holder empty."""
+    a, b = self.a, self.b
+    self.a = self.b = None
+    return a, b
+
+
+@dataclasses.dataclass
+class _Aligned:
+  """What the align stage computed.
+
+  Attributes:
+    element: g (``matching.align_model``).
+    info: ``align_model``'s info.
+    folded: whether A and B' have their norm scales folded (``group_action.fold_norm_scales``).
+    params_a: A, in that parametrisation.
+    params: B' = g . B, in that parametrisation.
+    distance: {"before": ||A - B||, "after": ||A - B'||}, each as ``_distances`` gives it.
+  """
+  element: dict[str, Any]
+  info: dict[str, Any]
+  folded: bool
+  params_a: Params
+  params: Params
+  distance: dict[str, dict[str, Any]]
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class _Clock:
+  """The stages' progress lines and seconds.
+
+  ``with clock.stage("load") as stage: ...; stage.summary = "both models"``
+  records the block's seconds as ``clock.seconds["load"]``, returns the C
+  heap's free pages to the system (``runtime.release_free_memory``: each stage
+  starts from the live arrays), and says "load: both models (2.1 s)". A stage
+  that raises says nothing.
+
+  Attributes:
+    say: called with each progress line.
+    seconds: {stage or part name: seconds}, in the order they ended (the
+      report's "time_s").
+  """
+
+  def __init__(self, say: Callable[[str], None] | None = None):
+    self.say = say or (lambda line: None)
+    self.seconds: dict[str, float] = {}
+
+  def stage(self, name: str) -> _Stage:
+    return _Stage(self, name)
+
+
+class _Stage(contextlib.AbstractContextManager):
+  """One stage of a ``_Clock``: a context manager whose body sets ``summary``."""
+
+  def __init__(self, clock: _Clock, name: str):
+    self.clock, self.name, self.summary = clock, name, ""
+    self._start = 0.0  # set on entering the block
+    self._stopped = False
+    self._parts: list[tuple[str, str]] = []  # (label, key of clock.seconds)
+
+  def __enter__(self) -> _Stage:
+    self._start = time.perf_counter()
+    return self
+
+  def __exit__(self, exc_type, *_) -> None:
+    if exc_type is None:
+      self.stop()
+      runtime.release_free_memory()
+      parts = "".join(f", of which {label} {self.clock.seconds[key]:.1f} s"
+                      for label, key in self._parts)
+      self.clock.say(f"{self.name}: {self.summary} ({self.clock.seconds[self.name]:.1f} s{parts})")
+
+  def say(self, line: str) -> None:
+    """A progress line from inside the stage."""
+    self.clock.say(line)
+
+  def stop(self) -> None:
+    """Records the stage's seconds now rather than at its end (later calls change nothing): the
+    save stage stops its clock just before it writes the report that holds them."""
+    if not self._stopped:
+      self.clock.seconds[self.name] = time.perf_counter() - self._start
+      self._stopped = True
+
+  @contextlib.contextmanager
+  def part(self, key: str, label: str) -> Iterator[None]:
+    """Times a step of the stage as ``clock.seconds[key]``, releases the heap's free pages after
+    it, and names it in the stage's line ("(12.0 s, of which LABEL 9.5 s)")."""
+    start = time.perf_counter()
+    yield
+    self.clock.seconds[key] = time.perf_counter() - start
+    runtime.release_free_memory()
+    self._parts.append((label, key))
+
+
+# ----------------------------------------------------------------------------- check: the options
+
+
+def _check_options(options: _Options) -> None:
+  """Refuses bad options from the options alone: no file is read and nothing is imported (the
+  methods are those ``matching.METHODS`` holds now).
+
+  Raises:
+    InputError: the first bad option, naming its command-line flag.
+  """
+  if options.method not in matching.METHODS:
+    raise InputError(f"--method must be one of {', '.join(matching.METHODS)}, got "
+                     f"{options.method!r}")
+  if options.method == "learned" and not options.evaluated:
+    raise InputError("--method learned trains on the task loss: give --eval-text or --eval-images")
+  unknown = sorted(set(options.matching) - set(MATCHING_OPTIONS))
+  if unknown:
+    raise InputError(f"unknown matching options {unknown}; known: {', '.join(MATCHING_OPTIONS)}")
+  if options.matching.get("distance", "frobenius") not in matching.DISTANCES:
+    raise InputError(f"--distance must be one of {', '.join(matching.DISTANCES)}")
+  _check_scope(options.scope)
+  if options.merge is not None and not 0.0 <= options.merge <= 1.0:
+    raise InputError(f"--merge must lie in [0, 1], got {options.merge}")
+  if options.dtype not in DTYPES:
+    raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+  if options.eval_text is not None and options.eval_images is not None:
+    raise InputError("give --eval-text or --eval-images, not both")
+  for name, value, least in (("--lambdas", options.num_lambdas, 3),
+                             ("--batch-size", options.batch_size, 1),
+                             ("--seq-len", options.seq_len, 1),
+                             ("--eval-batches", options.eval_batches, 1)):
+    if int(value) != value or value < least:
+      raise InputError(f"{name} must be an integer >= {least}, got {value}")
+
+
+def _scope_prefixes(scope: str | Sequence[str]) -> list[str] | None:
+  """The parameter path prefixes that ``scope`` lists, or None for a name of ``models.SCOPES``
+  (whose prefixes depend on the model: ``Model.scope_paths``)."""
+  if isinstance(scope, str):
+    return None if scope in SCOPES else [s for s in scope.split(",") if s]
+  return list(scope)
+
+
+def _check_scope(scope: str | Sequence[str]) -> None:
+  """Refuses a scope that lists no prefix, or one that is not a string (whether each prefix
+  names parameters of the model is ``_scope``'s check)."""
+  prefixes = _scope_prefixes(scope)
+  if prefixes is None:
+    return
+  for p in prefixes:
+    if not isinstance(p, str):
+      raise InputError(f"--scope: scope entries must be path prefixes (str), got {p!r} "
+                       f"(scopes: {', '.join(SCOPES)}, or path prefixes)")
+  if not prefixes:
+    raise InputError(f"--scope {','.join(prefixes)} holds no whole attention site or factor to "
+                     "align")
+
+
+def _check_extras(options: _Options) -> None:
+  """Refuses an evaluation whose packages (the ``align`` extra) are not installed: the
+  tokenizer for text, PIL for images, matplotlib for the plot of the curves."""
+  needed = {"tokenizers": options.eval_text is not None, "PIL": options.eval_images is not None,
+            "matplotlib": options.evaluated and options.out is not None}
+  missing = [m for m, need in needed.items() if need and importlib.util.find_spec(m) is None]
+  if missing:
+    raise InputError(f"the evaluation needs {', '.join(missing)}, which is not installed: "
+                     f"pip install 'attn_symmetry[align]'")
+
+
+# ----------------------------------------------------------------------------- check: the files
 
 
 def _architecture_difference(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint
@@ -177,78 +401,17 @@ def _check_out(out: str, overwrite: bool, inputs: Sequence[safetensors_io.Checkp
 
 def _scope(model: Model, scope: str | Sequence[str]) -> list[str]:
   """Parameter path prefixes of a scope name (``models.SCOPES``) or of prefixes."""
-  if isinstance(scope, str):
-    scope = model.scope_paths(scope) if scope in SCOPES else [s for s in scope.split(",") if s]
+  prefixes = _scope_prefixes(scope)
+  if prefixes is None:
+    prefixes = model.scope_paths(scope)
   try:
-    names = matching.active_names(model.spec, list(scope))
+    names = matching.active_names(model.spec, prefixes)
   except ValueError as e:
     raise InputError(f"--scope: {e} (scopes: {', '.join(SCOPES)}, or path prefixes)") from None
   if not names:
-    raise InputError(f"--scope {','.join(scope)} holds no whole attention site or factor to align")
-  return list(scope)
-
-
-def _check(path_a, path_b, *, out, overwrite, method, scope, merge, dtype, eval_text, eval_images,
-           num_lambdas, batch_size, seq_len, eval_batches, options) -> _Inputs:
-  if method not in matching.METHODS:
-    raise InputError(f"--method must be one of {', '.join(matching.METHODS)}, got {method!r}")
-  if method == "learned" and eval_text is None and eval_images is None:
-    raise InputError("--method learned trains on the task loss: give --eval-text or --eval-images")
-  unknown = sorted(set(options) - set(MATCHING_OPTIONS))
-  if unknown:
-    raise InputError(f"unknown matching options {unknown}; known: {', '.join(MATCHING_OPTIONS)}")
-  if options.get("distance", "frobenius") not in matching.DISTANCES:
-    raise InputError(f"--distance must be one of {', '.join(matching.DISTANCES)}")
-  if merge is not None and not 0.0 <= merge <= 1.0:
-    raise InputError(f"--merge must lie in [0, 1], got {merge}")
-  if dtype not in DTYPES:
-    raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-  if eval_text is not None and eval_images is not None:
-    raise InputError("give --eval-text or --eval-images, not both")
-  evaluated = eval_text is not None or eval_images is not None
-  needed = {"tokenizers": eval_text is not None, "PIL": eval_images is not None,
-            "matplotlib": evaluated and out is not None}  # the tokenizer, images, the plot
-  missing = [m for m, need in needed.items() if need and importlib.util.find_spec(m) is None]
-  if missing:
-    raise InputError(f"the evaluation needs {', '.join(missing)}, which is not installed: "
-                     f"pip install 'attn_symmetry[align]'")
-  for name, value, least in (("--lambdas", num_lambdas, 3), ("--batch-size", batch_size, 1),
-                             ("--seq-len", seq_len, 1), ("--eval-batches", eval_batches, 1)):
-    if int(value) != value or value < least:
-      raise InputError(f"{name} must be an integer >= {least}, got {value}")
-  try:
-    a = safetensors_io.Checkpoint(path_a, "MODEL_A " + os.fspath(path_a))
-    b = safetensors_io.Checkpoint(path_b, "MODEL_B " + os.fspath(path_b))
-    difference = _architecture_difference(a, b)
-    if difference:
-      raise InputError(f"MODEL_A and MODEL_B have different architectures: {difference}")
-    model = Model(a.config)
-    safetensors_io.check_layout(a, model)
-    safetensors_io.check_layout(b, model)
-    if out is not None:
-      _check_out(os.fspath(out), overwrite, (a, b))
-    prefixes = _scope(model, scope)
-    batches = None
-    if eval_text is not None:
-      _same_tokenizer(a, b)
-      batches = _eval_files.text_batches(os.fspath(eval_text), a.path, model, a.hf_config,
-                                         batch_size=batch_size, seq_len=seq_len,
-                                         max_batches=eval_batches)
-    elif eval_images is not None:
-      batches = _eval_files.image_batches(os.fspath(eval_images), a.path, model, a.hf_config,
-                                          batch_size=batch_size, max_batches=eval_batches)
-  except InputError:
-    raise
-  except ValueError as e:
-    raise InputError(str(e)) from None
-  if method != "learned":
-    return _Inputs(a, b, model, prefixes, batches)
-  if len(batches) < 3:
-    raise InputError(f"--method learned needs at least 3 evaluation batches (training, held out, "
-                     f"curve); the data gives {len(batches)}")
-  train, holdout = len(batches) // 2, (len(batches) - len(batches) // 2) // 2
-  return _Inputs(a, b, model, prefixes, batches[train + holdout:], batches[:train],
-                 batches[train:train + holdout])
+    raise InputError(f"--scope {','.join(prefixes)} holds no whole attention site or factor to "
+                     "align")
+  return prefixes
 
 
 def _same_tokenizer(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint) -> None:
@@ -259,12 +422,101 @@ def _same_tokenizer(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint) 
         raise InputError(f"{a.name} and {b.name} have different tokenizer.json files")
 
 
-# ----------------------------------------------------------------------------- stages
+def _read_pair(path_a: str | os.PathLike, path_b: str | os.PathLike
+               ) -> tuple[safetensors_io.Checkpoint, safetensors_io.Checkpoint, Model]:
+  """Both folders' configs and tensor tables, checked to be of one architecture whose zoo model
+  their tensors fit (ValueError naming the folder otherwise)."""
+  a = safetensors_io.Checkpoint(path_a, "MODEL_A " + os.fspath(path_a))
+  b = safetensors_io.Checkpoint(path_b, "MODEL_B " + os.fspath(path_b))
+  difference = _architecture_difference(a, b)
+  if difference:
+    raise InputError(f"MODEL_A and MODEL_B have different architectures: {difference}")
+  model = Model(a.config)
+  safetensors_io.check_layout(a, model)
+  safetensors_io.check_layout(b, model)
+  return a, b, model
+
+
+def _evaluation_batches(options: _Options, a: safetensors_io.Checkpoint,
+                        b: safetensors_io.Checkpoint, model: Model
+                        ) -> list[dict[str, np.ndarray]] | None:
+  """The evaluation file's batches (``_eval_files``, with A's tokenizer or image processor
+  config), or None without one."""
+  if options.eval_text is not None:
+    _same_tokenizer(a, b)
+    return _eval_files.text_batches(options.eval_text, a.path, model, a.hf_config,
+                                    batch_size=options.batch_size, seq_len=options.seq_len,
+                                    max_batches=options.eval_batches)
+  if options.eval_images is not None:
+    return _eval_files.image_batches(options.eval_images, a.path, model, a.hf_config,
+                                     batch_size=options.batch_size,
+                                     max_batches=options.eval_batches)
+  return None
+
+
+def _split_for_learning(batches: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+  """Method "learned"'s split of the evaluation batches: (curve, training, held out), the first
+  half for training, the next quarter held out to choose the iterate, the rest for the curve.
+
+  Raises:
+    InputError: fewer than 3 batches.
+  """
+  if len(batches) < 3:
+    raise InputError(f"--method learned needs at least 3 evaluation batches (training, held out, "
+                     f"curve); the data gives {len(batches)}")
+  train, holdout = len(batches) // 2, (len(batches) - len(batches) // 2) // 2
+  return batches[train + holdout:], batches[:train], batches[train:train + holdout]
+
+
+def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: _Options) -> _Inputs:
+  """The checks that read files: both folders (``_read_pair``), the output folder, the scope on
+  the model, the evaluation file and its batches. Nothing is written.
+
+  Raises:
+    InputError: the first problem (every ValueError of the readers becomes one).
+  """
+  try:
+    a, b, model = _read_pair(path_a, path_b)
+    if options.out is not None:
+      _check_out(options.out, options.overwrite, (a, b))
+    prefixes = _scope(model, options.scope)
+    batches = _evaluation_batches(options, a, b, model)
+  except InputError:
+    raise
+  except ValueError as e:
+    raise InputError(str(e)) from None
+  if options.method != "learned":
+    return _Inputs(a, b, model, prefixes, batches)
+  return _Inputs(a, b, model, prefixes, *_split_for_learning(batches))
+
+
+def _check(path_a: str | os.PathLike, path_b: str | os.PathLike, options: _Options) -> _Inputs:
+  """The check stage: the options (``_check_options``), the evaluation's packages
+  (``_check_extras``), then the files (``_inspect``)."""
+  _check_options(options)
+  _check_extras(options)
+  return _inspect(path_a, path_b, options)
+
+
+# ----------------------------------------------------------------------------- load and align
+
+
+def _load(inputs: _Inputs) -> _Loaded:
+  """The load stage: both models' float32 parameters, one stored tensor at a time.
+
+  Raises:
+    InputError: a tensor holds NaN or Inf (``safetensors_io.load_params``).
+  """
+  try:
+    return _Loaded(safetensors_io.load_params(inputs.a, inputs.model),
+                   safetensors_io.load_params(inputs.b, inputs.model))
+  except ValueError as e:
+    raise InputError(str(e)) from None
 
 
 def _learned_options(model: Model, inputs: _Inputs, say: Callable[[str], None]) -> dict[str, Any]:
   """``align_model``'s loss, batches and progress for method "learned": the mean loss of the
-  evaluation file's first half, the iterate chosen on the next quarter (``_check``)."""
+  evaluation file's first half, the iterate chosen on the next quarter (``_split_for_learning``)."""
   metrics = _eval_files.metric_fn(model)
 
   def loss_fn(params, batch):
@@ -277,6 +529,41 @@ def _learned_options(model: Model, inputs: _Inputs, say: Callable[[str], None]) 
 
   return dict(loss_fn=loss_fn, batches=inputs.train, holdout_batches=inputs.holdout,
               progress=progress)
+
+
+def _match(inputs: _Inputs, options: _Options, loaded: _Loaded, say: Callable[[str], None]
+           ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(g, info) of ``matching.align_model`` of B to A on the scope, with the C heap's free pages
+  released between compiling a program and running it."""
+  extra = _learned_options(inputs.model, inputs, say) if options.method == "learned" else {}
+  with runtime.release_memory_after_compiles():
+    element, info = matching.align_model(inputs.model.spec, loaded.a, loaded.b,
+                                         scope=inputs.scope, method=options.method,
+                                         **options.matching, **extra)
+    jax.block_until_ready(element)
+  return element, info
+
+
+def _align(inputs: _Inputs, options: _Options, loaded: _Loaded, stage: _Stage) -> _Aligned:
+  """The align stage: g (``_match``, timed as the stage's part "align_model"), A and B folded
+  where g needs it, B' = g . B and the distances before and after.
+
+  Without an evaluation, A and B are taken out of ``loaded`` and each of B's groups is released
+  as soon as its part of B' is computed; with one, they stay there for the "before" path.
+  """
+  with stage.part("align_model", "matching"):
+    element, info = _match(inputs, options, loaded, stage.say)
+  keep = inputs.batches is not None
+  params_a, params_b = (loaded.a, loaded.b) if keep else loaded.take()
+  folded = bool(info.get("folded_norm_scales"))
+  if folded:
+    params_a = group_action.fold_norm_scales(inputs.model.spec, params_a)
+    params_b = group_action.fold_norm_scales(inputs.model.spec, params_b)
+  before = _distances(params_a, params_b)
+  aligned = _apply_by_group(inputs.model.spec, params_b, element, consume=not keep or folded)
+  del params_b
+  after = _distances(params_a, aligned)
+  return _Aligned(element, info, folded, params_a, aligned, {"before": before, "after": after})
 
 
 def _part_spec(spec: spec_lib.SymmetrySpec, paths: set[str]) -> spec_lib.SymmetrySpec:
@@ -337,8 +624,19 @@ def _distances(params_a: Params, params_b: Params) -> dict[str, Any]:
           "per_layer": {g: math.sqrt(squares[g]) for g in sorted(squares, key=_natural)}}
 
 
-def _evaluate(model: Model, batches, paths: dict[str, tuple[Params, Params]], num_lambdas: int
+# ----------------------------------------------------------------------------- evaluate and save
+
+
+def _evaluate(inputs: _Inputs, options: _Options, aligned: _Aligned, loaded: _Loaded
               ) -> dict[str, Any]:
+  """The evaluate stage: the curves of A to B ("before") and A to B' ("after") on the
+  evaluation batches (``_curves``). A and B are taken out of ``loaded``: released after it."""
+  paths = {"before": loaded.take(), "after": (aligned.params_a, aligned.params)}
+  return _curves(inputs.model, inputs.batches, paths, options.num_lambdas)
+
+
+def _curves(model: Model, batches, paths: dict[str, tuple[Params, Params]], num_lambdas: int
+            ) -> dict[str, Any]:
   """Loss and accuracy along each path, and the path's barriers."""
   evaluator = lmc.path_evaluator(_eval_files.metric_fn(model))
   lams = lmc.lambdas(num_lambdas)
@@ -369,7 +667,64 @@ def _plot(curves: dict[str, Any], path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
-def _save(out: str, overwrite: bool, writers: dict[str, Callable[[str], None]]) -> None:
+def _report(inputs: _Inputs, options: _Options, aligned: _Aligned, curves: dict[str, Any] | None,
+            seconds: dict[str, float]) -> dict[str, Any]:
+  """The report (DIR/report.json); ``seconds`` (the clock's, still filling) is its "time_s"."""
+  a, b, model = inputs.a, inputs.b, inputs.model
+  info = aligned.info
+  report = {
+      "model_a": os.path.abspath(a.path), "model_b": os.path.abspath(b.path),
+      "model_type": a.hf_config.get("model_type"), "config": dataclasses.asdict(model.config),
+      "parameters": inputs.parameters, "stored_dtypes": {"a": a.dtypes, "b": b.dtypes},
+      "dtype": options.dtype, "checkpoint_bytes": {"a": a.nbytes, "b": b.nbytes},
+      "method": options.method,
+      "scope": options.scope if isinstance(options.scope, str) else list(options.scope),
+      "scope_paths": inputs.scope, "merge": options.merge, "options": dict(options.matching),
+      "folded_norm_scales": aligned.folded,
+      "rounds": int(info["rounds"]) if "rounds" in info else 0,
+      "distance": aligned.distance,
+  }
+  if "learned" in info:
+    report["learned"] = runtime.jsonable(info["learned"])
+  if curves is not None:
+    report["barrier"] = {name: curves[name]["barrier"] for name in ("before", "after")}
+    report["eval"] = {"text": options.eval_text or None, "images": options.eval_images or None,
+                      "batches": len(inputs.batches), "batch_size": options.batch_size,
+                      "predictions": float(sum(np.sum(x["weights"]) for x in inputs.batches))}
+    if options.method == "learned":
+      report["eval"] |= {"training_batches": len(inputs.train),
+                         "holdout_batches": len(inputs.holdout)}
+  report["time_s"] = seconds
+  return report
+
+
+def _save(inputs: _Inputs, options: _Options, aligned: _Aligned, curves: dict[str, Any] | None,
+          report: dict[str, Any], stage: _Stage) -> list[str]:
+  """The save stage: B' to out/aligned_b, with ``merge`` the merged model to out/merged, the
+  curves to out/interpolation.json and .png, and last the report, its clock stopped just before
+  (``_replace_outputs``). Returns the paths written."""
+  a, b, model, dtype = inputs.a, inputs.b, inputs.model, options.dtype
+  writers = {"aligned_b": lambda p: safetensors_io.save_params(p, b, model, aligned.params,
+                                                               dtype=dtype)}
+  if options.merge is not None:
+    flat_a, merge = spec_lib.flatten(aligned.params_a), options.merge
+    writers["merged"] = lambda p: safetensors_io.save_params(
+        p, a, model, aligned.params, dtype=dtype,
+        leaf_fn=lambda path, leaf: _interpolate(flat_a[path], leaf, merge))
+  if curves is not None:
+    writers["interpolation.json"] = _write_json(curves)
+    writers["interpolation.png"] = lambda p: _plot(curves, p)
+
+  def write_report(path):
+    stage.stop()
+    _write_json(report)(path)
+
+  writers["report.json"] = write_report
+  _replace_outputs(options.out, options.overwrite, writers)
+  return [os.path.join(options.out, name) for name in writers]
+
+
+def _replace_outputs(out: str, overwrite: bool, writers: dict[str, Callable[[str], None]]) -> None:
   """Runs ``writers[name](tmp/name)`` in a temporary folder inside ``out``, then moves each
   result to ``out/name`` (with ``overwrite``, first removing every earlier ``OUTPUTS``)."""
   os.makedirs(out, exist_ok=True)
@@ -436,116 +791,47 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
       init, refine and solver.
 
   Returns:
-    ``Alignment(model, params_a, params, element, report)``.
+    ``Alignment(model, params_a, params, element, report)``: the zoo model, A's
+    and B' = g . B's float32 parameters (norm scales folded if
+    report["folded_norm_scales"]), the element g and the report.
 
   Raises:
     InputError: bad input (one line naming the folder, file, tensor, config
       key or option), before anything is written.
   """
-  say = progress or (lambda line: None)
-  times: dict[str, float] = {}
-  start = time.perf_counter()
-  inputs = _check(path_a, path_b, out=out, overwrite=overwrite, method=method, scope=scope,
-                  merge=merge, dtype=dtype, eval_text=eval_text, eval_images=eval_images,
+  fspath = lambda path: None if path is None else os.fspath(path)
+  opts = _Options(method=method, scope=scope if isinstance(scope, str) else tuple(scope),
+                  merge=merge, dtype=dtype, out=fspath(out), overwrite=overwrite,
+                  eval_text=fspath(eval_text), eval_images=fspath(eval_images),
                   num_lambdas=num_lambdas, batch_size=batch_size, seq_len=seq_len,
-                  eval_batches=eval_batches, options=options)
-  a, b, model = inputs.a, inputs.b, inputs.model
-  times["check"] = time.perf_counter() - start
-  size = sum(math.prod(s) for s in model.param_shapes.values())
-  say(f"check: {a.config.family} ({model.task}), {size / 1e6:.2f}M parameters; A "
-      f"{'+'.join(a.dtypes)} {a.nbytes / 1e6:.1f} MB, B {'+'.join(b.dtypes)} {b.nbytes / 1e6:.1f} MB "
-      f"({times['check']:.1f} s)")
-
-  start = time.perf_counter()
-  try:
-    params_a = safetensors_io.load_params(a, model)
-    params_b = safetensors_io.load_params(b, model)
-  except ValueError as e:
-    raise InputError(str(e)) from None
-  times["load"] = time.perf_counter() - start
-  runtime.release_free_memory()  # each stage starts from the live arrays (runtime's docstring)
-  say(f"load: both models in float32 ({times['load']:.1f} s)")
-
-  start = time.perf_counter()
-  if method == "learned":
-    options = dict(options, **_learned_options(model, inputs, say))
-  with runtime.release_memory_after_compiles():
-    element, info = matching.align_model(model.spec, params_a, params_b, scope=inputs.scope,
-                                         method=method, **options)
-    jax.block_until_ready(element)
-  times["align_model"] = time.perf_counter() - start
-  runtime.release_free_memory()
-  raw = (params_a, params_b) if inputs.batches is not None else None
-  folded = bool(info.get("folded_norm_scales"))
-  if folded:
-    params_a = group_action.fold_norm_scales(model.spec, params_a)
-    params_b = group_action.fold_norm_scales(model.spec, params_b)
-  before = _distances(params_a, params_b)
-  aligned = _apply_by_group(model.spec, params_b, element, consume=raw is None or folded)
-  del params_b
-  after = _distances(params_a, aligned)
-  times["align"] = time.perf_counter() - start
-  runtime.release_free_memory()
-  say(f"align: method {method}, distance {before['total']:.6g} -> {after['total']:.6g} "
-      f"(relative {before['relative']:.4g} -> {after['relative']:.4g}) ({times['align']:.1f} s, "
-      f"of which matching {times['align_model']:.1f} s)")
-
+                  eval_batches=eval_batches, matching=options)
+  clock = _Clock(progress)
+  with clock.stage("check") as stage:
+    inputs = _check(path_a, path_b, opts)
+    a, b = inputs.a, inputs.b
+    stage.summary = (f"{a.config.family} ({inputs.model.task}), {inputs.parameters / 1e6:.2f}M "
+                     f"parameters; A {'+'.join(a.dtypes)} {a.nbytes / 1e6:.1f} MB, B "
+                     f"{'+'.join(b.dtypes)} {b.nbytes / 1e6:.1f} MB")
+  with clock.stage("load") as stage:
+    loaded = _load(inputs)
+    stage.summary = "both models in float32"
+  with clock.stage("align") as stage:
+    aligned = _align(inputs, opts, loaded, stage)
+    before, after = aligned.distance["before"], aligned.distance["after"]
+    stage.summary = (f"method {method}, distance {before['total']:.6g} -> {after['total']:.6g} "
+                     f"(relative {before['relative']:.4g} -> {after['relative']:.4g})")
   curves = None
   if inputs.batches is not None:
-    start = time.perf_counter()
-    curves = _evaluate(model, inputs.batches, {"before": raw, "after": (params_a, aligned)},
-                       num_lambdas)
-    del raw
-    times["evaluate"] = time.perf_counter() - start
-    runtime.release_free_memory()
-    say(f"evaluate: {num_lambdas} lambdas x 2 paths on {len(inputs.batches)} batches, loss barrier "
-        f"{curves['before']['barrier']['loss']:.4g} -> {curves['after']['barrier']['loss']:.4g} "
-        f"({times['evaluate']:.1f} s)")
-
-  report = {
-      "model_a": os.path.abspath(a.path), "model_b": os.path.abspath(b.path),
-      "model_type": a.hf_config.get("model_type"), "config": dataclasses.asdict(model.config),
-      "parameters": size, "stored_dtypes": {"a": a.dtypes, "b": b.dtypes}, "dtype": dtype,
-      "checkpoint_bytes": {"a": a.nbytes, "b": b.nbytes},
-      "method": method, "scope": scope if isinstance(scope, str) else list(scope),
-      "scope_paths": inputs.scope, "merge": merge,
-      "options": {k: v for k, v in options.items() if k in MATCHING_OPTIONS},
-      "folded_norm_scales": folded, "rounds": int(info["rounds"]) if "rounds" in info else 0,
-      "distance": {"before": before, "after": after},
-  }
-  if "learned" in info:
-    report["learned"] = runtime.jsonable(info["learned"])
-  if curves is not None:
-    report["barrier"] = {name: curves[name]["barrier"] for name in ("before", "after")}
-    report["eval"] = {"text": os.fspath(eval_text) if eval_text else None,
-                      "images": os.fspath(eval_images) if eval_images else None,
-                      "batches": len(inputs.batches), "batch_size": batch_size,
-                      "predictions": float(sum(np.sum(x["weights"]) for x in inputs.batches))}
-    if method == "learned":
-      report["eval"] |= {"training_batches": len(inputs.train),
-                         "holdout_batches": len(inputs.holdout)}
-  report["time_s"] = times
-  if out is not None:
-    out = os.fspath(out)
-    start = time.perf_counter()
-    writers = {"aligned_b": lambda p: safetensors_io.save_params(p, b, model, aligned, dtype=dtype)}
-    if merge is not None:
-      flat_a = spec_lib.flatten(params_a)
-      writers["merged"] = lambda p: safetensors_io.save_params(
-          p, a, model, aligned, dtype=dtype,
-          leaf_fn=lambda path, leaf: _interpolate(flat_a[path], leaf, merge))
-    if curves is not None:
-      writers["interpolation.json"] = _write_json(curves)
-      writers["interpolation.png"] = lambda p: _plot(curves, p)
-
-    def write_report(path):
-      times["save"] = time.perf_counter() - start
-      _write_json(report)(path)
-
-    writers["report.json"] = write_report
-    _save(out, overwrite, writers)
-    say(f"save: {', '.join(os.path.join(out, w) for w in writers)} ({times['save']:.1f} s)")
-  return Alignment(model, params_a, aligned, element, report)
+    with clock.stage("evaluate") as stage:
+      curves = _evaluate(inputs, opts, aligned, loaded)
+      stage.summary = (f"{num_lambdas} lambdas x 2 paths on {len(inputs.batches)} batches, loss "
+                       f"barrier {curves['before']['barrier']['loss']:.4g} -> "
+                       f"{curves['after']['barrier']['loss']:.4g}")
+  report = _report(inputs, opts, aligned, curves, clock.seconds)
+  if opts.out is not None:
+    with clock.stage("save") as stage:
+      stage.summary = ", ".join(_save(inputs, opts, aligned, curves, report, stage))
+  return Alignment(inputs.model, aligned.params_a, aligned.params, aligned.element, report)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -586,9 +872,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--solver", help="the full method's refinement: gauss_newton, adam")
   parser.add_argument("--distance", help="Stage 1 head distance")
   parser.add_argument("--quiet", action="store_true", help="no progress lines")
-  parser.add_argument("--compilation-cache", metavar="DIR", default=COMPILATION_CACHE,
+  parser.add_argument("--compilation-cache", metavar="DIR", default=runtime.COMPILATION_CACHE,
                       help="JAX's persistent compilation cache: a later alignment of the same "
-                           f"architecture skips compiling (default {COMPILATION_CACHE}; '' off)")
+                           "architecture skips compiling (default "
+                           f"{runtime.COMPILATION_CACHE}; '' off)")
 
 
 def _run(args: argparse.Namespace, prog: str) -> int:

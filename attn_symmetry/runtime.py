@@ -1,6 +1,8 @@
-"""Host-side helpers for programs built on the library: JSON values, LAPACK threads, memory.
+"""Host-side helpers for programs built on the library: JSON values, LAPACK threads, memory,
+the compilation cache's default folder.
 
     from attn_symmetry import runtime
+    jax.config.update("jax_compilation_cache_dir", runtime.COMPILATION_CACHE)
     json.dump(runtime.jsonable({"perm": jnp.arange(3), "loss": np.float32(0.5)}), f)
     with runtime.single_threaded_blas():   # jaxlib's LAPACK calls on CPU, one thread each
       element, info = matching.align_model(spec, params_a, params_b)
@@ -31,6 +33,12 @@ libraries). Compiling a large program leaves such pages too (XLA's and LLVM's
 working memory), and a jitted call runs the program right after compiling it:
 ``release_memory_after_compiles`` returns them in between, so that they do not
 sit beside the program's temporaries at its peak.
+
+``COMPILATION_CACHE`` is the default folder of JAX's persistent compilation
+cache of the programs built on the library (``attn-symmetry align``'s
+``--compilation-cache``, ``experiments/main.py``'s ``--compilation_cache``): one
+folder for all of them, so that a program compiled by one run is loaded from
+disk by every later run that builds it.
 """
 
 from __future__ import annotations
@@ -39,11 +47,15 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import os
+import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
+
+COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), "attn_symmetry", "jax_cache")
 
 
 def jsonable(tree: Any) -> Any:

@@ -38,7 +38,7 @@ config_flags.DEFINE_config_file("config", None, "A setting in experiments/config
 flags.DEFINE_string("workdir", None, "Directory of checkpoints, metrics and reports.")
 flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() first.")
 flags.DEFINE_string(
-    "compilation_cache", os.path.join(tempfile.gettempdir(), "attn_symmetry", "jax_cache"),
+    "compilation_cache", runtime.COMPILATION_CACHE,
     "JAX's persistent compilation cache: programs compiled once (a model's training step, "
     "align_model for a scope) load from here in later runs of any setting. '' turns it off.")
 flags.mark_flag_as_required("config")

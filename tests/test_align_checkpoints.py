@@ -8,6 +8,7 @@ must give A back (norm scales folded where an RMSNorm model aligns an
 orthogonal residual), B's function, and files that transformers loads.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -342,6 +343,44 @@ def test_planted_pair_is_recovered(family, tmp_path):
   if family == "vit":
     assert result.report["barrier"]["after"]["loss"] <= 1e-4
     assert os.path.exists(os.path.join(out, "interpolation.png"))
+
+
+def test_stages_run_alone_and_release_b(tmp_path):
+  """The stage functions, called one by one on a planted GPT-2 pair, recover A. B stays loaded
+  only while a stage needs it: without an evaluation the align stage takes A and B out of the
+  load stage's holder and empties B group by group; with one, they stay for the evaluate stage,
+  which takes them."""
+  a = _save_model("gpt2", str(tmp_path / "a"))
+  _tokenizer(a, WORDS)
+  b = _plant("gpt2", a, str(tmp_path / "b"), seed=4)
+  text = tmp_path / "text.txt"
+  text.write_text("\n".join(" ".join(WORDS[i:i + 9]) for i in range(len(WORDS) - 9)))
+  options = align._Options(method="full", scope="full", merge=None, dtype="keep", out=None,
+                           overwrite=False, eval_text=str(text), eval_images=None, num_lambdas=3,
+                           batch_size=2, seq_len=8, eval_batches=2, matching=EXACT)
+  inputs = align._check(a, b, options)
+  assert inputs.model.config.family == "gpt2" and inputs.scope == [""]
+  assert len(inputs.batches) == 2 and inputs.batches[0]["inputs"].shape == (2, 8)
+  clock = align._Clock()
+
+  loaded = align._load(inputs)
+  with clock.stage("align") as stage:
+    aligned = align._align(inputs, options, loaded, stage)
+  assert loaded.a is not None and loaded.b is not None  # kept for the "before" path
+  assert aligned.distance["after"]["relative"] <= TOL < aligned.distance["before"]["relative"]
+  curves = align._evaluate(inputs, options, aligned, loaded)
+  assert loaded.a is None and loaded.b is None
+  assert curves["after"]["barrier"]["loss"] <= 1e-4
+
+  plain = dataclasses.replace(inputs, batches=None)
+  loaded = align._load(plain)
+  params_b = loaded.b
+  with clock.stage("align") as stage:
+    again = align._align(plain, dataclasses.replace(options, eval_text=None), loaded, stage)
+  assert loaded.a is None and loaded.b is None and params_b == {}  # consumed group by group
+  for path, leaf in align.spec_lib.flatten(again.params).items():
+    np.testing.assert_array_equal(leaf, align.spec_lib.flatten(aligned.params)[path])
+  assert set(clock.seconds) == {"align", "align_model"}
 
 
 def test_bfloat16_stays_bfloat16(tmp_path):

@@ -1,0 +1,180 @@
+"""``attn_symmetry.align``'s parts that need no checkpoint: the option checks, the split of the
+evaluation batches for method "learned", the stages' clock and the compilation cache default.
+
+The option checks (``align._check_options``) look at the options alone: they are run here with
+paths that do not exist and with every way of reading a file made to fail.
+"""
+
+import argparse
+import builtins
+import dataclasses
+import importlib.util
+import os
+import re
+
+import pytest
+
+from attn_symmetry import align
+from attn_symmetry import runtime
+
+NOWHERE = os.path.join(os.sep, "no", "such", "folder")
+# align_checkpoints' defaults, with an output folder and an evaluation file that do not exist.
+VALID = align._Options(
+    method="full", scope="full", merge=None, dtype="keep", out=os.path.join(NOWHERE, "out"),
+    overwrite=False, eval_text=os.path.join(NOWHERE, "valid.txt"), eval_images=None,
+    num_lambdas=11, batch_size=8, seq_len=128, eval_batches=8, matching={})
+
+
+def _options(**changes):
+  return dataclasses.replace(VALID, **changes)
+
+
+@pytest.fixture
+def no_file_access(monkeypatch):
+  """Every open, stat and listdir (the folder checks, the checkpoint and evaluation readers)
+  raises for the duration of the test."""
+  def refuse(*args, **kwargs):
+    raise AssertionError(f"a file was looked at: {args}")
+
+  for module, name in ((builtins, "open"), (os, "stat"), (os, "listdir"), (os, "scandir"),
+                       (os, "access")):
+    monkeypatch.setattr(module, name, refuse)
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    dict(eval_text=None, out=None),
+    dict(eval_text=None, eval_images=NOWHERE),
+    dict(method="learned"),
+    dict(method="naive", scope="first_attention"),
+    dict(scope="layers_0/attention,layers_1"),
+    dict(scope=("layers_0/attention", "layers_1")),
+    dict(scope=("",)),  # the whole model, as scope "full" is
+    dict(merge=0.0), dict(merge=1.0), dict(merge=0.5, dtype="float32"),
+    dict(num_lambdas=3, batch_size=1, seq_len=1, eval_batches=1),
+    dict(matching=dict(distance="cosine", steps=0, init="best", max_rounds=2)),
+], ids=repr)
+def test_good_options_pass_without_reading_a_file(changes, no_file_access):
+  align._check_options(_options(**changes))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(method="best"),
+     r"--method must be one of naive, perm, ortho, full, learned, got 'best'"),
+    (dict(method="learned", eval_text=None),
+     r"--method learned trains on the task loss: give --eval-text or --eval-images"),
+    (dict(matching=dict(steps=3, lr=0.1, temperature=1)),
+     r"unknown matching options \['lr', 'temperature'\]; known: distance, steps, learning_rate, "
+     r"max_rounds, init, refine, solver"),
+    (dict(matching=dict(distance="l1")), r"--distance must be one of frobenius, squared, "),
+    (dict(scope=","), r"--scope  holds no whole attention site or factor to align"),
+    (dict(scope=()), r"--scope  holds no whole attention site or factor to align"),
+    (dict(scope=("layers_0", 3)),
+     r"--scope: scope entries must be path prefixes \(str\), got 3 \(scopes: .*full, or path "
+     r"prefixes\)"),
+    (dict(merge=1.5), r"--merge must lie in \[0, 1\], got 1.5"),
+    (dict(merge=-0.1), r"--merge must lie in \[0, 1\], got -0.1"),
+    (dict(dtype="bfloat16"), r"--dtype must be one of keep, float32, got 'bfloat16'"),
+    (dict(eval_images=NOWHERE), r"give --eval-text or --eval-images, not both"),
+    (dict(num_lambdas=2), r"--lambdas must be an integer >= 3, got 2"),
+    (dict(batch_size=0), r"--batch-size must be an integer >= 1, got 0"),
+    (dict(seq_len=1.5), r"--seq-len must be an integer >= 1, got 1.5"),
+    (dict(eval_batches=-1), r"--eval-batches must be an integer >= 1, got -1"),
+], ids=repr)
+def test_bad_options_are_refused_without_reading_a_file(changes, message, no_file_access):
+  with pytest.raises(align.InputError) as refusal:
+    align._check_options(_options(**changes))
+  assert re.fullmatch(message + ".*", str(refusal.value)), str(refusal.value)
+  assert "\n" not in str(refusal.value)
+
+
+def test_the_first_bad_option_is_named():
+  """Method, then matching options, scope, merge, dtype, the evaluation flags, the sizes."""
+  bad = dict(method="best", matching=dict(lr=1), scope=",", merge=2.0, dtype="x",
+             eval_images=NOWHERE, num_lambdas=1)
+  named = []
+  while bad:
+    with pytest.raises(align.InputError) as refusal:
+      align._check_options(_options(**bad))
+    named.append(re.match(r"(--[\w-]+|unknown matching options|give)", str(refusal.value))[0])
+    bad.pop(next(iter(bad)))
+  assert named == ["--method", "unknown matching options", "--scope", "--merge", "--dtype", "give",
+                   "--lambdas"]
+
+
+def test_missing_evaluation_packages_are_named(monkeypatch):
+  """An evaluation needs the [align] extra's packages: those missing are named, and none is
+  looked for without an evaluation."""
+  looked_for, real_find_spec = [], importlib.util.find_spec
+
+  def find_spec(name, *args):
+    looked_for.append(name)
+    return None if name in ("PIL", "matplotlib") else real_find_spec(name, *args)
+
+  monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+  align._check_extras(_options(eval_text=None))
+  assert looked_for == []
+  align._check_extras(_options(out=None))  # text without an output folder: no plot
+  with pytest.raises(align.InputError, match=r"^the evaluation needs matplotlib, which is not "
+                                             r"installed: pip install 'attn_symmetry\[align\]'$"):
+    align._check_extras(VALID)
+  with pytest.raises(align.InputError, match=r"^the evaluation needs PIL, matplotlib, which"):
+    align._check_extras(_options(eval_text=None, eval_images=NOWHERE))
+
+
+@pytest.mark.parametrize("count", range(3, 21))
+def test_learned_method_splits_the_batches_in_order(count):
+  """Training on the first half, held out on the next quarter, the curve on the rest: each part
+  non-empty, together every batch once, in order."""
+  curve, train, holdout = align._split_for_learning(list(range(count)))
+  assert train + holdout + curve == list(range(count))
+  assert len(train) == count // 2 and len(holdout) == (count - count // 2) // 2
+  assert min(len(curve), len(train), len(holdout)) >= 1
+
+
+def test_learned_method_needs_three_batches():
+  with pytest.raises(align.InputError, match=r"^--method learned needs at least 3 evaluation "
+                                             r"batches \(training, held out, curve\); the data "
+                                             r"gives 2$"):
+    align._split_for_learning([0, 1])
+
+
+def test_clock_says_and_times_each_stage(monkeypatch):
+  """One line per stage that ends, its seconds in order (a part before its stage), the heap
+  released after every stage and part; a stage that raises says and records nothing."""
+  now = iter(range(0, 100, 2))
+  monkeypatch.setattr(align.time, "perf_counter", lambda: float(next(now)))
+  releases = []
+  monkeypatch.setattr(runtime, "release_free_memory", lambda: releases.append(1) or True)
+  lines = []
+  clock = align._Clock(lines.append)
+  with clock.stage("load") as stage:            # starts at 0
+    stage.summary = "both models"
+  with clock.stage("align") as stage:           # 4 ... 10
+    with stage.part("align_model", "matching"):  # 6 ... 8
+      stage.say("learned: step 1/1")
+    stage.summary = "distance 1 -> 0"
+  with clock.stage("save") as stage:            # 12: stopped at 14, not at its end
+    stage.stop()
+    stage.stop()
+    stage.summary = "out/report.json"
+  with pytest.raises(align.InputError):
+    with clock.stage("evaluate") as stage:
+      raise align.InputError("no")
+  assert lines == ["load: both models (2.0 s)", "learned: step 1/1",
+                   "align: distance 1 -> 0 (6.0 s, of which matching 2.0 s)",
+                   "save: out/report.json (2.0 s)"]
+  assert clock.seconds == {"load": 2.0, "align_model": 2.0, "align": 6.0, "save": 2.0}
+  assert list(clock.seconds) == ["load", "align_model", "align", "save"]
+  assert len(releases) == 4
+
+
+def test_one_compilation_cache_default():
+  """The align command and the experiments default to one cache folder (runtime's)."""
+  from experiments import main  # pylint: disable=g-import-not-at-top
+
+  parser = argparse.ArgumentParser()
+  align._add_arguments(parser)
+  assert parser.get_default("compilation_cache") == runtime.COMPILATION_CACHE
+  assert main.FLAGS["compilation_cache"].default == runtime.COMPILATION_CACHE
+  assert runtime.COMPILATION_CACHE.endswith(os.path.join("attn_symmetry", "jax_cache"))
