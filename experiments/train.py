@@ -71,6 +71,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -361,7 +362,7 @@ def check_data(config: ml_collections.ConfigDict) -> None:
 def _first_nonfinite(steps: list[int], metrics: list[dict[str, np.ndarray]]):
   """(step, loss) of the first non-finite training loss, or None.
 
-  The run stops there, keeping its last good checkpoint (``_loop``), rather
+  The run stops there, keeping its last good checkpoint (``_RunLoop.check_finite``), rather
   than skipping the step as ``optax.apply_if_finite`` would: a skipped step
   leaves a run that no longer follows its schedule and data order, which the
   study's reruns and resumes rely on to reproduce it bit for bit.
@@ -390,6 +391,178 @@ def _optimizer_and_step(config, model, sched, trainable, mesh):
     _TRAIN_STEPS[key] = (optimizer, jax.jit(lr),
                          make_train_step(model, optimizer, trainable, mesh))
   return _TRAIN_STEPS[key]
+
+
+@dataclasses.dataclass
+class _RunLoop:
+  """One run's training from its restored step to its end: the state carried from one
+  chunk of steps to the next, and the named steps that end a chunk (``run_to_end``).
+
+  A chunk is the steps up to the next one at which anything falls due (``due``:
+  logging, test evaluation, a checkpoint, validation, or the budget's last step).
+  The device takes them without the host waiting; then the host checks their
+  losses, logs, validates (which may end the run), evaluates and saves.
+
+  Attributes:
+    run: the run.
+    config: its setting.
+    model: its model.
+    mesh: the mesh that every batch is split over.
+    state: {"params", "opt_state"}, replicated; every step donates it and
+      returns the next.
+    step: the last step taken (at the start, the restored one; 0 for a new run).
+    num_steps: the budget: the schedule's last step.
+    how: how the run ended, "plateau" or "budget" (as ``ended``); None while
+      it runs. A run restored at its end takes no step.
+    batches: the training batches from the one after ``step``'s; their
+      position is saved in every checkpoint.
+    train_step: ``make_train_step``'s jitted step.
+    lr: the learning-rate schedule (logged at every logging step).
+    ckpts: the run's checkpoints.
+    writer: the run's metric writer.
+    plateau: the state of the stopping rule; None for a run without it.
+    meta: what every checkpoint's meta records besides the step, the data
+      position and the stopping rule's state.
+    start: the step the loop started from.
+    last_saved: the step of the newest checkpoint.
+    final: the newest test evaluation (None before the first).
+    progress: the progress meter of the logging lines.
+  """
+  run: Run
+  config: ml_collections.ConfigDict
+  model: models.Model
+  mesh: jax.sharding.Mesh
+  state: dict[str, Any]
+  step: int
+  num_steps: int
+  how: str | None
+  batches: Any
+  train_step: Callable
+  lr: optax.Schedule
+  ckpts: checkpoints.RunCheckpoints
+  writer: metric_writers.MetricWriter
+  plateau: Plateau | None
+  meta: dict[str, Any]
+  start: int = dataclasses.field(init=False)
+  last_saved: int = dataclasses.field(init=False)
+  final: dict[str, float] | None = dataclasses.field(init=False, default=None)
+  progress: metric_writers.Progress = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    self.start = self.last_saved = self.step
+    self.progress = metric_writers.Progress(self.num_steps)
+
+  def run_to_end(self) -> dict[str, float]:
+    """Trains chunk by chunk until the run ends; returns the test evaluation at its end."""
+    while self.how is None:
+      metrics = self.train_chunk()
+      due = self.due(self.step)
+      self.check_finite(metrics)
+      if "log" in due:
+        self.log(metrics)
+      self.decide_end(due)
+      if "evaluate" in due or self.how is not None:
+        self.evaluate()
+      if "save" in due or self.how is not None:
+        self.save()
+    if self.final is None:  # Complete on disk, but its final evaluation was lost.
+      self.evaluate(report=False)
+    return self.final
+
+  def intervals(self) -> dict[str, int]:
+    """Steps between the things that fall due: {"log", "evaluate", "save"} from
+    ``config.train``, and "validate" under the stopping rule."""
+    t = self.config.train
+    every = {"log": t.log_every, "evaluate": t.eval_every, "save": t.checkpoint_every}
+    if self.plateau is not None:
+      every["validate"] = self.plateau.rule.validate_every
+    return every
+
+  def due(self, step: int) -> set[str]:
+    """What falls due at ``step``: each name of ``intervals`` whose interval divides it, and
+    all of them at the budget's last step."""
+    return {name for name, every in self.intervals().items()
+            if step % every == 0 or step == self.num_steps}
+
+  def chunk_end(self) -> int:
+    """The first step after ``step`` at which anything falls due (``due``)."""
+    return min([self.num_steps] + [(self.step // every + 1) * every
+                                   for every in self.intervals().values()])
+
+  def train_chunk(self) -> list[dict[str, np.ndarray]]:
+    """Takes the steps up to ``chunk_end`` and returns their {"loss", "accuracy"}, on the
+    host. The progress meter starts after the loop's first step (its compilation)."""
+    end, metrics = self.chunk_end(), []
+    for step in range(self.step + 1, end + 1):
+      self.state, m = self.train_step(self.state,
+                                      inputs.shard_batch(next(self.batches), self.mesh))
+      metrics.append(m)
+      if step == self.start + 1:  # The ETA counts from here, after compilation.
+        jax.block_until_ready(m)
+        self.progress.begin(step)
+    self.step = end
+    return inputs.to_host(metrics)
+
+  def check_finite(self, metrics: list[dict[str, np.ndarray]]) -> None:
+    """Raises FloatingPointError at the first non-finite loss of the chunk ``metrics``,
+    naming the newest checkpoint, which is kept."""
+    bad = _first_nonfinite(range(self.step - len(metrics) + 1, self.step + 1), metrics)
+    if bad:
+      raise FloatingPointError(
+          f"{self.run.name}: the training loss is {bad[1]} at step {bad[0]}; training stopped. "
+          f"The last good checkpoint (step {self.last_saved}) is kept in "
+          f"{self.ckpts.directory}.")
+
+  def log(self, metrics: list[dict[str, np.ndarray]]) -> None:
+    """Writes and logs the chunk's mean training loss and accuracy, and the learning rate."""
+    means = {k: float(np.mean([m[k] for m in metrics])) for k in ("loss", "accuracy")}
+    self.writer.write_scalars(self.step, {"train/loss": means["loss"],
+                                          "train/accuracy": means["accuracy"],
+                                          "train/learning_rate": float(self.lr(self.step - 1))})
+    log.info("%s %s", self.run.name, self.progress.line(self.step, means))
+
+  def decide_end(self, due: set[str]) -> None:
+    """Sets ``how`` if the run ends at this step: validates when due and stops at a
+    plateau (``Plateau.observe``); at the budget's last step it ends anyway."""
+    last = self.step == self.num_steps
+    if "validate" not in due:
+      self.how = "budget" if last else None
+      return
+    valid = evaluation.evaluate(self.model, self.state["params"],
+                                inputs.validation_batches(self.config, self.run.dataset),
+                                mesh=self.mesh)
+    self.writer.write_scalars(self.step, {f"validation/{k}": v for k, v in valid.items()})
+    plateau = self.plateau
+    stop = plateau.observe(self.step, valid["loss"])
+    self.how = "plateau" if stop else "budget" if last else None
+    log.info("%s step %d validation loss %.4f (best %.4f at step %d)", self.run.name, self.step,
+             valid["loss"], plateau.best_loss, plateau.best_step)
+    if stop:
+      log.info("%s: no improvement of the validation loss by more than %g relative in %d "
+               "evaluations; stopped at step %d of %d", self.run.name, plateau.rule.min_delta,
+               plateau.rule.patience, self.step, self.num_steps)
+
+  def evaluate(self, report: bool = True) -> None:
+    """Sets ``final`` to the loss and accuracy on the test split (reported, never used for a
+    decision) of the current parameters; writes and logs them if ``report``."""
+    self.final = evaluation.evaluate(self.model, self.state["params"],
+                                     inputs.eval_batches(self.config, self.run.dataset),
+                                     mesh=self.mesh)
+    if report:
+      self.writer.write_scalars(self.step, {f"eval/{k}": v for k, v in self.final.items()})
+      log.info("%s step %d eval %s", self.run.name, self.step,
+               " ".join(f"{k} {v:.4f}" for k, v in self.final.items()))
+
+  def save(self) -> None:
+    """Saves a checkpoint of this step: parameters, optimiser state, data position, the
+    stopping rule's state and, at the end, how the run ended."""
+    extra = {} if self.plateau is None else {"stopping": self.plateau.to_meta()}
+    if self.how is not None:
+      extra["stopped"] = self.how
+    self.ckpts.save(self.step, self.state["params"], self.state["opt_state"],
+                    {**self.meta, **extra, "step": self.step,
+                     "data_state": self.batches.get_state()})
+    self.last_saved = self.step
 
 
 class Trainer:
@@ -496,24 +669,55 @@ class Trainer:
     finally:
       ckpts.close()
 
-  def _train(self, run, directory, ckpts) -> dict[str, Any]:
+  def _train(self, run: Run, directory: str, ckpts: checkpoints.RunCheckpoints
+             ) -> dict[str, Any]:
+    """``train`` with the run's checkpoints open: skip, or train to the end and record it."""
     final_path = os.path.join(directory, "final_metrics.json")
-    num_steps = schedule(self.config, run).num_steps
+    saved = self._result_if_complete(run, ckpts, final_path)
+    if saved is not None:
+      return saved
+    params, trainable, base = self._initial_params(run)
+    loop = self._start_loop(run, directory, ckpts, params, trainable)
+    try:
+      final = loop.run_to_end()
+    finally:
+      ckpts.wait()
+      loop.writer.close()
+    if base is not None:
+      changed = reinit.changed_frozen(base, loop.state["params"], trainable)
+      if changed:
+        raise RuntimeError(f"{run.name}: frozen parameters changed during fine-tuning: {changed}")
+    final = {**final, "steps": loop.step, "stopped": loop.how,
+             **(loop.plateau.record() if loop.plateau is not None else {})}
+    checkpoints.on_process_0(lambda: atomic_io.write_json(final_path, final), f"final {directory}")
+    return final
+
+  def _result_if_complete(self, run: Run, ckpts: checkpoints.RunCheckpoints, final_path: str
+                          ) -> dict[str, Any] | None:
+    """The final evaluation saved in ``final_path`` if ``run`` is complete (its newest
+    checkpoint intact and recording the run's end), else None."""
     saved = atomic_io.read_json_or_none(final_path, "final evaluation")
     latest = ckpts.latest_step()
-    if saved is not None and latest is not None:
-      abstract = checkpoints.abstract_like(jax.eval_shape(self.model.init, jax.random.key(0)),
-                                           self._replicated)
-      intact = self._newest_intact(
-          run, ckpts, lambda s: (ckpts.restore_params(s, abstract), ckpts.restore_meta(s)))
-      if intact is not None and intact[0] == latest:
-        how = ended(intact[1][1], latest, num_steps)
-        if how is not None:
-          log.info("%s: complete (step %d, %s), skipped", run.name, latest, _STOPS[how])
-          return saved
-    params, trainable, base = self._initial_params(run)
-    optimizer, lr, train_step = _optimizer_and_step(self.config, self.model,
-                                                    schedule(self.config, run), trainable,
+    if saved is None or latest is None:
+      return None
+    abstract = checkpoints.abstract_like(jax.eval_shape(self.model.init, jax.random.key(0)),
+                                         self._replicated)
+    intact = self._newest_intact(
+        run, ckpts, lambda s: (ckpts.restore_params(s, abstract), ckpts.restore_meta(s)))
+    if intact is None or intact[0] != latest:
+      return None
+    how = ended(intact[1][1], latest, schedule(self.config, run).num_steps)
+    if how is None:
+      return None
+    log.info("%s: complete (step %d, %s), skipped", run.name, latest, _STOPS[how])
+    return saved
+
+  def _start_loop(self, run: Run, directory: str, ckpts: checkpoints.RunCheckpoints,
+                  params: Params, trainable: Params) -> _RunLoop:
+    """The training loop of ``run`` from ``params`` (step 0), or from its newest intact
+    checkpoint: parameters, optimiser state, data position and stopping-rule state."""
+    sched = schedule(self.config, run)
+    optimizer, lr, train_step = _optimizer_and_step(self.config, self.model, sched, trainable,
                                                     self.mesh)
     state = {"params": params, "opt_state": optimizer.init(params)}
     batches = inputs.train_batches(self.config, run.dataset, seed=run.seed)
@@ -524,7 +728,7 @@ class Trainer:
     if intact is not None:
       start, (state["params"], state["opt_state"], meta) = intact
       batches.set_state(meta["data_state"])
-      if ended(meta, start, num_steps) is None:
+      if ended(meta, start, sched.num_steps) is None:
         log.info("%s: resuming from step %d in %s", run.name, start, ckpts.directory)
     else:
       state = jax.device_put(state, self._replicated)
@@ -533,98 +737,11 @@ class Trainer:
     arch = checkpoints.architecture(self.model.config.family, jax.eval_shape(lambda: params))
     writer = metric_writers.MetricWriter(directory, resume_step=start,
                                          enabled=jax.process_index() == 0)
-    try:
-      state, final, step, how = self._loop(
-          run, state, start, num_steps, ended(meta, start, num_steps), batches, train_step, lr,
-          ckpts, writer, {"run": run.name, "architecture": arch}, plateau)
-    finally:
-      ckpts.wait()
-      writer.close()
-    if base is not None:
-      changed = reinit.changed_frozen(base, state["params"], trainable)
-      if changed:
-        raise RuntimeError(f"{run.name}: frozen parameters changed during fine-tuning: {changed}")
-    final = {**final, "steps": step, "stopped": how,
-             **(plateau.record() if plateau is not None else {})}
-    checkpoints.on_process_0(lambda: atomic_io.write_json(final_path, final), f"final {directory}")
-    return final
-
-  def _evaluate(self, run: Run, params: Params) -> dict[str, float]:
-    """Loss and accuracy on the test split: reported, never used for a decision."""
-    return evaluation.evaluate(self.model, params, inputs.eval_batches(self.config, run.dataset),
-                               mesh=self.mesh)
-
-  def _validate(self, run: Run, params: Params) -> dict[str, float]:
-    """Loss and accuracy on ``config.dataset.validation_split``, for the stopping rule."""
-    return evaluation.evaluate(self.model, params,
-                               inputs.validation_batches(self.config, run.dataset),
-                               mesh=self.mesh)
-
-  def _loop(self, run, state, start, num_steps, how, batches, train_step, lr, ckpts, writer,
-            meta, plateau):
-    """Steps start+1 .. num_steps with logging, evaluation, checkpoints, and the stopping
-    rule when ``plateau`` is given; none if the run already ended (``how``, as ``ended``).
-
-    Returns:
-      (state, final test evaluation, the run's last step, how it ended).
-    """
-    t = self.config.train
-    progress = metric_writers.Progress(num_steps)
-    pending, last_saved, final, step = [], start, None, start
-    for step in range(start + 1, num_steps + 1 if how is None else start + 1):
-      state, metrics = train_step(state, inputs.shard_batch(next(batches), self.mesh))
-      pending.append(metrics)
-      if step == start + 1:  # The ETA counts from here, after compilation.
-        jax.block_until_ready(metrics)
-        progress.begin(step)
-      last = step == num_steps
-      do_log, do_eval = step % t.log_every == 0 or last, step % t.eval_every == 0 or last
-      do_save = step % t.checkpoint_every == 0 or last
-      do_validate = plateau is not None and (step % plateau.rule.validate_every == 0 or last)
-      if not (do_log or do_eval or do_save or do_validate):
-        continue
-      pending = inputs.to_host(pending)
-      bad = _first_nonfinite(range(step - len(pending) + 1, step + 1), pending)
-      if bad:
-        raise FloatingPointError(
-            f"{run.name}: the training loss is {bad[1]} at step {bad[0]}; training stopped. "
-            f"The last good checkpoint (step {last_saved}) is kept in {ckpts.directory}.")
-      if do_log:
-        means = {k: float(np.mean([m[k] for m in pending])) for k in ("loss", "accuracy")}
-        writer.write_scalars(step, {"train/loss": means["loss"],
-                                    "train/accuracy": means["accuracy"],
-                                    "train/learning_rate": float(lr(step - 1))})
-        log.info("%s %s", run.name, progress.line(step, means))
-      pending = []
-      if do_validate:
-        valid = self._validate(run, state["params"])
-        writer.write_scalars(step, {f"validation/{k}": v for k, v in valid.items()})
-        how = "plateau" if plateau.observe(step, valid["loss"]) else "budget" if last else None
-        log.info("%s step %d validation loss %.4f (best %.4f at step %d)", run.name, step,
-                 valid["loss"], plateau.best_loss, plateau.best_step)
-        if how == "plateau":
-          log.info("%s: no improvement of the validation loss by more than %g relative in %d "
-                   "evaluations; stopped at step %d of %d", run.name, plateau.rule.min_delta,
-                   plateau.rule.patience, step, num_steps)
-      elif last:
-        how = "budget"
-      if do_eval or how is not None:
-        final = self._evaluate(run, state["params"])
-        writer.write_scalars(step, {f"eval/{k}": v for k, v in final.items()})
-        log.info("%s step %d eval %s", run.name, step,
-                 " ".join(f"{k} {v:.4f}" for k, v in final.items()))
-      if do_save or how is not None:
-        extra = {} if plateau is None else {"stopping": plateau.to_meta()}
-        if how is not None:
-          extra["stopped"] = how
-        ckpts.save(step, state["params"], state["opt_state"],
-                   {**meta, **extra, "step": step, "data_state": batches.get_state()})
-        last_saved = step
-      if how is not None:
-        break
-    if final is None:  # Complete on disk, but its final evaluation was lost.
-      final = self._evaluate(run, state["params"])
-    return state, final, step, how
+    return _RunLoop(run=run, config=self.config, model=self.model, mesh=self.mesh, state=state,
+                    step=start, num_steps=sched.num_steps,
+                    how=ended(meta, start, sched.num_steps), batches=batches,
+                    train_step=train_step, lr=lr, ckpts=ckpts, writer=writer, plateau=plateau,
+                    meta={"run": run.name, "architecture": arch})
 
 
 def check_workdir(config: ml_collections.ConfigDict, model: models.Model, workdir: str) -> None:

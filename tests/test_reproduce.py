@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from experiments import config_checks
-from experiments import reproduce
+from experiments import results_table
+from experiments import runner
+from experiments import scheduler
 from experiments.configs import cpu_paper
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +32,7 @@ def test_a_setting_must_be_named():
   with pytest.raises(ValueError, match="name one setting"):
     cpu_paper.get_config("reduced")
   with pytest.raises(ValueError, match="unknown setting"):
-    reproduce.run_setting("table9", reduced=True, workdir="/nonexistent", results_dir="/nonexistent")
+    runner.run_setting("table9", reduced=True, workdir="/nonexistent", results_dir="/nonexistent")
 
 
 def _load(directory):
@@ -87,12 +89,12 @@ def test_reduced_rerun_gives_the_committed_numbers(tmp_path):
 
 def test_commit_column_marks_edited_code_but_not_reports_of_other_settings():
   sha = "0123456789abcdef"
-  assert reproduce._commit({"commit": sha, "uncommitted": []}) == "0123456"
-  assert reproduce._commit({"commit": sha, "uncommitted": ["results/other/run.json"]}) == "0123456"
-  assert reproduce._commit({"commit": sha, "uncommitted": ["results/other/run.json",
-                                                           "experiments/train.py"]}
-                           ) == "0123456 (with edits)"
-  assert reproduce._commit({"commit": sha + "+dirty"}) == "0123456 (with edits)"
+  commit = results_table._commit
+  assert commit({"commit": sha, "uncommitted": []}) == "0123456"
+  assert commit({"commit": sha, "uncommitted": ["results/other/run.json"]}) == "0123456"
+  assert commit({"commit": sha, "uncommitted": ["results/other/run.json",
+                                                "experiments/train.py"]}) == "0123456 (with edits)"
+  assert commit({"commit": sha + "+dirty"}) == "0123456 (with edits)"
 
 
 def test_readme_table_is_generated_from_the_committed_runs():
@@ -101,13 +103,29 @@ def test_readme_table_is_generated_from_the_committed_runs():
   root = os.path.join(REPO, "results")
   with open(os.path.join(root, "README.md")) as f:
     text = f.read()
-  table = text.split(reproduce._MARK_BEGIN, 1)[1].split(reproduce._MARK_END, 1)[0].strip()
-  assert table == reproduce.results_table(root)
+  marks = results_table.MARK_BEGIN, results_table.MARK_END
+  table = text.split(marks[0], 1)[1].split(marks[1], 1)[0].strip()
+  assert table == results_table.markdown(root)
   runs = [d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "run.json"))]
   for setting in runs:
     with open(os.path.join(root, setting, "run.json")) as f:
       commit = json.load(f)["commit"][:7]
     assert f"| {setting} |" in table and f"| {commit}" in table
+
+
+def test_table_command_rewrites_the_committed_readme_byte_for_byte(tmp_path):
+  """``reproduce.py --table`` on a copy of results/ leaves its README as committed, and puts
+  the generated table back between the markers after the table text was changed."""
+  root = tmp_path / "results"
+  shutil.copytree(os.path.join(REPO, "results"), root, ignore=shutil.ignore_patterns("*.png"))
+  committed = (root / "README.md").read_bytes()
+  (root / "README.md").write_bytes(committed.replace(b"| table1_vit_mnist_ape |", b"| x |"))
+  done = subprocess.run([sys.executable, "experiments/reproduce.py", "--table",
+                         f"--results={root}"], cwd=REPO, capture_output=True, text=True,
+                        env=dict(os.environ, PYTHONPATH=REPO))
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.strip() == str(root / "README.md")
+  assert (root / "README.md").read_bytes() == committed
 
 
 def _leaves(tree, prefix=""):
@@ -141,12 +159,12 @@ def test_table_says_when_a_ratio_leaves_out_pairs(tmp_path):
                   ignore=shutil.ignore_patterns("reduced", "*.png"))
   path = tmp_path / setting / "first_attention" / "results.json"
   res = json.loads(path.read_text())
-  assert f"| {setting} | first_attention | 10 |" in reproduce.results_table(str(tmp_path))
+  assert f"| {setting} | first_attention | 10 |" in results_table.markdown(str(tmp_path))
   for pair in res["pairs"][:3]:
     pair["methods"]["naive"]["loss_barrier"] = 0.0
   path.write_text(json.dumps(res))
   assert (f"| {setting} | first_attention | 10 (ratios over 7) |"
-          in reproduce.results_table(str(tmp_path)))
+          in results_table.markdown(str(tmp_path)))
 
 
 def test_run_concurrently_keeps_at_most_jobs_running_and_reports_each_exit(tmp_path):
@@ -158,7 +176,7 @@ def test_run_concurrently_keeps_at_most_jobs_running_and_reports_each_exit(tmp_p
             "f'{time.time()}\\n'); sys.exit(3 if sys.argv[1] == 'c' else 0)")
   names = ["a", "b", "c", "d"]
   commands = [(n, [sys.executable, "-c", script, n, str(tmp_path / f"{n}.times")]) for n in names]
-  status = reproduce.run_concurrently(commands, jobs=2, log_dir=str(tmp_path / "logs"),
+  status = scheduler.run_concurrently(commands, jobs=2, log_dir=str(tmp_path / "logs"),
                                       slot_args=lambda slot: [f"slot{slot}"], poll_seconds=0.05)
   assert status == {"a": 0, "b": 0, "c": 3, "d": 0} and set(status) == set(names)
   runs = [(tmp_path / f"{n}.times").read_text().split() for n in names]
@@ -172,18 +190,46 @@ def test_run_concurrently_keeps_at_most_jobs_running_and_reports_each_exit(tmp_p
   assert (tmp_path / "logs" / "c.log").read_text().strip() == "out c"
 
 
+@pytest.mark.parametrize("one_core", [True, False])
+def test_run_settings_runs_longest_first_each_on_a_core_of_its_own(tmp_path, one_core):
+  """Every setting's command runs, the longest committed run first, with this checkout on
+  its PYTHONPATH; with one_core, two that run at once get different cores this process may
+  use (``--core``), and without it no core is named."""
+  for setting, seconds in (("short", 60.0), ("long", 3000.0)):
+    (tmp_path / setting).mkdir()
+    (tmp_path / setting / "run.json").write_text(json.dumps({"wall_seconds": seconds}))
+  script = ("import json, os, sys, time; print(json.dumps([time.time(), sys.argv[1:], "
+            "os.environ['PYTHONPATH'].split(os.pathsep)[0]])); sys.stdout.flush(); "
+            "time.sleep(0.4)")
+  argv = lambda setting: [sys.executable, "-c", script, setting]
+  status = scheduler.run_settings(["short", "long", "new"], argv, jobs=2, one_core=one_core,
+                                  results_root=str(tmp_path), log_dir=str(tmp_path / "logs"))
+  assert sorted(status) == ["long", "new", "short"] and set(status.values()) == {0}
+  runs = {s: json.loads((tmp_path / "logs" / f"{s}.log").read_text()) for s in status}
+  assert sorted(runs, key=lambda s: runs[s][0])[-1] == "short"  # the shortest last
+  assert {path for _, _, path in runs.values()} == {REPO}
+  cores = {s: [a for a in args if a.startswith("--core=")] for s, (_, args, _) in runs.items()}
+  if not one_core or not hasattr(os, "sched_getaffinity"):
+    assert all(not c for c in cores.values())
+    return
+  allowed = {f"--core={c}" for c in os.sched_getaffinity(0)}
+  assert all(len(c) == 1 and c[0] in allowed for c in cores.values())
+  if len(allowed) > 1:  # "new" and "long" start together, on two cores
+    assert cores["new"] != cores["long"]
+
+
 def test_longest_first_orders_by_the_committed_wall_time(tmp_path):
   for setting, seconds in (("short", 60.0), ("long", 3000.0)):
     (tmp_path / setting).mkdir()
     (tmp_path / setting / "run.json").write_text(json.dumps({"wall_seconds": seconds}))
-  assert reproduce.longest_first(["short", "new", "long"], str(tmp_path)) == [
+  assert scheduler.longest_first(["short", "new", "long"], str(tmp_path)) == [
       "new", "long", "short"]
 
 
 def test_busy_seconds_is_the_length_of_the_union_of_runs():
-  assert reproduce.busy_seconds([]) == 0
-  assert reproduce.busy_seconds([(0, 10), (20, 25)]) == 15  # one after another: the sum
-  assert reproduce.busy_seconds([(0, 10), (5, 12), (6, 8), (30, 31)]) == 13
+  assert results_table.busy_seconds([]) == 0
+  assert results_table.busy_seconds([(0, 10), (20, 25)]) == 15  # one after another: the sum
+  assert results_table.busy_seconds([(0, 10), (5, 12), (6, 8), (30, 31)]) == 13
 
 
 def test_table_says_how_long_overlapping_runs_kept_the_machine(tmp_path):
@@ -195,11 +241,11 @@ def test_table_says_how_long_overlapping_runs_kept_the_machine(tmp_path):
     record = json.loads((tmp_path / setting / "run.json").read_text())
     record.update(started="2026-12-01T10:00:00+00:00", wall_seconds=1800.0)
     (tmp_path / setting / "run.json").write_text(json.dumps(record))
-  table = reproduce.results_table(str(tmp_path))
+  table = results_table.markdown(str(tmp_path))
   assert "added up: 1 h 00 min" in table and "took 0 h 30 min of the machines' time" in table
   record.update(started="2026-12-01T11:00:00+00:00")
   (tmp_path / "table1_vit_mnist_rope" / "run.json").write_text(json.dumps(record))
-  table = reproduce.results_table(str(tmp_path))
+  table = results_table.markdown(str(tmp_path))
   assert "added up: 1 h 00 min" in table and "machines' time" not in table
 
 
@@ -214,10 +260,10 @@ def test_jobs_must_be_positive():
 def test_use_one_core_pins_this_process_and_refuses_a_core_it_may_not_use():
   """In a child process (pinning is for the process's life): the lowest core by default, a
   named core if allowed, a clear error otherwise."""
-  script = ("import os; from experiments import reproduce\n"
+  script = ("import os; from experiments import runner\n"
             "low = min(os.sched_getaffinity(0)); high = max(os.sched_getaffinity(0))\n"
-            "assert reproduce.use_one_core() == low and os.sched_getaffinity(0) == {low}\n"
-            "try:\n  reproduce.use_one_core(high + 1)\nexcept ValueError as e:\n  print(e)\n")
+            "assert runner.use_one_core() == low and os.sched_getaffinity(0) == {low}\n"
+            "try:\n  runner.use_one_core(high + 1)\nexcept ValueError as e:\n  print(e)\n")
   done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                         text=True, env=dict(os.environ, PYTHONPATH=REPO), check=True)
   assert "this process may use cores" in done.stdout

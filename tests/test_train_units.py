@@ -172,3 +172,41 @@ def test_runs_layout():
   assert train.run_dir("/w", runs[1]) == os.path.join("/w", "reinit", "first_attention", "seed_3")
   assert train.schedule(config, runs[1]).num_steps == config.reinit.num_steps
   assert train.schedule(config, runs[3]).num_steps == config.train.num_steps
+
+
+def _loop_schedule(step, num_steps, rule):
+  """A training loop's schedule alone: only the fields that ``due`` and ``chunk_end`` read."""
+  config = default.get_config()
+  config.train.update(log_every=4, eval_every=6, checkpoint_every=10)
+  plateau = None if rule is None else train.Plateau(rule)
+  none = dict.fromkeys(("run", "model", "mesh", "state", "how", "batches", "train_step", "lr",
+                        "ckpts", "writer"))
+  return train._RunLoop(config=config, step=step, num_steps=num_steps, plateau=plateau, meta={},
+                        **none)
+
+
+@pytest.mark.parametrize("start", [0, 7, 22])
+@pytest.mark.parametrize("rule", [None, train.Stopping(patience=2, min_delta=0.0,
+                                                        validate_every=5)])
+def test_chunks_end_exactly_where_something_falls_due(start, rule):
+  """The loop leaves the device at every step where a log, an evaluation, a checkpoint, a
+  validation (under the rule) or the budget's end falls due, and at no other: the same
+  syncs, log means and decisions as checking every step."""
+  num_steps = 23
+  loop = _loop_schedule(start, num_steps, rule)
+  ends = []
+  while loop.step < num_steps:
+    loop.step = loop.chunk_end()
+    ends.append(loop.step)
+  expected = {}
+  for s in range(start + 1, num_steps + 1):
+    last = s == num_steps
+    due = {name for name, every in (("log", 4), ("evaluate", 6), ("save", 10),
+                                    ("validate", rule and rule.validate_every)) if every
+           and (s % every == 0 or last)}
+    if due:
+      expected[s] = due
+  assert ends == sorted(expected)
+  assert {s: loop.due(s) for s in ends} == expected
+  assert ends[-1] == num_steps and loop.due(num_steps) == (
+      {"log", "evaluate", "save"} | ({"validate"} if rule else set()))

@@ -1,0 +1,119 @@
+"""The table of ``results/README.md``: every committed setting's numbers, generated.
+
+``python experiments/reproduce.py --table`` calls ``write``, which replaces the
+text between the README's markers with ``markdown(results_root)``: per setting
+and scope, the barriers as shares of naive, Stage 1's rank and L-hat, the wall
+time, the commit and the command, all read from ``results/<setting>/run.json``,
+``config.json`` and ``<scope>/results.json``; nothing is typed in.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any
+
+from experiments import atomic_io
+from experiments import report
+
+MARK_BEGIN = "<!-- table: written by experiments/reproduce.py --table; do not edit -->"
+MARK_END = "<!-- end of table -->"
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+  """The length of the union of the ``(start, end)`` intervals: how long at least one ran."""
+  total, reach = 0.0, float("-inf")
+  for start, end in sorted(intervals):
+    if end > reach:
+      total += end - max(start, reach)
+      reach = end
+  return total
+
+
+def _cell(row: dict[str, Any] | None, key: str) -> str:
+  if not row or row.get(key) is None:
+    return "n/a"
+  ci = row.get(key + "_ci95")
+  return f"{row[key]:.1f} ± {row[key + '_std']:.1f}" + ("" if ci is None else f" [±{ci:.1f}]")
+
+
+def markdown(results_root: str) -> str:
+  """Markdown table of every committed setting under ``results_root``: per setting and
+  scope, the pairs (and how many have a ratio, when a naive barrier is zero), the naive loss
+  barrier, each method's loss barrier as % of naive (mean ± std over pairs [95 % CI
+  half-width]), Stage 1's rank and L-hat, the wall time, the commit the run
+  started from and its command; then the settings' total and longest wall time."""
+  methods = ("perm", "ortho", "full", "learned")
+  lines = ["| setting | scope | pairs | naive loss barrier | Variant 1 (%) | Variant 2 (%) | "
+           "full (%) | learned (%) | rank of Stage 1 (of 24) | L̂ (%) | wall time | commit | "
+           "command |",
+           "|" + "---|" * 13]
+  minutes, intervals = {}, []
+  for setting in sorted(os.listdir(results_root)):
+    run_path = os.path.join(results_root, setting, "run.json")
+    if not os.path.exists(run_path):
+      continue
+    with open(run_path) as f:
+      run = json.load(f)
+    minutes[setting] = run["wall_seconds"] / 60
+    start = datetime.datetime.fromisoformat(run["started"]).timestamp()
+    intervals.append((start, start + run["wall_seconds"]))
+    with open(os.path.join(results_root, setting, "config.json")) as f:
+      scopes = json.load(f)["reinit"]["scopes"]
+    for scope in scopes:
+      with open(os.path.join(results_root, setting, scope, "results.json")) as f:
+        res = json.load(f)
+      rows = res["methods"]
+      naive = rows["naive"]
+      abl = res.get("ablation", {}).get("permutations", {}).get("summary")
+      rank = "n/a" if not abl else f"{abl['loss_rank_mean']:.2f} ± {abl['loss_rank_std']:.2f}"
+      lhat = ("n/a" if not abl or abl["loss_lhat_mean"] is None
+              else f"{abl['loss_lhat_mean']:.1f} ± {abl['loss_lhat_std']:.1f}")
+      # Pairs whose naive barrier is zero have no ratio (report.ratio_pct): say so.
+      with_ratio = sum(report.ratio_pct(1.0, p["methods"]["naive"]["loss_barrier"]) is not None
+                       for p in res["pairs"])
+      pairs = naive["num_pairs"]
+      if with_ratio < pairs:
+        pairs = f"{pairs} (ratios over {with_ratio})"
+      lines.append(
+          f"| {setting} | {scope} | {pairs} | "
+          f"{naive['loss_barrier_mean']:.4f} ± {naive['loss_barrier_std']:.4f} | "
+          + " | ".join(_cell(rows.get(m), "loss_barrier_ratio_pct") for m in methods)
+          + f" | {rank} | {lhat} | {run['wall_seconds'] / 60:.0f} min | {_commit(run)} | "
+          f"`{run['command']}` |")
+  if minutes:
+    longest = max(minutes, key=minutes.get)
+    total = round(sum(minutes.values()))
+    busy = round(busy_seconds(intervals) / 60)
+    lines += ["", f"Wall time of the {len(minutes)} settings above, added up: "
+                  f"{total // 60} h {total % 60:02d} min; the longest, {longest}, "
+                  f"{minutes[longest]:.0f} min."
+                  + ("" if busy >= total else
+                     f" Settings that ran at the same time (`run.json`: `jobs`) overlap: the "
+                     f"runs above took {busy // 60} h {busy % 60:02d} min of the machines' time.")]
+  return "\n".join(lines)
+
+
+def _commit(run: dict[str, Any]) -> str:
+  """The short commit a run started from, marked when tracked files outside ``results/``
+  differed from it. Reports under ``results/`` are what runs write, never what they read:
+  a setting run after another in the same tree (``--all``) finds the first one's reports
+  changed, and its own code is still the commit's."""
+  commit, _, edited = run.get("commit", "unknown").partition("+")  # older records: "<sha>+..."
+  edited = edited or [path for path in run.get("uncommitted", ())
+                      if not path.startswith("results/")]
+  return commit[:7] + (" (with edits)" if edited else "")
+
+
+def write(results_root: str) -> str:
+  """Replaces the generated table in ``results_root/README.md`` (between its markers)."""
+  path = os.path.join(results_root, "README.md")
+  with open(path) as f:
+    text = f.read()
+  if MARK_BEGIN not in text or MARK_END not in text:
+    raise ValueError(f"{path} has no table markers {MARK_BEGIN!r} ... {MARK_END!r}")
+  head, rest = text.split(MARK_BEGIN, 1)
+  tail = rest.split(MARK_END, 1)[1]
+  atomic_io.write_text(path, f"{head}{MARK_BEGIN}\n{markdown(results_root)}\n{MARK_END}{tail}")
+  return path
