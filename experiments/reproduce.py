@@ -49,7 +49,12 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from experiments import config_checks
+from attn_symmetry import runtime
+
+if __package__ in (None, ""):  # run by path: the repository root holds the `experiments` package
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments import config_checks  # noqa: E402  (after the path above)
 from experiments import results_table
 from experiments import runner
 from experiments import scheduler
@@ -152,8 +157,7 @@ def _define_flags() -> None:
                       "Where each setting's workdir (checkpoints, study stages) lives.")
   flags.DEFINE_string("results", os.path.join(runner.REPO, "results"),
                       "Where the reports are copied.")
-  flags.DEFINE_string("compilation_cache", os.path.join(tempfile.gettempdir(), "attn_symmetry",
-                                                        "jax_cache"),
+  flags.DEFINE_string("compilation_cache", runtime.COMPILATION_CACHE,
                       "JAX's persistent compilation cache ('' turns it off).")
 
 
