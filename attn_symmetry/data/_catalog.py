@@ -19,6 +19,7 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
+from attn_symmetry import registry
 from attn_symmetry import tasks
 from attn_symmetry.data import _builders
 from attn_symmetry.data import _splits
@@ -86,7 +87,7 @@ class Entry:
 _IMAGENET_MANUAL = (" --manual_dir DIR (DIR holding ILSVRC2012_img_train.tar and "
                     "ILSVRC2012_img_val.tar from image-net.org)")
 
-CATALOG: dict[str, Entry] = {
+CATALOG: registry.Registry = registry.Registry({
     # Offline: real data that installed with a package (the ``attn_symmetry.data`` docstring).
     "digits": Entry("image", _builders.Digits, _image),
     "mnist5k": Entry("image", _builders.Mnist5k, _image),
@@ -107,7 +108,7 @@ CATALOG: dict[str, Entry] = {
     "dbpedia": Entry("text", _builders.Dbpedia, _text_fields("text")),
     "enwik8": Entry("stream", _builders.Enwik8),
     "wikitext103": Entry("stream", _builders.Wikitext103),
-}
+})
 
 # The data set names: a live view of ``CATALOG``, so a registered data set is listed too.
 DATASETS = CATALOG.keys()
