@@ -139,8 +139,7 @@ def _cycle_path(component: list[str], graph: dict[str, set[str]]) -> str:
           path = [node]
           while path[-1] != start:
             path.append(parents[path[-1]])
-          return " -> ".join([start, *reversed(path[:-1]), start]) if node != start else \
-              f"{start} -> {start}"
+          return " -> ".join([start, *reversed(path[:-1]), start])
         if child not in parents:
           parents[child] = node
           following.append(child)
