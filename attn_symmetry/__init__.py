@@ -4,6 +4,8 @@ Modules:
   attention       reference multi-head attention on the canonical layout, RoPE.
   group_action    pure group actions on attention layers and whole models.
   spec            symmetry specs: which factor acts on which axis of which leaf.
+  registry        the tables that extensions register into; ``registry.scoped()`` undoes a
+                  block's registrations.
   align           align and merge two Hugging Face checkpoints (``align_checkpoints``, the
                   ``attn-symmetry align`` command); imported on first use of ``align_checkpoints``.
 """

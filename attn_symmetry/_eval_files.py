@@ -18,7 +18,8 @@ where absent, as transformers' ViTImageProcessor).
 
 A batch is a dict of numpy arrays: "inputs" int32 tokens [B, T] or float32
 images [B, S, S, C]; "mask" bool [B, T] (BERT); "labels" int32 [B, T] or [B];
-"weights" float32 like "labels", 0 where nothing is predicted. The last batch
+"weights" float32 like "labels", 0 where nothing is predicted. Inputs, labels
+and weights are ``tasks.model_batch``'s, as the experiments' evaluation reads them. The last batch
 is padded to the batch size with weight 0, so one compiled evaluation serves
 every batch.
 """
@@ -53,6 +54,14 @@ def metric_fn(model: Model) -> Callable[[Any, Mapping[str, jax.Array]], dict[str
     w = batch["weights"]
     return {"loss": jnp.sum(losses * w), "correct": jnp.sum(correct * w), "count": jnp.sum(w)}
   return metrics
+
+
+def _columns(inputs: np.ndarray, labels: np.ndarray, weights: np.ndarray,
+             mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  """The columns of a batch (module docstring) from ``tasks.model_batch``'s (inputs,
+  targets, weights) and a text's real-token mask."""
+  columns = {"inputs": inputs, "labels": labels, "weights": weights.astype(np.float32)}
+  return columns if mask is None else {**columns, "mask": mask}
 
 
 def _batches(columns: dict[str, np.ndarray], batch_size: int) -> list[Batch]:
@@ -127,8 +136,7 @@ def text_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, A
                        f"{seq_len + 1}")
     tokens = np.asarray(ids[: n * (seq_len + 1)], np.int32).reshape(n, seq_len + 1)
     _check_ids(tokens, cfg.vocab_size, path)
-    return _batches({"inputs": tokens[:, :-1], "labels": tokens[:, 1:],
-                     "weights": np.ones((n, seq_len), np.float32)}, batch_size)
+    return _batches(_columns(*tasks.model_batch(model.task, tokens)), batch_size)
   labels = []
   if model.task == tasks.CLASSIFICATION:
     for i, line in enumerate(lines[:rows]):
@@ -149,22 +157,21 @@ def text_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, A
     mask[i, : len(e.ids[:seq_len])] = True
   _check_ids(inputs, cfg.vocab_size, path)
   if model.task == tasks.CLASSIFICATION:
-    return _batches({"inputs": inputs, "mask": mask, "labels": np.asarray(labels, np.int32),
-                     "weights": np.ones(len(labels), np.float32)}, batch_size)
+    return _batches(_columns(*tasks.model_batch(model.task, inputs,
+                                                labels=np.asarray(labels, np.int32)), mask=mask),
+                    batch_size)
   mask_id = tok.token_to_id("[MASK]")
   if mask_id is None:
     raise ValueError(f"{folder}: the tokenizer has no [MASK] token for the masked-LM evaluation")
   rng = np.random.default_rng(0)
-  weights = np.zeros(inputs.shape, np.float32)
+  hidden = np.zeros(inputs.shape, bool)
   for i, e in enumerate(encodings):
     ordinary = np.flatnonzero(~np.asarray(e.special_tokens_mask[:seq_len], bool))
     if ordinary.size:
-      hidden = max(1, round(tasks.MLM_MASK_FRACTION * ordinary.size))
-      chosen = rng.choice(ordinary, hidden, replace=False)
-      weights[i, chosen] = 1.0
-  masked = np.where(weights > 0, mask_id, inputs).astype(np.int32)
-  return _batches({"inputs": masked, "mask": mask, "labels": inputs, "weights": weights},
-                  batch_size)
+      count = max(1, round(tasks.MLM_MASK_FRACTION * ordinary.size))
+      hidden[i, rng.choice(ordinary, count, replace=False)] = True
+  return _batches(_columns(*tasks.model_batch(model.task, inputs, hidden=hidden, mask_id=mask_id),
+                           mask=mask), batch_size)
 
 
 def image_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, Any], *,
@@ -201,5 +208,5 @@ def image_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, 
     except OSError as e:
       raise ValueError(f"--eval-images {file}: unreadable image ({e})") from None
     images[i] = ((pixels.reshape(size, size, -1) / 255.0) - mean) / std
-  return _batches({"inputs": images, "labels": np.asarray(labels, np.int32),
-                   "weights": np.ones(len(files), np.float32)}, batch_size)
+  return _batches(_columns(*tasks.model_batch(model.task, images,
+                                              labels=np.asarray(labels, np.int32))), batch_size)

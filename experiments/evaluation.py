@@ -51,31 +51,30 @@ def batch_metrics(model: models.Model, params: Params, batch: Mapping[str, jax.A
                   ) -> dict[str, jax.Array]:
   """Summed cross-entropy, correct predictions and the number of predictions.
 
-  The inputs are ``batch[model.input_key]``. Classification: one prediction
-  per example. Language modelling: one per token, inputs ``tokens[:, :-1]``
-  and targets ``tokens[:, 1:]``. Masked language modelling (BERT's MLM head,
-  on the same windows of T + 1 tokens): the first T tokens with the positions
-  of ``masked_positions`` replaced by ``mask_token``, one prediction per hidden
-  position (its original token). Examples with ``valid`` False (padding of the
-  last evaluation batch) count zero. Pure and jittable.
+  The inputs are ``batch[model.input_key]``, read as ``tasks.model_batch``
+  says. Classification: one prediction per example. Language modelling: one
+  per token, inputs ``tokens[:, :-1]`` and targets ``tokens[:, 1:]``. Masked
+  language modelling (BERT's MLM head, on the same windows of T + 1 tokens):
+  the first T tokens with the positions of ``masked_positions`` replaced by
+  ``mask_token``, one prediction per hidden position (its original token).
+  Examples with ``valid`` False (padding of the last evaluation batch) count
+  zero. Pure and jittable.
 
   Returns:
     {"loss": sum of cross-entropies, "correct": number of correct argmax
     predictions, "count": number of predictions}, float32 scalars.
   """
-  if model.task == tasks.LM:
-    tokens = batch[model.input_key]
-    logits, _ = model.apply(params, tokens[:, :-1])
-    labels = tokens[:, 1:]
-    counted = jnp.ones(labels.shape, bool)
-  elif model.task == tasks.MLM:
-    labels = batch[model.input_key][:, :-1]
-    counted = masked_positions(labels)
-    logits, _ = model.apply(params, jnp.where(counted, mask_token(model), labels))
+  raw, mask = batch[model.input_key], None
+  if model.task == tasks.MLM:
+    tokens = raw[:, :-1]  # a window of T + 1 tokens, as language models read, holds T
+    inputs, labels, counted = tasks.model_batch(model.task, tokens, hidden=masked_positions(tokens),
+                                                mask_id=mask_token(model))
+  elif model.task == tasks.LM:
+    inputs, labels, counted = tasks.model_batch(model.task, raw)
   else:
-    logits, _ = model.apply(params, batch[model.input_key], mask=batch.get("mask"))
-    labels = batch["label"]
-    counted = jnp.ones(labels.shape, bool)
+    inputs, labels, counted = tasks.model_batch(model.task, raw, labels=batch["label"])
+    mask = batch.get("mask")  # which tokens of a text are real (padding follows)
+  logits, _ = model.apply(params, inputs, mask=mask)
   valid = batch.get("valid", jnp.ones(labels.shape[:1], bool))
   weights = (counted & valid.reshape(valid.shape + (1,) * (labels.ndim - 1))).astype(jnp.float32)
   logits = logits.astype(jnp.float32)

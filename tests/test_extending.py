@@ -9,6 +9,8 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,8 +18,7 @@ import pytest
 from attn_symmetry import data
 from attn_symmetry import matching
 from attn_symmetry import models
-from attn_symmetry.data import _catalog
-from attn_symmetry.models import config as config_lib
+from attn_symmetry import registry
 from experiments import config_checks
 from experiments import inputs
 from experiments import scope_study
@@ -36,22 +37,13 @@ def _blocks():
 
 @pytest.fixture(scope="module")
 def extended(tmp_path_factory):
-  """The page's blocks run (registrations included) with a fresh data dir; the registrations
-  are removed afterwards, so other tests see the package as it ships."""
+  """The page's blocks run (registrations included) with a fresh data dir, in a
+  ``registry.scoped()`` block: other tests see the package as it ships."""
   tmp = tmp_path_factory.mktemp("extending")
   data_dir = tmp / "data"
   data_dir.mkdir()
-  with pytest.MonkeyPatch.context() as mp:
+  with pytest.MonkeyPatch.context() as mp, registry.scoped():
     mp.setenv(data.DATA_DIR_ENV, str(data_dir))
-    # Copies of the registries (and their live name views) for the page to register into.
-    mp.setattr(config_lib, "_REGISTRY", dict(config_lib._REGISTRY))
-    mp.setattr(config_lib, "FAMILIES", config_lib._REGISTRY.keys())
-    mp.setattr(models, "FAMILIES", config_lib.FAMILIES)
-    mp.setattr(_catalog, "CATALOG", dict(_catalog.CATALOG))
-    mp.setattr(_catalog, "DATASETS", _catalog.CATALOG.keys())
-    mp.setattr(data, "DATASETS", _catalog.DATASETS)
-    mp.setattr(matching._methods, "METHODS", dict(matching.METHODS))
-    mp.setattr(matching, "METHODS", matching._methods.METHODS)
     namespace, settings = {}, {}
     for block in _blocks():
       name = FILE.match(block)
@@ -136,3 +128,46 @@ def test_the_setting_trains_and_is_studied_with_the_new_method(extended):
   (pair,) = result["pairs"]
   naive, own = (pair["methods"][m]["loss"] for m in ("naive", "full_attention_only"))
   np.testing.assert_allclose([own[0], own[-1]], [naive[0], naive[-1]], rtol=1e-4)
+
+
+def _registries():
+  return list(models.FAMILIES), dict(matching.METHODS), dict(data.DATASETS.mapping)
+
+
+def test_a_scoped_block_leaves_every_registry_as_it_was():
+  """What a block registers, replaces or removes is undone when it ends, also by an error,
+  in place: the name views (models.FAMILIES, data.DATASETS) stay live. Blocks nest."""
+  before = _registries()
+  with pytest.raises(RuntimeError, match="inside"):
+    with registry.scoped():
+      models.register_family(models.Family(**{**models.get_family("gpt2").__dict__,
+                                              "name": "gpt2_copy"}))
+      with registry.scoped():
+        matching.register_method("inner", lambda *a, **k: ({}, {}))
+        assert "inner" in matching.METHODS
+      assert "inner" not in matching.METHODS and "gpt2_copy" in models.FAMILIES
+      assert models.build("gpt2_copy", "tiny").config.family == "gpt2_copy"
+      data.register_dataset("digits_copy", data.Entry("image", "mnist"))
+      del matching.METHODS["perm"]
+      raise RuntimeError("an error inside the block")
+  assert _registries() == before
+  assert "gpt2_copy" not in models.FAMILIES and "digits_copy" not in data.DATASETS
+  with pytest.raises(ValueError, match="unknown model family 'gpt2_copy'"):
+    models.get_family("gpt2_copy")
+
+
+def test_a_registry_first_imported_inside_the_block_keeps_its_built_in_entries():
+  code = """
+from attn_symmetry import registry
+with registry.scoped():
+  from attn_symmetry import matching, models
+  built_in = list(models.FAMILIES), list(matching.METHODS)
+  models.register_family(models.Family(**{**models.get_family("vit").__dict__, "name": "v2"}))
+  matching.register_method("m2", lambda *a, **k: ({}, {}))
+assert (list(models.FAMILIES), list(matching.METHODS)) == built_in, built_in
+assert {"vit", "bert", "gpt2", "llama"} <= set(built_in[0]) and "full" in built_in[1]
+"""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]

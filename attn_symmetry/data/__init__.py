@@ -54,7 +54,6 @@ from attn_symmetry.data._catalog import DATASETS
 from attn_symmetry.data._catalog import DEFAULT_SEQ_LEN
 from attn_symmetry.data._catalog import DatasetInfo
 from attn_symmetry.data._catalog import Entry
-from attn_symmetry.data._catalog import SplitRange
 from attn_symmetry.data._catalog import VOCAB_SIZE
 from attn_symmetry.data._catalog import dataset_info
 from attn_symmetry.data._catalog import dataset_kind
@@ -65,6 +64,7 @@ from attn_symmetry.data._catalog import register_dataset
 from attn_symmetry.data._catalog import split_range
 from attn_symmetry.data._reader import eval_iterator
 from attn_symmetry.data._reader import train_iterator
+from attn_symmetry.data._splits import SplitRange
 from attn_symmetry.data._text import tokenize
 
 __all__ = [

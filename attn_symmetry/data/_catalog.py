@@ -19,8 +19,11 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
+from attn_symmetry import registry
 from attn_symmetry import tasks
 from attn_symmetry.data import _builders
+from attn_symmetry.data import _splits
+from attn_symmetry.data import _text
 
 DATA_DIR_ENV = "ATTN_SYMMETRY_DATA_DIR"
 DEFAULT_SEQ_LEN = 256
@@ -33,7 +36,7 @@ def _image(record: Mapping[str, Any]) -> dict[str, Any]:
   return {"image": record["image"], "label": record["label"]}
 
 
-def _text(*fields: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+def _text_fields(*fields: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
   """Joins text fields with a newline (AG News: title, then description)."""
   def convert(record):
     return {"text": b"\n".join(record[f] for f in fields), "label": record["label"]}
@@ -68,7 +71,7 @@ class Entry:
     if self.kind not in KINDS:
       raise ValueError(f"data set kind must be one of {KINDS}, got {self.kind!r}")
     if self.convert is None and self.kind != "stream":
-      object.__setattr__(self, "convert", _image if self.kind == "image" else _text("text"))
+      object.__setattr__(self, "convert", _image if self.kind == "image" else _text_fields("text"))
 
   @property
   def offline(self) -> bool:
@@ -84,28 +87,28 @@ class Entry:
 _IMAGENET_MANUAL = (" --manual_dir DIR (DIR holding ILSVRC2012_img_train.tar and "
                     "ILSVRC2012_img_val.tar from image-net.org)")
 
-CATALOG: dict[str, Entry] = {
+CATALOG: registry.Registry = registry.Registry({
     # Offline: real data that installed with a package (the ``attn_symmetry.data`` docstring).
     "digits": Entry("image", _builders.Digits, _image),
     "mnist5k": Entry("image", _builders.Mnist5k, _image),
     "fashion_mnist_deb": Entry("image", _builders.FashionMnistDeb, _image, flip=True),
     "wiki_bytes": Entry("stream", _builders.WikiBytes),
-    "wiki_direction": Entry("text", _builders.WikiDirection, _text("text")),
-    "newsgroups_mini": Entry("text", _builders.NewsgroupsMini, _text("text")),
-    "fortune_languages": Entry("text", _builders.FortuneLanguages, _text("text")),
+    "wiki_direction": Entry("text", _builders.WikiDirection, _text_fields("text")),
+    "newsgroups_mini": Entry("text", _builders.NewsgroupsMini, _text_fields("text")),
+    "fortune_languages": Entry("text", _builders.FortuneLanguages, _text_fields("text")),
     # The paper's data sets, TFDS names.
     "mnist": Entry("image", "mnist", _image),
     "cifar10": Entry("image", "cifar10", _image, flip=True),
     "cifar100": Entry("image", "cifar100", _image, flip=True),
     "imagenet2012": Entry("image", "imagenet2012", _image, flip=True, manual=_IMAGENET_MANUAL),
-    "imdb_reviews": Entry("text", "imdb_reviews", _text("text")),
-    "ag_news_subset": Entry("text", "ag_news_subset", _text("title", "description")),
+    "imdb_reviews": Entry("text", "imdb_reviews", _text_fields("text")),
+    "ag_news_subset": Entry("text", "ag_news_subset", _text_fields("title", "description")),
     "lm1b": Entry("stream", "lm1b", separator=b"\n"),
     # The paper's data sets that TFDS lacks: builders of ours that download.
-    "dbpedia": Entry("text", _builders.Dbpedia, _text("text")),
+    "dbpedia": Entry("text", _builders.Dbpedia, _text_fields("text")),
     "enwik8": Entry("stream", _builders.Enwik8),
     "wikitext103": Entry("stream", _builders.Wikitext103),
-}
+})
 
 # The data set names: a live view of ``CATALOG``, so a registered data set is listed too.
 DATASETS = CATALOG.keys()
@@ -241,57 +244,10 @@ def open_builder(name: str, data_dir: str | None, *,
   return e, builder
 
 
-@dataclasses.dataclass(frozen=True)
-class SplitRange:
-  """The records that a split name reads: records ``[start, stop)`` of split ``base``."""
-  base: str
-  start: int
-  stop: int
-
-  @property
-  def size(self) -> int:
-    return self.stop - self.start
-
-
-def resolve_split(name: str, builder: tfds.core.DatasetBuilder, split: str) -> SplitRange:
-  """The records that ``split`` reads, checked.
-
-  A split name is a split of the data set ("train") or one slice of it in
-  TFDS's syntax: "train[:90%]", "train[90%:]", "train[100:200]", "train[:-50]".
-  Percentages are rounded to the closest record as TFDS rounds them, so that
-  "train[:90%]" and "train[90%:]" part the records with none shared or left
-  out. Unions ("train+test") are not accepted: a byte stream is read as one run
-  of records.
-
-  Raises:
-    ValueError: an unknown split, a malformed slice, a union, or an empty slice.
-  """
-  if "+" in split:
-    raise ValueError(f"Dataset {name!r}: split {split!r} is a union; read one split or one "
-                     "slice of it, such as 'train[:90%]'")
-  base = split.split("[", 1)[0]
-  splits = builder.info.splits
-  if base not in splits:
-    raise ValueError(f"Dataset {name!r} has no split {split!r}; splits: {', '.join(splits)}")
-  try:
-    (part,) = tfds.core.ReadInstruction.from_spec(split).to_absolute(splits)
-  except (ValueError, AssertionError) as e:
-    first_line = (str(e).strip().splitlines() or [""])[0]
-    raise ValueError(f"Dataset {name!r}: split {split!r} is not a split or a slice of one such "
-                     f"as 'train[:90%]' ({first_line})") from None
-  total = splits[base].num_examples
-  start = part.from_ or 0
-  stop = total if part.to is None else part.to
-  if stop <= start:
-    raise ValueError(f"Dataset {name!r}: split {split!r} holds no records (records {start} to "
-                     f"{stop} of {total})")
-  return SplitRange(base, start, stop)
-
-
 def split_range(name: str, split: str, *, data_dir: str | None = None,
-                download: bool = False) -> SplitRange:
-  """The records of the stored split that ``split`` reads (``resolve_split``): two split
-  names of one data set share no example if their ranges do not meet.
+                download: bool = False) -> _splits.SplitRange:
+  """The records of the stored split that ``split`` reads (``_splits.resolve_split``): two
+  split names of one data set share no example if their ranges do not meet.
 
   Args:
     name: one of ``DATASETS``.
@@ -299,14 +255,7 @@ def split_range(name: str, split: str, *, data_dir: str | None = None,
     data_dir, download: as for ``dataset_info``.
   """
   _, builder = open_builder(name, data_dir, download=download)
-  return resolve_split(name, builder, split)
-
-
-def stored_bytes(builder: tfds.core.DatasetBuilder, r: SplitRange) -> int:
-  """Stored size of the records of ``r`` (TFDS records no size for a slice: the base
-  split's, in proportion to the records read)."""
-  info = builder.info.splits[r.base]
-  return info.num_bytes * r.size // max(info.num_examples, 1)
+  return _splits.resolve_split(name, builder, split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,23 +328,22 @@ def dataset_info(name: str, *, data_dir: str | None = None, seq_len: int | None 
     image_size: crop side for data sets of variable image size (ImageNet).
     download: prepare a data set that needs a download if it is missing.
     slices: further split names to count in ``splits``, such as
-      "train[:90%]" (``resolve_split``).
+      "train[:90%]" (``_splits.resolve_split``).
 
   Returns:
     A ``DatasetInfo``.
 
   Raises:
-    ValueError: as ``resolve_split`` for a bad entry of ``slices``.
+    ValueError: as ``_splits.resolve_split`` for a bad entry of ``slices``.
   """
   e, builder = open_builder(name, data_dir, download=download)
   check_kind(name, e, seq_len=seq_len, image_size=image_size)
-  from attn_symmetry.data import _text  # pylint: disable=import-outside-toplevel
   text_len = None if e.kind == "image" else (seq_len or DEFAULT_SEQ_LEN)
 
   def count(split):
     if e.kind == "stream":
       return len(_text.WindowSource(builder, split, seq_len=text_len, separator=e.separator))
-    return resolve_split(name, builder, split).size
+    return _splits.resolve_split(name, builder, split).size
   splits = {split: count(split) for split in (*builder.info.splits, *slices)}
   return DatasetInfo(
       name=name,

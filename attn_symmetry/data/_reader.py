@@ -37,6 +37,7 @@ from absl import flags
 from attn_symmetry.data import _catalog
 from attn_symmetry.data import _images
 from attn_symmetry.data import _records
+from attn_symmetry.data import _splits
 from attn_symmetry.data import _text
 
 Batch = dict[str, np.ndarray]
@@ -75,7 +76,7 @@ def _open_split(name: str, split: str, *, data_dir: str | None, seq_len: int | N
   """
   e, builder = _catalog.open_builder(name, data_dir, download=download)
   _catalog.check_kind(name, e, seq_len=seq_len, image_size=image_size, augment=augment)
-  span = _catalog.resolve_split(name, builder, split)
+  span = _splits.resolve_split(name, builder, split)
   seq_len = seq_len or _catalog.DEFAULT_SEQ_LEN
   if e.kind == "stream":
     windows = _text.WindowSource(builder, split, seq_len=seq_len, separator=e.separator)
@@ -85,7 +86,7 @@ def _open_split(name: str, split: str, *, data_dir: str | None, seq_len: int | N
     return len(windows), read_windows
   records = _records.Records(
       builder.as_data_source(split=split), e.convert, key=(os.fspath(builder.data_path), split),
-      in_memory=_catalog.stored_bytes(builder, span) <= _records.IN_MEMORY_BYTES)
+      in_memory=_splits.stored_bytes(builder, span) <= _records.IN_MEMORY_BYTES)
   if e.kind == "text":
     def read_text(indices, keys):
       del keys

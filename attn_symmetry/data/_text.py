@@ -15,8 +15,8 @@ import os
 
 import numpy as np
 
-from attn_symmetry.data import _catalog
 from attn_symmetry.data import _records
+from attn_symmetry.data import _splits
 
 _READ_BLOCK = 4096  # Records read at once when loading or measuring a stream.
 
@@ -86,7 +86,7 @@ class WindowSource:
   held in memory as one byte array; otherwise a window is read from the one or
   few records under it. Implements grain's random-access source protocol
   (__len__, __getitem__, and __getitems__ for a batch of windows). A slice of
-  a split ("train[:90%]", ``_catalog.resolve_split``) is the stream of its
+  a split ("train[:90%]", ``_splits.resolve_split``) is the stream of its
   records: slices that share no record share no byte.
 
   Args:
@@ -97,12 +97,12 @@ class WindowSource:
   """
 
   def __init__(self, builder, split: str, *, seq_len: int, separator: bytes = b""):
-    records = _catalog.resolve_split(builder.name, builder, split)
+    records = _splits.resolve_split(builder.name, builder, split)
     self._source = builder.as_data_source(split=split)
     self._first = records.start
     self._seq_len = seq_len
     self._separator = separator
-    if _catalog.stored_bytes(builder, records) <= _records.IN_MEMORY_BYTES:
+    if _splits.stored_bytes(builder, records) <= _records.IN_MEMORY_BYTES:
       key = (os.fspath(builder.data_path), split, separator)
       self._stream = _records.cached(key, self._load_stream)
       total = len(self._stream)

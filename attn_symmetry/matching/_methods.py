@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from attn_symmetry import registry
 from attn_symmetry.matching import _attention
 
 # ``align_model``'s matching options: Stage 1's distance; the "full" refinement's steps,
@@ -44,7 +45,8 @@ class Method:
 
 _BUILT_IN = {"naive": (), "perm": ("distance",), "ortho": ("distance",), "full": ALIGN_OPTIONS,
              "learned": ALIGN_OPTIONS}
-METHODS: dict[str, Method] = {name: Method(name, _BUILT_IN[name]) for name in _attention.METHODS}
+METHODS: registry.Registry = registry.Registry(
+    (name, Method(name, _BUILT_IN[name])) for name in _attention.METHODS)
 
 
 def register_method(name: str, align: Callable[..., tuple[dict[str, Any], dict[str, Any]]], *,

@@ -18,6 +18,9 @@ from attn_symmetry.models.config import get_family, register_family
 from attn_symmetry.models.model import SCOPES, Model, build
 # The built-in families register themselves on import.
 from attn_symmetry.models import bert, decoder, vit  # pylint: disable=unused-import
+from attn_symmetry.models import config
+
+config._REGISTRY.mark_built_in()  # pylint: disable=protected-access
 
 __all__ = ["FAMILIES", "PRESETS", "SCOPES", "Config", "Family", "Model", "build", "get_family",
            "make_config", "register_family"]

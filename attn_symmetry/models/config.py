@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from attn_symmetry import attention
+from attn_symmetry import registry
 from attn_symmetry import tasks
 
 POS_ENCODINGS = ("none", "sinusoidal", "learned", "rope", "rope2d")
@@ -64,7 +65,8 @@ class Family:
 
 
 # The registered families by name (``register_family``); FAMILIES is a live view of its names.
-_REGISTRY: dict[str, Family] = {}
+# The built-in ones register on import of ``attn_symmetry.models`` (which marks them built in).
+_REGISTRY: registry.Registry = registry.Registry()
 FAMILIES = _REGISTRY.keys()
 
 
