@@ -4,7 +4,8 @@
 text between the README's markers with ``markdown(results_root)``: per setting
 and scope, the barriers as shares of naive, Stage 1's rank and L-hat, the wall
 time, the commit and the command, all read from ``results/<setting>/run.json``,
-``config.json`` and ``<scope>/results.json``; nothing is typed in.
+``config.json`` and ``<scope>/results.json``; nothing is typed in. It also
+writes the verdict on each of the paper's claims (``claims.verdict_table``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ import os
 from typing import Any
 
 from experiments import atomic_io
+from experiments import claims
 from experiments import report
 
 MARK_BEGIN = "<!-- table: written by experiments/reproduce.py --table; do not edit -->"
 MARK_END = "<!-- end of table -->"
+VERDICTS_BEGIN = ("<!-- verdicts: written by experiments/reproduce.py --table from "
+                  "experiments/claims.py; do not edit -->")
+VERDICTS_END = "<!-- end of verdicts -->"
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -31,18 +36,23 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
   return total
 
 
-def _cell(row: dict[str, Any] | None, key: str) -> str:
+def _cell(row: dict[str, Any] | None, key: str, floor: bool) -> str:
+  """"mean ± std [low, high]" of a ratio: over pairs, and the 95 % interval over seeds
+  (``report.summarise_methods``); "no ratio" under the floor."""
+  if floor:
+    return "no ratio"
   if not row or row.get(key) is None:
     return "n/a"
-  ci = row.get(key + "_ci95")
-  return f"{row[key]:.1f} ± {row[key + '_std']:.1f}" + ("" if ci is None else f" [±{ci:.1f}]")
+  ci = row.get(key + "_seed_ci")
+  interval = "" if ci is None else f" [{ci[0]:.1f}, {ci[1]:.1f}]"
+  return f"{row[key]:.1f} ± {row[key + '_std']:.1f}{interval}"
 
 
 def markdown(results_root: str) -> str:
   """Markdown table of every committed setting under ``results_root``: per setting and
   scope, the pairs (and how many have a ratio, when a naive barrier is zero), the naive loss
-  barrier, each method's loss barrier as % of naive (mean ± std over pairs [95 % CI
-  half-width]), Stage 1's rank and L-hat, the wall time, the commit the run
+  barrier, each method's loss barrier as % of naive (mean ± std over pairs [the 95 %
+  interval over seeds], or "no ratio" under ``report.RATIO_FLOOR``), Stage 1's rank and L-hat, the wall time, the commit the run
   started from and its command; then the settings' total and longest wall time."""
   methods = ("perm", "ortho", "full", "learned")
   lines = ["| setting | scope | pairs | naive loss barrier | Variant 1 (%) | Variant 2 (%) | "
@@ -64,11 +74,13 @@ def markdown(results_root: str) -> str:
     for scope in scopes:
       with open(os.path.join(results_root, setting, scope, "results.json")) as f:
         res = json.load(f)
-      rows = res["methods"]
+      rows = report.summarise_methods(res["pairs"])  # results stored before seed intervals too
       naive = rows["naive"]
+      floor = report.below_floor(rows) is not None
       abl = res.get("ablation", {}).get("permutations", {}).get("summary")
       rank = "n/a" if not abl else f"{abl['loss_rank_mean']:.2f} ± {abl['loss_rank_std']:.2f}"
       lhat = ("n/a" if not abl or abl["loss_lhat_mean"] is None
+              else "no ratio" if floor
               else f"{abl['loss_lhat_mean']:.1f} ± {abl['loss_lhat_std']:.1f}")
       # Pairs whose naive barrier is zero have no ratio (report.ratio_pct): say so.
       with_ratio = sum(report.ratio_pct(1.0, p["methods"]["naive"]["loss_barrier"]) is not None
@@ -79,7 +91,7 @@ def markdown(results_root: str) -> str:
       lines.append(
           f"| {setting} | {scope} | {pairs} | "
           f"{naive['loss_barrier_mean']:.4f} ± {naive['loss_barrier_std']:.4f} | "
-          + " | ".join(_cell(rows.get(m), "loss_barrier_ratio_pct") for m in methods)
+          + " | ".join(_cell(rows.get(m), "loss_barrier_ratio_pct", floor) for m in methods)
           + f" | {rank} | {lhat} | {run['wall_seconds'] / 60:.0f} min | {_commit(run)} | "
           f"`{run['command']}` |")
   if minutes:
@@ -106,14 +118,22 @@ def _commit(run: dict[str, Any]) -> str:
   return commit[:7] + (" (with edits)" if edited else "")
 
 
+def _replace_between(text: str, begin: str, end: str, body: str, path: str) -> str:
+  if begin not in text or end not in text:
+    raise ValueError(f"{path} has no markers {begin!r} ... {end!r}")
+  head, rest = text.split(begin, 1)
+  return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
+
+
 def write(results_root: str) -> str:
-  """Replaces the generated table in ``results_root/README.md`` (between its markers)."""
+  """Replaces the generated blocks of ``results_root/README.md``: the table (between
+  ``MARK_BEGIN`` and ``MARK_END``) and the verdicts on the paper's claims
+  (``claims.verdict_table``, between ``VERDICTS_BEGIN`` and ``VERDICTS_END``)."""
   path = os.path.join(results_root, "README.md")
   with open(path) as f:
     text = f.read()
-  if MARK_BEGIN not in text or MARK_END not in text:
-    raise ValueError(f"{path} has no table markers {MARK_BEGIN!r} ... {MARK_END!r}")
-  head, rest = text.split(MARK_BEGIN, 1)
-  tail = rest.split(MARK_END, 1)[1]
-  atomic_io.write_text(path, f"{head}{MARK_BEGIN}\n{markdown(results_root)}\n{MARK_END}{tail}")
+  text = _replace_between(text, MARK_BEGIN, MARK_END, markdown(results_root), path)
+  text = _replace_between(text, VERDICTS_BEGIN, VERDICTS_END,
+                          claims.verdict_table(results_root).rstrip("\n"), path)
+  atomic_io.write_text(path, text)
   return path
