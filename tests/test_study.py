@@ -43,12 +43,11 @@ def _config(**study_changes):
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp("study"))
+def finished(trained_workdir, tmp_path_factory):
+  """(config, a copy of its finished workdir, the report paths, the final metrics)."""
   config = _config()
-  trained = train.train_and_evaluate(config, workdir)
-  paths = study.run_study(config, workdir)
-  return config, workdir, paths, trained
+  workdir, trained = trained_workdir(config, tmp_path_factory.mktemp("study") / "w", study=True)
+  return config, workdir, study.run_study(config, workdir), trained
 
 
 def _stage_files(workdir):
@@ -205,22 +204,30 @@ def test_summary_md_holds_the_numbers_of_results_json(finished):
   res = _results(finished)
   lines = open(finished[2]["summary.md"]).read().splitlines()
   assert any(line.startswith("3 checkpoint pair(s), 5 interpolation points") for line in lines)
+  # Under the floor on the mean naive loss barrier no loss ratio is printed (nor L-hat).
+  floor = res["methods"]["naive"]["loss_barrier_mean"] < report.RATIO_FLOOR
+  interval = lambda ci: "n/a" if ci is None else f"[{ci[0]:.1f}, {ci[1]:.1f}]"
+  value = lambda v: "n/a" if v is None else f"{v:.1f}"
   for m, row in res["methods"].items():
     kinds = ("loss_barrier", "accuracy_barrier")
     cells = [_fmt(row[f"{k}_mean"], row[f"{k}_std"], 4) for k in kinds]
-    for k in kinds:
-      ci = row[f"{k}_ratio_pct_ci95"]
-      cells += [_fmt(row[f"{k}_ratio_pct"], row[f"{k}_ratio_pct_std"], 1),
-                "n/a" if ci is None else f"± {ci:.1f}"]
+    cells += (["no ratio", "", "", ""] if floor else
+              [_fmt(row["loss_barrier_ratio_pct"], row["loss_barrier_ratio_pct_std"], 1),
+               interval(row["loss_barrier_ratio_pct_seed_ci"]),
+               value(row["loss_barrier_ratio_pct_median"]),
+               value(row["loss_barrier_ratio_of_means_pct"])])
+    cells += [_fmt(row["accuracy_barrier_ratio_pct"], row["accuracy_barrier_ratio_pct_std"], 1),
+              interval(row["accuracy_barrier_ratio_pct_seed_ci"])]
     assert f"| {report.METHOD_LABELS[m]} | " + " | ".join(cells) + " |" in lines, m
   s = res["ablation"]["permutations"]["summary"]
-  assert (f"| Stage 1 | {_fmt(s['loss_rank_mean'], s['loss_rank_std'], 2)} | "
-          f"{_fmt(s['loss_lhat_mean'], s['loss_lhat_std'], 1)} | "
+  lhat = "no ratio" if floor else _fmt(s["loss_lhat_mean"], s["loss_lhat_std"], 1)
+  assert (f"| Stage 1 | {_fmt(s['loss_rank_mean'], s['loss_rank_std'], 2)} | {lhat} | "
           f"{_fmt(s['accuracy_rank_mean'], s['accuracy_rank_std'], 2)} | "
           f"{_fmt(s['accuracy_lhat_mean'], s['accuracy_lhat_std'], 1)} |") in lines
   for d, row in res["ablation"]["distances"].items():
     barrier = _fmt(row["loss_barrier_mean"], row["loss_barrier_std"], 4)
-    ratio = _fmt(row["loss_barrier_ratio_pct"], row["loss_barrier_ratio_pct_std"], 1)
+    ratio = ("no ratio" if floor else
+             _fmt(row["loss_barrier_ratio_pct"], row["loss_barrier_ratio_pct_std"], 1))
     assert f"| {d} | {barrier} | {ratio} |" in lines
   rob = res["robustness"]
   for i, sigma in enumerate(rob["noise_levels"]):
