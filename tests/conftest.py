@@ -1,4 +1,23 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures and the test tiers.
+
+Tiers: a test that trains a model, spawns a process, executes a notebook, or takes more than
+15 s alone on a 2-core machine is marked ``@pytest.mark.slow``. ``pytest -m "not slow"`` runs
+the rest, the fast tier; ``pytest`` (``.ci/run``) runs every test. Both take ``-n auto --dist
+loadfile`` (pytest-xdist): one worker per core, each test file on one worker. The invariance,
+group-axiom and planted-recovery tests of the core stay in the fast tier whatever they take.
+
+Trained workdirs are shared: ``trained_workdir(config, dest)`` trains ``config`` (and, with
+``study=True``, runs its study) once per test session and process, then copies the finished
+workdir to ``dest`` for the test to use or change.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from typing import Any
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -25,12 +44,61 @@ def no_persistent_compilation_cache_after():
   compilation_cache.reset_cache()
 
 
+def _memory_mappings() -> tuple[int, int] | None:
+  """(memory mappings this process holds, the most it may hold), or None off Linux."""
+  try:
+    with open("/proc/self/maps") as f:
+      held = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+      return held, int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
 @pytest.fixture(autouse=True, scope="module")
-def release_compiled_programs_after_each_module():
+def release_compiled_programs_near_the_mapping_limit():
   """Every program XLA:CPU compiles keeps about 14 memory mappings for as long as JAX caches
-  it, and a process may hold 65,530 (vm.max_map_count). The whole suite compiles thousands of
-  programs in one process: near the limit, an mmap of LLVM's failed and XLA crashed with
-  SIGSEGV while compiling (in test_reproduce, then test_reruns). Each module's programs are
-  released when it ends."""
+  it, and a process may hold ``vm.max_map_count`` (65,530 by default). Near the limit an mmap
+  of LLVM's failed and XLA crashed with SIGSEGV while compiling. When a module ends with
+  the process holding more than half of the limit, every compiled program is released;
+  below it, they stay cached for the modules after it (releasing them after every module
+  compiled the same programs again in the next)."""
   yield
-  jax.clear_caches()
+  mappings = _memory_mappings()
+  if mappings is None or mappings[0] > mappings[1] // 2:
+    jax.clear_caches()
+
+
+class TrainedWorkdirs:
+  """Finished runs of test configs, each trained once per session, handed out as copies."""
+
+  def __init__(self, root: str):
+    self._root = root
+    self._finished: dict[str, tuple[str, dict[str, Any]]] = {}
+
+  def _source(self, config, study: bool) -> tuple[str, dict[str, Any]]:
+    from experiments import fingerprints  # pylint: disable=import-outside-toplevel
+    from experiments import study as study_lib  # pylint: disable=import-outside-toplevel
+    from experiments import train  # pylint: disable=import-outside-toplevel
+    key = fingerprints.key({"config": json.loads(config.to_json(sort_keys=True)),
+                            "study": study})[:16]
+    if key not in self._finished:
+      workdir = os.path.join(self._root, key)
+      results = train.train_and_evaluate(config, workdir)
+      if study:
+        study_lib.run_study(config, workdir)
+      self._finished[key] = workdir, results
+    return self._finished[key]
+
+  def __call__(self, config, dest: str | os.PathLike, *, study: bool = False
+               ) -> tuple[str, dict[str, Any]]:
+    """(``dest``, the training's final metrics by run): a copy of ``config``'s finished
+    workdir (training, and the study with ``study``) at ``dest``, which must not exist."""
+    source, results = self._source(config, study)
+    shutil.copytree(source, dest)
+    return str(dest), copy.deepcopy(results)
+
+
+@pytest.fixture(scope="session")
+def trained_workdir(tmp_path_factory) -> TrainedWorkdirs:
+  return TrainedWorkdirs(str(tmp_path_factory.mktemp("trained_workdirs")))

@@ -264,6 +264,7 @@ EXACT = dict(init="best", steps=0)
 # ----------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 def test_readme_command_runs_without_torch(tmp_path):
   """The README's command, run as written on a planted GPT-2 pair in a process where torch and
   transformers cannot be imported: A back to 1e-4 relative (the default method), B's function,
@@ -318,6 +319,7 @@ def test_readme_command_runs_without_torch(tmp_path):
   assert os.path.getsize(os.path.join(out, "interpolation.png")) > 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "mistral", "bert", "vit"])
 def test_planted_pair_is_recovered(family, tmp_path):
   """Llama and Mistral (GQA, RoPE: H(H) on the QK side; norm scales folded; one compiled
@@ -345,6 +347,7 @@ def test_planted_pair_is_recovered(family, tmp_path):
     assert os.path.exists(os.path.join(out, "interpolation.png"))
 
 
+@pytest.mark.slow
 def test_stages_run_alone_and_release_b(tmp_path):
   """The stage functions, called one by one on a planted GPT-2 pair, recover A. B stays loaded
   only while a stage needs it: without an evaluation the align stage takes A and B out of the
@@ -383,6 +386,7 @@ def test_stages_run_alone_and_release_b(tmp_path):
   assert set(clock.seconds) == {"align", "align_model"}
 
 
+@pytest.mark.slow
 def test_bfloat16_stays_bfloat16(tmp_path):
   """A bfloat16 pair is aligned in float32 and written back in bfloat16, which transformers
   loads as such; B's function is kept to bfloat16 rounding."""
@@ -429,6 +433,7 @@ def _edit_tensors(folder, edit):
   save_file(tensors, os.path.join(folder, "model.safetensors"), metadata=meta)
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
   a = _save_model("gpt2", str(tmp_path / "a"))
   folders = {}
@@ -527,6 +532,7 @@ matching.register_method("exact_full_of_a_module", align)
 """
 
 
+@pytest.mark.slow
 def test_import_makes_a_registered_method_available_to_the_command(tmp_path, monkeypatch):
   """``--import MODULE`` (found in the current folder) runs the module's registration before
   the alignment, so ``--method`` accepts the name it registers."""
@@ -618,6 +624,7 @@ def test_bert_text_batches(tmp_path):
                              max_batches=1)
 
 
+@pytest.mark.slow
 def test_learned_method_trains_on_the_first_half(tmp_path):
   """--method learned on a planted ViT pair with 3 image batches: trained on the first, its
   iterate chosen on the second, the curve on the third; the planted element is kept."""

@@ -94,6 +94,7 @@ def test_rope_matches_a_pair_by_pair_reference(x64, pairing, fraction, num_axes,
     np.testing.assert_allclose(got, want[0], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_gqa_equals_mha_with_repeated_kv_heads(x64):
   gqa = attention.init_attention(jax.random.key(0), width=D, num_heads=N, head_dim=H,
                                  num_kv_heads=2, dtype=jnp.float64)
@@ -131,6 +132,7 @@ def test_causal_and_padding_masks(x64):
   assert float(jnp.abs(attention.multi_head_attention(p, x) - attention.multi_head_attention(p, x2))[:, 0].max()) > 1e-6
 
 
+@pytest.mark.slow
 def test_bad_arguments_raise():
   p = attention.init_attention(jax.random.key(0), width=D, num_heads=N, head_dim=H)
   x = jnp.zeros((B, T, D))
@@ -143,6 +145,7 @@ def test_bad_arguments_raise():
     attention.multi_head_attention(bad, x)
 
 
+@pytest.mark.slow
 def test_layout_helpers_describe_init_attention():
   """leaf_shapes is the layout init_attention builds; layer_shapes reads it back, stacked too;
   a missing bias reads as zeros; K defaults to N."""

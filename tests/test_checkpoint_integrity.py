@@ -31,10 +31,9 @@ def _config():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(trained_workdir, tmp_path_factory):
   """(workdir, final metrics, params) of the base run, never modified."""
-  workdir = str(tmp_path_factory.mktemp("trained") / "w")
-  results = train.train_and_evaluate(_config(), workdir)
+  workdir, results = trained_workdir(_config(), tmp_path_factory.mktemp("trained") / "w")
   params = jax.tree.map(np.asarray, train.load_checkpoints(_config(), workdir)["base"])
   return workdir, results["base"], params
 
@@ -81,6 +80,7 @@ def _one_line_naming(error, path):
   assert "\n" not in text and path in text, text
 
 
+@pytest.mark.slow
 def test_flipped_bits_never_restore_other_values(trained, workdir):
   """Each of 12 single-bit flips across the params data is refused in one line naming the
   checkpoint, or (bytes that no value is read from) restores exactly the saved values."""
@@ -101,6 +101,7 @@ def test_flipped_bits_never_restore_other_values(trained, workdir):
   assert refused >= 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated params", "truncated metadata",
                                     "truncated array metadata", "no hash"])
 def test_damaged_checkpoint_is_refused_in_one_line(workdir, damage):
@@ -127,6 +128,7 @@ def test_damaged_checkpoint_is_refused_in_one_line(workdir, damage):
   _one_line_naming(error, step_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped bit", "truncated params", "truncated metadata"])
 def test_training_falls_back_to_the_newest_intact_checkpoint(trained, workdir, caplog, damage):
   if damage == "flipped bit":
@@ -147,6 +149,7 @@ def test_training_falls_back_to_the_newest_intact_checkpoint(trained, workdir, c
   assert _bits_equal(train.load_checkpoints(_config(), workdir)["base"], trained[2])
 
 
+@pytest.mark.slow
 def test_empty_final_metrics_is_reevaluated_with_a_warning(trained, workdir, caplog):
   path = os.path.join(workdir, "base", "final_metrics.json")
   open(path, "w").close()  # a kill between open and write, before writes were atomic
@@ -161,6 +164,7 @@ def test_empty_final_metrics_is_reevaluated_with_a_warning(trained, workdir, cap
   assert not glob.glob(os.path.join(workdir, "base", "corrupt_checkpoints"))
 
 
+@pytest.mark.slow
 def test_run_without_fingerprint_is_moved_aside_and_retrained(trained, workdir, caplog):
   """A run directory from before fingerprints cannot be trusted to match the config."""
   os.remove(os.path.join(workdir, "base", fingerprints.RECORD))
@@ -175,6 +179,7 @@ def test_run_without_fingerprint_is_moved_aside_and_retrained(trained, workdir, 
   assert results["base"] == trained[1]
 
 
+@pytest.mark.slow
 def test_load_checkpoints_refuses_a_run_of_other_fields(workdir):
   config = _config()
   config.train.learning_rate = 1e-3

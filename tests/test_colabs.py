@@ -49,6 +49,7 @@ def test_there_are_notebooks():
   assert set(STRUCTURED) == names, sorted(set(STRUCTURED) ^ names)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path, tmp_path, monkeypatch):
   """Executes every cell in a fresh kernel, in an empty folder, with matplotlib's Agg backend;

@@ -115,6 +115,7 @@ def test_state_dict_and_config_input():
                              _hf_logits(hf_model, "llama", x), atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, overrides", [
     ("gpt2", {}), ("llama", {}), ("bert", {}), ("bert", dict(head="mlm")), ("vit", {}),
     ("bert", dict(head="mlm", tied_embeddings=False)),

@@ -154,6 +154,7 @@ def _test_texts(name, data_dir, *, seq_len):
         yield bytes(tokens[mask].astype(np.uint8)), int(label)
 
 
+@pytest.mark.slow
 def test_wiki_direction_windows_are_the_stream_forward_or_reversed(data_dir):
   """The test split holds every 64-byte window of wiki_bytes' test part, cut here from the
   source stream without the builder: those at even places forward (label 0), the others

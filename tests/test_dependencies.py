@@ -12,6 +12,8 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Import name -> distribution, of what only the experiments (and attn_symmetry.data) need.
@@ -33,6 +35,7 @@ def _run(blocked, code: str) -> str:
   return result.stdout
 
 
+@pytest.mark.slow
 def test_core_imports_and_matches_without_extras():
   """group_action, spec, attention, matching and lmc import (and match a layer pair) with
   jax, numpy and optax: neither the experiments' packages nor Flax."""
@@ -52,6 +55,7 @@ def test_core_imports_and_matches_without_extras():
   assert "attn_symmetry.matching" in out and "attn_symmetry.models" not in out
 
 
+@pytest.mark.slow
 def test_align_command_needs_no_experiment_extra(tmp_path):
   """The align command imports with the core dependencies; its evaluation names the [align]
   extra, before reading anything, when a package of it is missing; attn_symmetry.data names
@@ -98,6 +102,7 @@ def test_ci_installs_every_extra_the_tests_import():
     assert extra in install, extra
 
 
+@pytest.mark.slow
 def test_experiments_is_not_installed_and_its_scripts_run_by_path(tmp_path):
   """Only the library installs (pyproject's package list): outside the checkout no module
   named ``experiments`` can be imported, and the scripts still run by path from anywhere,

@@ -68,6 +68,7 @@ def test_the_page_has_one_example_of_each_extension():
     assert sum(call in b for b in blocks) == 1, call
 
 
+@pytest.mark.slow
 def test_registrations_are_listed_where_configs_look(extended):
   namespace, settings, _ = extended
   assert "meanpool" in models.FAMILIES and models.build("meanpool").input_key == "tokens"
@@ -81,6 +82,7 @@ def test_registrations_are_listed_where_configs_look(extended):
     data.register_dataset("majority", data.Entry("text", namespace["Majority"]))
 
 
+@pytest.mark.slow
 def test_registration_rejects_what_the_package_does_not_know(extended):
   namespace, _, _ = extended
   family = models.get_family("meanpool")
@@ -96,6 +98,7 @@ def test_registration_rejects_what_the_package_does_not_know(extended):
     data.Entry("audio", namespace["Majority"])
 
 
+@pytest.mark.slow
 def test_the_setting_trains_and_is_studied_with_the_new_method(extended):
   """The new family on the new data set, re-initialised and studied with the new method."""
   _, settings, tmp = extended
@@ -156,6 +159,7 @@ def test_a_scoped_block_leaves_every_registry_as_it_was():
     models.get_family("gpt2_copy")
 
 
+@pytest.mark.slow
 def test_a_registry_first_imported_inside_the_block_keeps_its_built_in_entries():
   code = """
 from attn_symmetry import registry

@@ -304,6 +304,7 @@ def test_random_permutations_cover_the_group():
   assert len(seen_gqa) == 8 and all({p[0] // 2, p[1] // 2} == {p[0] // 2} for p in seen_gqa)
 
 
+@pytest.mark.slow
 def test_float32_element_on_bfloat16_params_keeps_their_dtype():
   """What matching returns for half-precision models: a float32 element acts on bfloat16
   leaves in float32, rounded once (the result equals the float32 action rounded to bfloat16),

@@ -124,6 +124,7 @@ def _learned(spec, a, b, rms, **options):
 # ----------------------------------------------------------------------------- planted pairs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rms", [False, True], ids=["gl", "rope"])
 def test_planted_pair_keeps_the_exact_solution(x64, rms):
   """B = g . A: the full method's exact element is returned, although the steps left it (the
@@ -154,6 +155,7 @@ def test_planted_pair_keeps_the_exact_solution(x64, rms):
 # ----------------------------------------------------------------------------- unrelated pairs
 
 
+@pytest.mark.slow
 def test_learning_lowers_the_test_loss_of_the_midpoint():
   """Two models trained from different seeds: the learned element's midpoint has a lower
   loss on batches that learning never saw than the full method's (a lower barrier)."""
@@ -172,6 +174,7 @@ def test_learning_lowers_the_test_loss_of_the_midpoint():
   assert barrier_learned < 0.9 * barrier_full
 
 
+@pytest.mark.slow
 def test_rope_matrices_stay_in_the_commutant(x64):
   """Under RoPE the learned QK matrices lie in H(H) (to 1e-6), though they moved, and the
   learned element is still a symmetry of B."""
@@ -193,6 +196,7 @@ def test_rope_matrices_stay_in_the_commutant(x64):
 # ----------------------------------------------------------------------------- dtypes and guards
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_float32_and_bfloat16_parameters(dtype):
   """Half precision is learned in float32: the element is float32, acts on the parameters
@@ -291,6 +295,7 @@ def test_reads_only_the_batches_given_and_compiles_one_step():
   assert batches.read == info["learned"]["steps"] == 10
 
 
+@pytest.mark.slow
 def test_scope_without_attention_returns_the_full_element():
   spec, a, b = _pair(False, dtype=jnp.float32)
   batches = _Counting(_batches(TRAIN))

@@ -247,6 +247,7 @@ def test_planted_recovery(x64, case):
       np.testing.assert_allclose(r @ qk, qk @ r, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_init_chooses_the_start(x64):
   """With no refinement steps "full" is its start: the Procrustes solution for
   init="procrustes" (equal to "ortho"), the exact least-squares solution of a planted problem
@@ -313,6 +314,7 @@ FLOAT32_CASES = {**CASES, "rope_interleaved": ("rope", None, True, "interleaved"
                  "rope_half_partial_gqa": ("rope", 2, True, "half", 0.5)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(FLOAT32_CASES))
 @pytest.mark.parametrize("init", matching.INITS)
 def test_float32_planted_recovery(x64, monkeypatch, case, init):
@@ -334,6 +336,7 @@ def test_float32_planted_recovery(x64, monkeypatch, case, init):
     assert np.linalg.norm(moved[path] - leaf) / np.linalg.norm(leaf) <= 1e-5, path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["gl", "rope_half_gqa"])
 def test_gauss_newton_matches_adam_in_fewer_steps(x64, case):
   """On a noisy problem (no exact solution) Gauss-Newton ends at an objective no higher than
@@ -348,6 +351,7 @@ def test_gauss_newton_matches_adam_in_fewer_steps(x64, case):
   assert gauss_newton == pytest.approx(full(steps=int(taken.max()) + 200), rel=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision(x64, dtype):
   """Half-precision layers are matched in float32 (x64 on: float32 whatever JAX's default):
@@ -368,6 +372,7 @@ def test_half_precision(x64, dtype):
 # ----------------------------------------------------------------------------- exhaustive mode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,method,element_group", [("gl", "full", None),
                                                        ("gl_gqa", "ortho", "orthogonal")])
 def test_exhaustive_best_permutation_is_stage1s(x64, case, method, element_group):
@@ -457,6 +462,7 @@ def test_site_must_be_an_attention_site(x64):
     ga.random_element(jax.random.key(0), "rope")
 
 
+@pytest.mark.slow
 def test_exhaustive_refuses_many_heads(x64):
   a = jax.tree.map(lambda x: x[0], _stack(0))
   big = {name: {"kernel": np.ones((D, 9, 2))} for name in ("query", "key", "value")}

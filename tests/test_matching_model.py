@@ -158,6 +158,7 @@ def _assert_permutations_recovered(spec, element, g):
     np.testing.assert_array_equal(element[R], np.argsort(g[R]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [vit_like, llama_like], ids=["vit_like", "llama_like"])
 def test_planted_model_recovery(x64, build):
   """Exact recovery with the least-squares starts (init="best"), refined in every round."""
@@ -174,6 +175,7 @@ def test_planted_model_recovery(x64, build):
   np.testing.assert_allclose(element[R], inverse, atol=1e-8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build,bound", [(vit_like, 1e-10), (llama_like, 1e-4)],
                          ids=["vit_like", "llama_like"])
 def test_refine_final_planted_recovery(x64, build, bound):
@@ -196,6 +198,7 @@ def test_refine_final_planted_recovery(x64, build, bound):
   assert distance["final"] < 1e-2 * distance["before_refinement"]
 
 
+@pytest.mark.slow
 def test_scope_aligns_only_inside_it(x64):
   """B differs from A by the first layer's FFN and attention symmetries only; aligning the
   scope "layers_0" recovers them and leaves every other factor at identity."""
@@ -238,6 +241,7 @@ def _planted_first_attention(seed, element):
   return spec, a, _numpy(_jitted_apply(part)(a, {"layers_0/attention": element}))
 
 
+@pytest.mark.slow
 def test_variant1_applies_the_stage1_permutation(x64):
   """B = (tau, -I, -I) . A on the first attention layer: Stage 1 finds tau^{-1} (circuits are
   invariant), but the permutation alone doubles the distance (every head weight is negated).
@@ -260,6 +264,7 @@ def test_variant1_applies_the_stage1_permutation(x64):
   assert float(info["distance"]["final"]) <= 1e-20 * initial
 
 
+@pytest.mark.slow
 def test_init_reaches_align_model(x64):
   """With no Adam steps "full" is its start: Variant 2's element for init="procrustes", the
   planted element (exact least squares) for init="best"."""
@@ -276,6 +281,7 @@ def test_init_reaches_align_model(x64):
 # ----------------------------------------------------------------------------- half precision
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [vit_like, llama_like], ids=["vit_like", "llama_like"])
 def test_bfloat16_planted_recovery(build):
   """bfloat16 models: aligned in float32, the element in float32, applied by apply_model to
@@ -344,6 +350,7 @@ def test_match_ffn_planted_and_coordinatewise_optimal(x64):
     np.testing.assert_allclose(ours, optimum, rtol=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build,fixed", [(vit_like, ["embed/kernel"]),
                                          (llama_like, ["embed", "head/kernel"])],
                          ids=["vit_like", "llama_like"])
@@ -389,6 +396,7 @@ def test_one_trace_for_equal_specs(x64, monkeypatch):
     matching.match_ffn(spec, _init(shapes, 0), _init(shapes, 1), max_rounds=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scope", [["layers_0"], ["layers_1/attention"],
                                    ["layers_0/attention", "layers_1/attention"]])
 def test_scope_equals_the_descent_over_its_names_alone(x64, scope):
@@ -411,6 +419,7 @@ def test_scope_equals_the_descent_over_its_names_alone(x64, scope):
           np.testing.assert_array_equal(x, y, err_msg=f"{method} {name}")
 
 
+@pytest.mark.slow
 def test_one_program_for_every_scope_and_distance(x64, monkeypatch):
   """Scopes are a traced mask and the Stage 1 distance a traced index: every scope and
   distance of a model shares one compiled program."""
@@ -432,6 +441,7 @@ def test_one_program_for_every_scope_and_distance(x64, monkeypatch):
     np.testing.assert_allclose(element[site].qk, alone.qk, atol=1e-12, err_msg=distance)
 
 
+@pytest.mark.slow
 def test_one_program_for_perm_ortho_and_full(x64, monkeypatch):
   """The method is a traced index into the stages (perm, ortho, full): with equal options the
   three share one trace and one compiled program, and each still gives its own element:

@@ -40,6 +40,7 @@ def _load(directory):
     return json.load(f)
 
 
+@pytest.mark.slow
 def test_reduced_rerun_gives_the_committed_numbers(tmp_path):
   """The committed reduced run, recomputed by the committed command in a process of its own:
   the same barriers, curves, ranks and chosen permutations (to float32 rounding across runs).
@@ -113,6 +114,7 @@ def test_readme_table_is_generated_from_the_committed_runs():
     assert f"| {setting} |" in table and f"| {commit}" in table
 
 
+@pytest.mark.slow
 def test_table_command_rewrites_the_committed_readme_byte_for_byte(tmp_path):
   """``reproduce.py --table`` on a copy of results/ leaves its README as committed, and puts
   the generated table back between the markers after the table text was changed."""
@@ -167,6 +169,7 @@ def test_table_says_when_a_ratio_leaves_out_pairs(tmp_path):
           in results_table.markdown(str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_run_concurrently_keeps_at_most_jobs_running_and_reports_each_exit(tmp_path):
   """Four commands, two at a time, in the order given: at no moment do three run, two that
   run at once hold different slots, each one's output lands in its log, and a failure leaves
@@ -190,6 +193,7 @@ def test_run_concurrently_keeps_at_most_jobs_running_and_reports_each_exit(tmp_p
   assert (tmp_path / "logs" / "c.log").read_text().strip() == "out c"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("one_core", [True, False])
 def test_run_settings_runs_longest_first_each_on_a_core_of_its_own(tmp_path, one_core):
   """Every setting's command runs, the longest committed run first, with this checkout on
@@ -249,6 +253,7 @@ def test_table_says_how_long_overlapping_runs_kept_the_machine(tmp_path):
   assert "added up: 1 h 00 min" in table and "machines' time" not in table
 
 
+@pytest.mark.slow
 def test_jobs_must_be_positive():
   done = subprocess.run([sys.executable, "experiments/reproduce.py", "--all", "--jobs=0"],
                         cwd=REPO, capture_output=True, text=True,
@@ -256,6 +261,7 @@ def test_jobs_must_be_positive():
   assert done.returncode != 0 and "--jobs must be at least 1" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 def test_use_one_core_pins_this_process_and_refuses_a_core_it_may_not_use():
   """In a child process (pinning is for the process's life): the lowest core by default, a

@@ -51,11 +51,9 @@ def run_all(config, workdir):
 
 
 @pytest.fixture(scope="module")
-def used(tmp_path_factory):
-  """A workdir holding the finished run of ``make_config()``."""
-  workdir = str(tmp_path_factory.mktemp("used") / "w")
-  run_all(make_config(), workdir)
-  return workdir
+def used(trained_workdir, tmp_path_factory):
+  """A workdir holding the finished run of ``make_config()`` (training and study)."""
+  return trained_workdir(make_config(), tmp_path_factory.mktemp("used") / "w", study=True)[0]
 
 
 def _copy(workdir, tmp_path, name="copy"):
@@ -126,6 +124,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field, value, expected, line", CASES, ids=[c[0] for c in CASES])
 def test_changed_field_recomputes_what_depends_on_it(used, tmp_path, caplog, field, value,
                                                       expected, line):
@@ -144,6 +143,7 @@ def test_changed_field_recomputes_what_depends_on_it(used, tmp_path, caplog, fie
   assert outcome(workdir) != outcome(used)
 
 
+@pytest.mark.slow
 def test_steps_up_then_down(used, tmp_path, caplog):
   """12 steps into the 8-step workdir retrains (not resumes) everything; 8 steps again
   retrains it back, to exactly the first run's results."""
@@ -181,6 +181,7 @@ def _assert_close(a, b, rel=1e-6):
     assert a == b
 
 
+@pytest.mark.slow
 def test_unkeyed_fields_recompute_nothing(used, tmp_path, caplog):
   config = make_config(**{"train.log_every": 1, "train.eval_every": 2,
                           "train.checkpoint_every": 2, "train.keep_checkpoints": 3,
@@ -199,6 +200,7 @@ def test_unkeyed_fields_recompute_nothing(used, tmp_path, caplog):
   _assert_close(fresh, outcome(used))
 
 
+@pytest.mark.slow
 def test_study_refuses_a_damaged_endpoint_in_one_line(used, tmp_path):
   workdir = _copy(used, tmp_path)
   step_dir = os.path.join(workdir, RUNS[2], "checkpoints", "4")
@@ -231,6 +233,7 @@ def test_every_config_field_is_keyed_or_listed_as_unkeyed():
     assert not unclassified, (name, unclassified)
 
 
+@pytest.mark.slow
 def test_truncated_pair_file_is_a_cache_miss_with_a_warning(used, tmp_path, caplog):
   workdir = _copy(used, tmp_path)
   before = _stage_stamps(workdir)
@@ -297,6 +300,7 @@ def _run_killed(where, workdir, cache):
   assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where, resumed_from", [("step", 4), ("save", 4)])
 def test_sigkill_during_training_then_rerun_is_bit_identical(used, tmp_path, tmp_path_factory,
                                                              caplog, where, resumed_from):
@@ -311,6 +315,7 @@ def test_sigkill_during_training_then_rerun_is_bit_identical(used, tmp_path, tmp
   assert outcome(workdir) == outcome(used)
 
 
+@pytest.mark.slow
 def test_sigkill_during_study_then_rerun_gives_the_same_results(used, tmp_path,
                                                                 tmp_path_factory, caplog):
   workdir = str(tmp_path / "w")

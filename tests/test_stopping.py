@@ -51,22 +51,22 @@ HALVING = dict(min_delta=0.5, num_steps=12, validate_every=1, patience=3)
 IMPROVING = dict(min_delta=0.0, num_steps=30, validate_every=10, patience=2, learning_rate=1e-2)
 
 
-def _trained(tmp_path_factory, name, config):
-  workdir = str(tmp_path_factory.mktemp(name) / "w")
-  return config, workdir, train.train_and_evaluate(config, workdir)
+def _trained(trained_workdir, tmp_path_factory, name, config):
+  """(config, a copy of its finished workdir, the training's final metrics)."""
+  return (config, *trained_workdir(config, tmp_path_factory.mktemp(name) / "w"))
 
 
 @pytest.fixture(scope="module")
-def frozen(tmp_path_factory):
+def frozen(trained_workdir, tmp_path_factory):
   """(config, workdir, results): the fine-tuned scope cannot move; the "full" scope, which
   trains from scratch on the base schedule, follows the rule too."""
-  return _trained(tmp_path_factory, "frozen",
+  return _trained(trained_workdir, tmp_path_factory, "frozen",
                   make_config(scopes=("first_attention", "full"), **FROZEN))
 
 
 @pytest.fixture(scope="module")
-def halving(tmp_path_factory):
-  return _trained(tmp_path_factory, "halving", make_config(**HALVING))
+def halving(trained_workdir, tmp_path_factory):
+  return _trained(trained_workdir, tmp_path_factory, "halving", make_config(**HALVING))
 
 
 def _validation_losses(workdir, name):
@@ -98,6 +98,7 @@ def _assert_same_params(a, b):
     assert _bits_equal(a[path], b[path]), path
 
 
+@pytest.mark.slow
 def test_plateau_stops_after_patience_evaluations(frozen):
   config, workdir, results = frozen
   stop = FROZEN["validate_every"] * (1 + FROZEN["patience"])  # the first evaluation is the best
@@ -120,6 +121,7 @@ def test_plateau_stops_after_patience_evaluations(frozen):
   assert not _validation_losses(workdir, "base")  # the base model trains its whole schedule
 
 
+@pytest.mark.slow
 def test_full_scope_follows_the_rule_on_the_base_schedule(frozen):
   config, workdir, results = frozen
   rule = train.stopping(config, train.runs(config)[-1])
@@ -131,6 +133,7 @@ def test_full_scope_follows_the_rule_on_the_base_schedule(frozen):
     assert (results[name]["steps"], results[name]["stopped"]) == expected
 
 
+@pytest.mark.slow
 def test_steps_taken_reads_how_each_run_ended(frozen):
   config, workdir, results = frozen
   taken = train.steps_taken(config, workdir)
@@ -143,6 +146,7 @@ def test_steps_taken_reads_how_each_run_ended(frozen):
   assert taken["reinit/first_attention/seed_1"]["num_steps"] == FROZEN["num_steps"]
 
 
+@pytest.mark.slow
 def test_budget_when_the_loss_keeps_improving(tmp_path):
   config = make_config(**IMPROVING)
   config.train.batch_size = 32  # the barely trained base model learns in 30 steps, not in 4
@@ -163,6 +167,7 @@ def _trained_here(tmp_path, config):
   return config, workdir, train.train_and_evaluate(config, workdir)
 
 
+@pytest.mark.slow
 def test_plateau_with_moving_parameters(halving):
   """Real training that stops at a plateau, because no evaluation halves the first loss."""
   config, workdir, results = halving
@@ -179,6 +184,7 @@ def test_plateau_with_moving_parameters(halving):
                            base["layers_0/attention/query/kernel"])
 
 
+@pytest.mark.slow
 def test_stopped_run_is_complete(frozen, caplog):
   """A run stopped at a plateau is skipped on rerun (nothing written) and accepted as
   complete by the study's loader, though its step is short of the budget."""
@@ -195,6 +201,7 @@ def test_stopped_run_is_complete(frozen, caplog):
   assert set(loaded) == set(results)
 
 
+@pytest.mark.slow
 def test_unfinished_run_is_refused_by_the_study_loader(frozen, tmp_path):
   """The stop recorded in the checkpoint, not its step, makes a run complete: without it
   (the last checkpoint gone, as after a crash), the run is unfinished."""
@@ -208,6 +215,7 @@ def test_unfinished_run_is_refused_by_the_study_loader(frozen, tmp_path):
   assert train.steps_taken(config, copy)[name]["stopped"] is None
 
 
+@pytest.mark.slow
 def test_changed_patience_retrains_the_runs_under_the_rule(frozen, tmp_path, caplog):
   _, workdir, _ = frozen
   copy = str(tmp_path / "w")
@@ -224,6 +232,7 @@ def test_changed_patience_retrains_the_runs_under_the_rule(frozen, tmp_path, cap
   assert results["reinit/first_attention/seed_1"]["steps"] == 2 * (1 + 3)
 
 
+@pytest.mark.slow
 def test_the_rule_can_validate_on_the_first_examples_of_the_split(halving, tmp_path, caplog):
   """dataset.validation_examples: the rule's loss is that of the split's first examples; 0, the
   whole split, keys nothing; another value retrains."""
@@ -251,6 +260,7 @@ def test_the_rule_can_validate_on_the_first_examples_of_the_split(halving, tmp_p
     assert got[name]["validation_loss"] != results[name]["validation_loss"]
 
 
+@pytest.mark.slow
 def test_turning_the_rule_on_retrains(frozen, tmp_path, caplog):
   """With the rule off its fields are not keyed; turning it on adds them, so the runs retrain."""
   config = make_config(patience=0, learning_rate=1e-12, num_steps=4)
@@ -268,6 +278,7 @@ def test_turning_the_rule_on_retrains(frozen, tmp_path, caplog):
           results["reinit/first_attention/seed_1"]["stopped"]) == (2, "plateau")
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_is_bit_identical(halving, tmp_path, monkeypatch, caplog):
   """Seed 1 dies before its batch 4, after the checkpoint at step 2 (one evaluation without
   improvement since the best): the rerun resumes there, restores the plateau state and
@@ -312,6 +323,7 @@ def test_resume_after_a_crash_is_bit_identical(halving, tmp_path, monkeypatch, c
     assert _validation_losses(workdir, run.name) == _validation_losses(reference, run.name)
 
 
+@pytest.mark.slow
 def test_no_decision_reads_the_test_split(halving, tmp_path, monkeypatch):
   """Training reads "train[:90%]" and the rule "train[90%:]"; the test split only feeds
   the reported evaluations: with its labels scrambled, every run stops where it did, with
@@ -344,6 +356,7 @@ def test_no_decision_reads_the_test_split(halving, tmp_path, monkeypatch):
     _assert_same_params(_params(config, workdir, run.name), _params(config, reference, run.name))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes, message", [
     ({"dataset.validation_split": "train[85%:]"},
      r"config.dataset.validation_split 'train\[85%:\]' shares records \[1222, 1294\) of split "

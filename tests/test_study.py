@@ -54,6 +54,7 @@ def _stage_files(workdir):
   return {p: os.stat(p).st_mtime_ns for p in glob.glob(f"{workdir}/study/*/pairs/*/*.json")}
 
 
+@pytest.mark.slow
 def test_reports_are_written(finished):
   config, _, paths, _ = finished
   assert set(paths) == {"first_attention/results.json", "first_attention/curves.png",
@@ -89,6 +90,7 @@ def _barrier(lams, values, higher_is_better=False):
   return max(0.0, float((-gap if higher_is_better else gap).max()))
 
 
+@pytest.mark.slow
 def test_barriers_and_their_summary_are_recomputed_from_the_curves(finished):
   config, res = finished[0], _results(finished)
   lams = np.asarray(res["lambdas"])
@@ -117,6 +119,7 @@ def test_barriers_and_their_summary_are_recomputed_from_the_curves(finished):
   assert naive_row["loss_barrier_std"] > 0  # three different pairs
 
 
+@pytest.mark.slow
 def test_path_ends_are_the_seeds_own_evaluations(finished):
   config, _, _, trained = finished
   res = _results(finished)
@@ -134,6 +137,7 @@ def test_path_ends_are_the_seeds_own_evaluations(finished):
       assert curve["accuracy"][-1] == pytest.approx(b["accuracy"], abs=1e-9), m
 
 
+@pytest.mark.slow
 def test_each_path_is_its_aligned_models_path_evaluated_at_every_lambda(finished):
   """The study evaluates a pair's endpoints once and each path's interior points: the same
   curve as evaluating theta_A -> g.theta_B at every lambda, since the (norm-folded) theta_A
@@ -159,6 +163,7 @@ def test_each_path_is_its_aligned_models_path_evaluated_at_every_lambda(finished
       np.testing.assert_array_equal(curve["loss"][1:-1], every["loss"][1:-1], err_msg=m)
 
 
+@pytest.mark.slow
 def test_ablations_and_robustness_are_recomputed(finished):
   config, _, _, _ = finished
   res = _results(finished)
@@ -200,6 +205,7 @@ def _fmt(mean, std, digits):
   return "n/a" if mean is None else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+@pytest.mark.slow
 def test_summary_md_holds_the_numbers_of_results_json(finished):
   res = _results(finished)
   lines = open(finished[2]["summary.md"]).read().splitlines()
@@ -235,6 +241,7 @@ def test_summary_md_holds_the_numbers_of_results_json(finished):
             + " |") in lines
 
 
+@pytest.mark.slow
 def test_full_method_beats_naive(finished):
   _, _, paths, _ = finished
   methods = json.load(open(paths["first_attention/results.json"]))["methods"]
@@ -242,6 +249,7 @@ def test_full_method_beats_naive(finished):
   assert methods["full"]["loss_barrier_mean"] < methods["naive"]["loss_barrier_mean"]
 
 
+@pytest.mark.slow
 def test_checkpoint_with_itself_has_no_barrier(finished):
   config, workdir, _, _ = finished
   from experiments import inputs
@@ -256,6 +264,7 @@ def test_checkpoint_with_itself_has_no_barrier(finished):
     assert res["loss_barrier"] <= 1e-5 and res["accuracy_barrier"] <= 1e-6, m
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_stages_and_detects_changes(finished):
   config, workdir, _, _ = finished
   before = _stage_files(workdir)
@@ -269,6 +278,7 @@ def test_rerun_skips_finished_stages_and_detects_changes(finished):
   assert redone == {"robustness.json"}
 
 
+@pytest.mark.slow
 def test_bad_input_raises_before_work(finished, tmp_path):
   config, workdir, _, _ = finished
   other = _config()
@@ -332,6 +342,7 @@ def test_learned_overlap_names_the_slices_learned_reads_from_the_evaluation_spli
                                      "digits") == {}
 
 
+@pytest.mark.slow
 def test_study_evaluates_the_paths_on_study_eval_split(finished, tmp_path):
   """On a copy of the trained workdir: the paths on the first 40 examples of "train[:50%]"
   (their ends: the seeds' training-data metrics, not their test ones); the split keyed in
@@ -365,6 +376,7 @@ def test_study_evaluates_the_paths_on_study_eval_split(finished, tmp_path):
   assert "study.eval_split" not in default["fields"]  # the default keys nothing
 
 
+@pytest.mark.slow
 def test_learned_is_compared_and_lowers_the_full_methods_barrier(finished):
   res = _results(finished)
   assert "learned" in res["methods"]
@@ -377,6 +389,7 @@ def test_learned_is_compared_and_lowers_the_full_methods_barrier(finished):
   assert learned <= full, (learned, full)
 
 
+@pytest.mark.slow
 def test_learned_reads_training_and_validation_slices_only(finished, monkeypatch):
   """The learned stage reads the training slice and the validation slice, never the test
   split (every data set read it makes is recorded)."""

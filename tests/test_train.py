@@ -40,11 +40,10 @@ def _base_only(config):
 
 
 @pytest.fixture(scope="module")
-def quickstart_run(tmp_path_factory):
-  """(config, workdir, results) of the quickstart at runlocal size."""
+def quickstart_run(trained_workdir, tmp_path_factory):
+  """(config, a copy of its finished workdir, results) of the quickstart at runlocal size."""
   config = quickstart.get_config("runlocal")
-  workdir = str(tmp_path_factory.mktemp("quickstart"))
-  return config, workdir, train.train_and_evaluate(config, workdir)
+  return (config, *trained_workdir(config, tmp_path_factory.mktemp("quickstart") / "w"))
 
 
 def _tree_digest(directory):
@@ -65,6 +64,7 @@ def _bits_equal(a, b):
   return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+@pytest.mark.slow
 def test_quickstart_trains_every_run(quickstart_run):
   config, workdir, results = quickstart_run
   assert list(results) == [run.name for run in train.runs(config)]
@@ -85,6 +85,7 @@ def test_quickstart_trains_every_run(quickstart_run):
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(directory))
 
 
+@pytest.mark.slow
 def test_no_base_model_when_every_scope_trains_from_scratch(tmp_path):
   """Only "full" scopes: no run starts from the base model, so it is not trained (and the
   study loads the seeds alone); with no scope at all it is the only run."""
@@ -100,6 +101,7 @@ def test_no_base_model_when_every_scope_trains_from_scratch(tmp_path):
   assert train.runs(config)[0].name == "base"
 
 
+@pytest.mark.slow
 def test_reinit_freezes_everything_outside_the_scope(quickstart_run):
   config, workdir, _ = quickstart_run
   model = inputs.create_model(config)
@@ -121,6 +123,7 @@ def test_reinit_freezes_everything_outside_the_scope(quickstart_run):
     assert not _bits_equal(seeds[0][kernel], seeds[1][kernel])
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_runs(quickstart_run):
   config, workdir, results = quickstart_run
   before = _tree_digest(workdir)
@@ -128,6 +131,7 @@ def test_rerun_skips_finished_runs(quickstart_run):
   assert _tree_digest(workdir) == before
 
 
+@pytest.mark.slow
 def test_main_runs_the_same_training(quickstart_run, tmp_path, monkeypatch):
   """main.py's flags and training stage give what the library call gave, number for number."""
   _, _, results = quickstart_run
@@ -203,6 +207,7 @@ def _patch_batches(monkeypatch, **kwargs):
                       lambda *a, **k: _Batches(real(*a, **k), **kwargs))
 
 
+@pytest.mark.slow
 def test_resume_after_crash_ends_identical(quickstart_run, tmp_path, monkeypatch):
   reference_config, reference_dir, _ = quickstart_run
   config = _base_only(quickstart.get_config("runlocal"))
@@ -224,6 +229,7 @@ def test_resume_after_crash_ends_identical(quickstart_run, tmp_path, monkeypatch
   assert [e["step"] for e in log if "train/loss" in e] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
   config = _base_only(quickstart.get_config("runlocal"))
   _patch_batches(monkeypatch, nan_at=6)
@@ -236,6 +242,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypat
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", [gpt2_wiki_bytes, llama_wiki_bytes, bert_offline,
                                      bert_mlm_wiki_bytes], ids=["gpt2", "llama", "bert", "bert_mlm"])
 def test_runlocal_family(setting, tmp_path):
@@ -262,6 +269,7 @@ def _record_reads(monkeypatch, reader, read):
   monkeypatch.setattr(inputs, reader, recording)
 
 
+@pytest.mark.slow
 def test_transfer_fine_tunes_on_the_second_data_set(tmp_path, monkeypatch):
   """A->B: the base model learns MNIST digits, the re-initialised scope Fashion-MNIST."""
   config = vit_mnist_to_fashion.get_config("runlocal")
@@ -288,6 +296,7 @@ def _mutate(config, field, value):
   node[last] = value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field, value, error", [
     ("model.family", "resnet", "unknown model family"),
     ("model.overrides.num_heads", 5, "num_heads"),
@@ -307,6 +316,7 @@ def test_bad_config_fails_before_training(field, value, error, tmp_path):
   assert not os.path.exists(workdir)
 
 
+@pytest.mark.slow
 def test_workdir_of_another_architecture_is_refused_untouched(quickstart_run):
   _, workdir, _ = quickstart_run
   config = quickstart.get_config("runlocal")
@@ -324,6 +334,7 @@ def test_load_checkpoints_of_untrained_run_names_it(tmp_path):
     train.load_checkpoints(config, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_main_rejects_override_of_missing_field(tmp_path):
   workdir = tmp_path / "w"
   proc = subprocess.run(
@@ -349,6 +360,7 @@ print(json.dumps({"devices": jax.device_count()}))
 """
 
 
+@pytest.mark.slow
 def test_data_parallel_matches_single_device(tmp_path):
   """Four CPU devices, batch split four ways: the same losses as one device."""
   config = _base_only(quickstart.get_config("runlocal"))
