@@ -234,7 +234,8 @@ def test_steps_past_the_condition_bound_are_skipped(monkeypatch):
   start = matching.align_model(spec, a, b)
   monkeypatch.setattr(_stage2, "max_condition", lambda dtype: 1.0)  # read outside jit
   element, info = matching.learn_alignment(
-      spec, a, b, start, sites=list(spec.attention), loss_fn=_loss_gl, batches=_batches(TRAIN),
+      spec, a, b, start, names=matching.active_names(spec, None), factors=("attention",),
+      loss_fn=_loss_gl, batches=_batches(TRAIN),
       holdout_batches=_batches(HOLDOUT), steps=24, learning_rate=1e-2, **_uniform())
   assert info["learned"]["skipped"] == 24 and info["learned"]["best_step"] == 0
   jax.tree.map(np.testing.assert_array_equal, element, start[0])
@@ -295,13 +296,14 @@ def test_reads_only_the_batches_given_and_compiles_one_step():
   assert batches.read == info["learned"]["steps"] == 10
 
 
-@pytest.mark.slow
-def test_scope_without_attention_returns_the_full_element():
+def test_scope_without_a_symmetry_returns_the_full_element():
+  """A scope that holds no factor and no site (the head alone: the residual stream also acts
+  elsewhere): the start comes back and no batch is read."""
   spec, a, b = _pair(False, dtype=jnp.float32)
   batches = _Counting(_batches(TRAIN))
-  element, info = _learned(spec, a, b, False, scope=["layers_0/mlp"], batches=batches, **_uniform())
-  full, _ = matching.align_model(spec, a, b, scope=["layers_0/mlp"])
-  assert info["learned"]["sites"] == [] and "no attention site" in info["learned"]["note"]
+  element, info = _learned(spec, a, b, False, scope=["head"], batches=batches, **_uniform())
+  full, _ = matching.align_model(spec, a, b, scope=["head"])
+  assert info["learned"]["factors"] == [] and "no symmetry in scope" in info["learned"]["note"]
   assert batches.read == 0
   jax.tree.map(np.testing.assert_array_equal, element, full)
 

@@ -10,7 +10,7 @@ Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.
   head_distances              Stage 1 costs between the heads of two layers.
   match_ffn                   Weight Matching of a spec's permutation/orthogonal factors.
   align_model                 all of it, for every factor and attention site in scope.
-  learn_alignment             an element's attention matrices fitted to a task loss.
+  learn_alignment             an element's factors fitted to a task loss.
   register_method             a whole-model method of one's own, next to the built-in ones.
   linear_assignment           exact LAP, batched and jittable (scipy on CPU hosts, optax elsewhere).
 
@@ -28,8 +28,9 @@ whether "full" refines at every attention step ("every_round", the default)
 or once after a Variant 2 descent ("final"); "perm", "ortho" and "full" (``STAGES``) are
 stages of one computation, and ``align_model`` compiles one program for the three
 (called with equal options: those of "full"). "learned" (``align_model`` only)
-starts from "full" and trains every attention site's QK and VO matrices on
-the task loss of the interpolated model (``learn_alignment``). ``METHODS``
+starts from "full" and trains the factors in scope that ``factors`` names (QK
+and VO matrices, head and FFN permutations, the residual factor; all by
+default) on the task loss of the interpolated model (``learn_alignment``). ``METHODS``
 maps every name to its ``Method`` (the options it reads), with the methods
 registered by ``register_method`` (docs/extending.md).
 
@@ -52,6 +53,7 @@ from attn_symmetry.matching._attention import match_attention
 from attn_symmetry.matching._attention import match_attention_exhaustive
 from attn_symmetry.matching._features import DISTANCES
 from attn_symmetry.matching._features import head_distances
+from attn_symmetry.matching._correction import FACTORS as LEARNED_FACTORS
 from attn_symmetry.matching._learned import learn_alignment
 from attn_symmetry.matching._methods import ALIGN_OPTIONS
 from attn_symmetry.matching._methods import METHODS

@@ -1,44 +1,54 @@
-"""Learned alignment: the attention matrices fitted to the loss of the interpolated model.
+"""Learned alignment: the element's factors fitted to the loss of the interpolated model.
 
 The full method minimises a distance between weights, which cannot tell the
 part of theta_A - g . theta_B that a symmetry explains from the part it
 cannot; the task loss can. Starting from an element g0 (the full method's:
 head permutations of Stage 1, Weight Matching of the FFN and residual
-factors, Stage 2 matrices A0_k, B0_k), the permutations and factors stay
-fixed and the per-kv-head matrices of every attention site trained become
+factors, Stage 2 matrices A0_k, B0_k), the returned element is
 
-    A_k = A0_k (I + D^QK_k),    B_k = B0_k (I + D^VO_k),
+    g = g_c o g0,
 
-with D trained by Adam (optax) from zero on the task loss of the interpolated
-model,
+with a correction g_c (``_correction``) that starts at the identity and is
+trained on the task loss of the interpolated model,
 
-    L(D; lambda, batch) = loss_fn((1 - lambda) theta_A + lambda (g . theta_B), batch),
+    L(g_c; lambda, batch) = loss_fn((1 - lambda) theta_A + lambda (g_c . g0 . theta_B), batch),
 
-lambda fixed (1/2 by default) or drawn from U(0, 1) at every step. As
-A0 (I + D) is the composition of g0 with g_D = (identity, I + D^QK,
-I + D^VO), g . theta_B = g_D . (g0 . theta_B): g0 . theta_B is computed
-once, and each step applies g_D to its trained sites with
-``group_action.apply``, through which the gradient reaches D. The correction
-is relative, so that Adam's steps (about ``learning_rate`` per entry) change
-every matrix by a similar fraction whatever its scale.
+lambda fixed (1/2 by default) or drawn from U(0, 1) at every step.
+g0 . theta_B is computed once. ``factors`` (``_correction.FACTORS``, all that
+the scope has by default) chooses what g_c trains: "attention" (per kv group
+A_k = A0_k (I + D^QK_k), B_k = B0_k (I + D^VO_k), D by Adam from zero; the
+correction is relative, so that Adam's steps of about ``learning_rate`` per
+entry change every matrix by a similar fraction whatever its scale; under
+RoPE D^QK lies in the span of H(H), which holds I and is closed under
+products, so A_k stays in H(H) exactly), "heads" (each site's head
+permutation), "ffn" (every FFN's hidden units) and "residual" (the residual
+stream: O = O0 cayley(S) for an orthogonal one, a permutation for a
+LayerNorm one). Permutations are trained with a straight-through estimator:
+the forward pass uses the hard permutation that maximises a score matrix,
+the gradient reaches the scores as if they were the permutation matrix
+(``_correction`` gives the maths and the choice). Names that ``factors``
+leaves out keep g0's values.
 
-Under RoPE, D^QK is ``group_action.rope_commutant`` of trained (a_p, b_p), one
-complex number per frequency pair (and a free block on the unrotated dims of
-a partial rotary). The span of H(H) holds I and is closed under products, so
-A0 (I + D^QK) lies in H(H) exactly whatever D is.
+Exactness. No relaxed matrix reaches the result: the element is composed from
+the hard permutations, the Cayley matrix and I + D (``_correction.compose``),
+an exact group element. Before returning, the aligned model g . theta_B is
+checked to compute theta_B's function: their losses on the first held-out
+batch must agree to sqrt(eps) of the compute dtype, relative to the loss (or
+absolute below 1), else ValueError with the measured difference (a loss_fn
+that reads the parameters, not the function they compute, fails it).
 
-Guards. A step is skipped, the parameters and Adam state kept, when the loss
-or its gradient is not finite, or when a proposed matrix M = M0 (I + D) has a
-condition bound ||M||_F ||M^{-1}||_F above Stage 2's ``max_condition``; a
-non-finite loss also returns the iterate to the one before it. The step size
-then halves, and it doubles back (up to ``learning_rate``) with every step
-taken.
+Guards. A step is skipped, the parameters and optimiser state kept, when the
+loss or its gradient is not finite, or when a proposed matrix M = M0 (I + D)
+has a condition bound ||M||_F ||M^{-1}||_F above Stage 2's ``max_condition``;
+a non-finite loss also returns the iterate to the one before it. The step
+size then halves, and it doubles back (up to ``learning_rate``) with every
+step taken.
 
 Selection. At the start, every ``eval_every`` steps and at the end, the
 interpolated loss is evaluated on ``holdout_batches``, a slice of the training
 split that the steps never see, at lambda itself (for uniform lambda at 1/4,
 1/2 and 3/4), averaged over the batches; at lambda = 0 and 1 once, at the start:
-theta_A does not move, and g_D acts on the function of g0 . theta_B as the
+theta_A does not move, and g_c acts on the function of g0 . theta_B as the
 identity (it is an element of the symmetry group), so the endpoints' losses
 are the same for every iterate (up to rounding; the path evaluation of the
 study computes them anew). The held-out
@@ -54,15 +64,15 @@ training batches can improve), and past the point where the path is flat that
 is fine-tuning, not alignment. On a planted pair (g0 . theta_B = theta_A) the
 held-out barrier of g0 is already 0, so g0 is returned exactly, although the
 steps move away from it (the loss is invariant along the orbit of theta_A, so
-D = 0 is a stationary point of L, but not a minimum unless theta_A minimises
-the loss). The test split is never an argument.
+the identity correction is a stationary point of L, but not a minimum unless
+theta_A minimises the loss). The test split is never an argument.
 
 Parameters in half precision are cast to float32 for all of it (the element
 comes back in float32, as the full method's does); the loss is evaluated on
 those float32 parameters. One compiled step and one compiled evaluation per
-model, loss function and batch shape, reused across calls: the cache is keyed
-by the loss function object, so pass the same function for every pair (not a
-new lambda or ``functools.partial`` per call).
+model, factors, loss function and batch shape, reused across calls: the cache
+is keyed by the loss function object, so pass the same function for every
+pair (not a new lambda or ``functools.partial`` per call).
 
 This module imports jax, numpy and optax only (and the standard library's
 logging, for progress).
@@ -85,13 +95,14 @@ import optax
 from attn_symmetry import group_action
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.matching import _attention
-from attn_symmetry.matching import _features
+from attn_symmetry.matching import _correction
 from attn_symmetry.matching import _stage2
 
 UNIFORM = "uniform"  # ``lam`` value: lambda ~ U(0, 1) at every step
 UNIFORM_HOLDOUT_LAMBDAS = (0.25, 0.5, 0.75)
 EVALUATIONS = 10  # held-out evaluations per run when ``eval_every`` is not given
-OPTIONS = {"lam": 0.5, "key": None, "eval_every": None, "progress": None}  # and their defaults
+# and their defaults; factors None: every factor of ``_correction.FACTORS`` that the scope has
+OPTIONS = {"factors": None, "lam": 0.5, "key": None, "eval_every": None, "progress": None}
 
 Params = dict[str, Any]
 LossFn = Callable[[Params, Any], jax.Array]
@@ -136,127 +147,66 @@ def _signature(batch: Any) -> tuple[Any, ...]:
   return tree, tuple((tuple(jnp.shape(x)), jnp.result_type(x)) for x in leaves)
 
 
-# ----------------------------------------------------------------------------- parametrisation
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-  """Trained attention sites of one configuration, stacked along a leading axis [S]."""
-  names: tuple[str, ...]
-  site: spec_lib.AttentionSite
-
-  @property
-  def rope(self) -> spec_lib.AttentionSite | None:
-    return self.site if self.site.group == "rope" else None
-
-
-def _groups(spec: spec_lib.SymmetrySpec, sites: Sequence[str], flat: Params) -> tuple[_Group, ...]:
-  groups: dict[Any, list[str]] = {}
-  for s in sites:
-    leaves = tuple((p[len(s):], flat[p].shape) for p in flat if p.startswith(s + "/"))
-    groups.setdefault((spec.attention[s], leaves), []).append(s)
-  return tuple(_Group(tuple(names), key[0]) for key, names in groups.items())
-
-
-def _zero_delta(group: _Group, dtype: Any) -> dict[str, Any]:
-  """D = 0: {"qk": group parameters [S, K, ...] of D^QK, "vo": [S, K, H, H]}."""
-  s, k, h = len(group.names), group.site.kv_heads, group.site.head_dim
-  zeros = jnp.zeros((s, k, h, h), dtype)
-  qk = jax.vmap(jax.vmap(lambda m: _stage2.project(m, group.rope)))(zeros)
-  return {"qk": qk, "vo": zeros}
-
-
-def _corrections(delta: dict[str, Any], group: _Group) -> tuple[jax.Array, jax.Array]:
-  """I + D^QK and I + D^VO [S, K, H, H] (D^QK in the span of H(H) under RoPE)."""
-  d_qk = jax.vmap(jax.vmap(lambda p: _stage2.to_matrix(p, group.rope)))(delta["qk"])
-  eye = jnp.eye(group.site.head_dim, dtype=d_qk.dtype)
-  return eye + d_qk, eye + delta["vo"]
-
-
-def _matrices(delta: dict[str, Any], start: tuple[jax.Array, jax.Array],
-              group: _Group) -> tuple[jax.Array, jax.Array]:
-  """The element's matrices A0 (I + D^QK), B0 (I + D^VO) [S, K, H, H]."""
-  qk, vo = _corrections(delta, group)
-  matmul = lambda x, y: jnp.matmul(x, y, precision=_features.HIGHEST)
-  return matmul(start[0], qk), matmul(start[1], vo)
-
-
-class _Data(NamedTuple):
-  """What a step reads besides D and the batch, in the compute dtype."""
-  a: Params  # flat theta_A
-  b: Params  # flat g0 . theta_B, without the leaves of trained sites
-  sites: tuple[Params, ...]  # per group, its sites of g0 . theta_B stacked [S, ...]
-  start: tuple[tuple[jax.Array, jax.Array], ...]  # per group, (A0, B0) [S, K, H, H]
-
-
-def _interpolate(delta: tuple[dict[str, Any], ...], data: _Data, lam: jax.Array,
-                 groups: tuple[_Group, ...]) -> Params:
-  """(1 - lam) theta_A + lam (g_D . g0 . theta_B), nested like the parameters."""
-  flat = dict(data.b)
-  after = None
-  for group, sites, d in zip(groups, data.sites, delta):
-    qk, vo = _corrections(d, group)
-    if after is not None:  # one chain of LAPACK calls (``_stage2.sequenced``)
-      qk, vo = _stage2.sequenced((qk, vo), after)
-    identity = np.broadcast_to(np.arange(group.site.num_heads, dtype=np.int32),
-                               (len(group.names), group.site.num_heads))
-    after = group_action.apply(sites, group_action.AttentionElement(identity, qk, vo))
-    for p, v in spec_lib.flatten(after).items():
-      flat.update({f"{s}/{p}": v[i] for i, s in enumerate(group.names)})
-  return spec_lib.unflatten({p: (1 - lam) * a + lam * flat[p] for p, a in data.a.items()})
-
-
-def _condition(delta: tuple[dict[str, Any], ...], data: _Data,
-               groups: tuple[_Group, ...]) -> jax.Array:
-  """Largest condition bound ||M||_F ||M^{-1}||_F of the element's matrices (NaN if not finite)."""
-  worst = jnp.zeros((), data.start[0][0].dtype)
-  for group, start, d in zip(groups, data.start, delta):
-    m = _stage2.sequenced(jnp.stack(_matrices(d, start, group)), worst)
-    bound = jnp.linalg.norm(m, axis=(-2, -1)) * jnp.linalg.norm(jnp.linalg.inv(m), axis=(-2, -1))
-    worst = jnp.maximum(worst, jnp.max(bound))
-  return worst
-
-
 # ----------------------------------------------------------------------------- compiled programs
 
 
+class _Data(NamedTuple):
+  """What a step reads besides the correction and the batch, in the compute dtype."""
+  a: Params  # flat theta_A
+  b: Params  # flat g0 . theta_B
+  start: tuple[tuple[jax.Array, jax.Array], ...]  # per site group, g0's (A0, B0) [S, K, H, H]
+
+
+def _interpolate(params: Params, data: _Data, lam: jax.Array, plan: _correction.Plan) -> Params:
+  """(1 - lam) theta_A + lam (g_c . g0 . theta_B), nested like the parameters."""
+  moved = _correction.act(data.b, params, plan)
+  return spec_lib.unflatten({p: (1 - lam) * a + lam * moved[p] for p, a in data.a.items()})
+
+
 class _State(NamedTuple):
-  delta: Any
+  params: Any  # the correction's parameters (``_correction.init``)
   opt_state: Any
-  previous: Any  # (delta, opt_state) before the last step taken
+  previous: Any  # (params, opt_state) before the last step taken
   scale: jax.Array  # step size factor: halves on a skipped step, doubles back (to 1) on a taken one
 
 
 def _step(state: _State, data: _Data, batch: Any, key: jax.Array, step: jax.Array,
           learning_rate: jax.Array, lam: jax.Array, limit: jax.Array, *, loss_fn: LossFn,
-          groups: tuple[_Group, ...], uniform: bool) -> tuple[_State, jax.Array, jax.Array]:
-  """One guarded Adam step on the interpolated loss (module docstring); (state, loss, skipped)."""
+          plan: _correction.Plan, uniform: bool) -> tuple[_State, jax.Array, jax.Array]:
+  """One guarded optimiser step on the interpolated loss (module docstring); (state, loss,
+  skipped)."""
   if uniform:
     lam = jax.random.uniform(jax.random.fold_in(key, step), (), lam.dtype)
-  objective = lambda d: loss_fn(_interpolate(d, data, lam, groups), batch)
-  loss, grad = jax.value_and_grad(objective)(state.delta)
-  updates, opt_state = optax.adam(learning_rate).update(grad, state.opt_state, state.delta)
-  proposal = jax.tree.map(lambda d, u: d + state.scale * u, state.delta, updates)
+  objective = lambda q: loss_fn(_interpolate(q, data, lam, plan), batch)
+  loss, grad = jax.value_and_grad(objective)(state.params)
+  updates, opt_state = _correction.optimizer(learning_rate).update(grad, state.opt_state,
+                                                                   state.params)
+  proposal = jax.tree.map(lambda q, u: q + state.scale * u, state.params, updates)
   finite = jnp.isfinite(loss) & jnp.all(jnp.array([jnp.isfinite(g).all()
                                                    for g in jax.tree.leaves(grad)]))
-  take = finite & (_condition(proposal, data, groups) <= limit)
+  take = finite & (_correction.condition(proposal, data.start, plan) <= limit)
   pick = lambda c, x, y: jax.tree.map(lambda u, v: jnp.where(c, u, v), x, y)
-  current = (state.delta, state.opt_state)
+  current = (state.params, state.opt_state)
   stay = pick(finite, current, state.previous)  # a non-finite loss here: back one iterate
-  delta, opt_state = pick(take, (proposal, opt_state), stay)
+  params, opt_state = pick(take, (proposal, opt_state), stay)
   scale = jnp.where(take, jnp.minimum(1, 2 * state.scale), state.scale / 2)
-  new = _State(delta, opt_state, pick(take, current, state.previous), scale)
+  new = _State(params, opt_state, pick(take, current, state.previous), scale)
   return new, loss.astype(limit.dtype), ~take
 
 
-def _holdout(delta: tuple[dict[str, Any], ...], data: _Data, batch: Any, lam: jax.Array, *,
-             loss_fn: LossFn, groups: tuple[_Group, ...]) -> jax.Array:
+def _holdout(params: Params, data: _Data, batch: Any, lam: jax.Array, *, loss_fn: LossFn,
+             plan: _correction.Plan) -> jax.Array:
   """The interpolated loss on one batch at ``lam`` (a scalar of its dtype)."""
-  return loss_fn(_interpolate(delta, data, lam, groups), batch).astype(lam.dtype)
+  return loss_fn(_interpolate(params, data, lam, plan), batch).astype(lam.dtype)
 
 
-_step_jit = jax.jit(_step, static_argnames=("loss_fn", "groups", "uniform"))
-_holdout_jit = jax.jit(_holdout, static_argnames=("loss_fn", "groups"))
+def _loss(params: Params, batch: Any, *, loss_fn: LossFn) -> jax.Array:
+  return loss_fn(params, batch)
+
+
+_step_jit = jax.jit(_step, static_argnames=("loss_fn", "plan", "uniform"))
+_holdout_jit = jax.jit(_holdout, static_argnames=("loss_fn", "plan"))
+_loss_jit = jax.jit(_loss, static_argnames="loss_fn")
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -289,30 +239,38 @@ def _training_batches(batches: Iterable[Any], steps: int):
 
 
 def _prepare(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
-             element: dict[str, Any], sites: Sequence[str]) -> tuple[_Data, tuple[_Group, ...]]:
-  """The step's constant inputs: A, g0 . B (its trained sites stacked per group) and g0's
-  matrices, in the dtype of ``params_a`` (already cast and folded as the element needs)."""
-  flat_a, moved = spec_lib.flatten(params_a), _apply_moving(spec, params_b, element)
+             element: dict[str, Any], plan: _correction.Plan) -> _Data:
+  """The step's constant inputs: A, g0 . B and g0's matrices of the trained sites, in the
+  dtype of ``params_a`` (already cast and folded as the element needs)."""
+  flat_a = spec_lib.flatten(params_a)
   dtype = next(iter(flat_a.values())).dtype
-  groups = _groups(spec, sites, flat_a)
-  trained = {p for s in sites for p in flat_a if p.startswith(s + "/")}
   stack = lambda xs: jnp.stack([jnp.asarray(x, dtype) for x in xs])
-  data = _Data(
-      a=flat_a, b={p: v for p, v in spec_lib.flatten(moved).items() if p not in trained},
-      sites=tuple(jax.tree.map(lambda *xs: jnp.stack(xs),
-                               *[spec_lib.subtree(moved, s) for s in g.names]) for g in groups),
-      start=tuple((stack([element[s].qk for s in g.names]), stack([element[s].vo for s in g.names]))
-                  for g in groups))
-  return data, groups
+  return _Data(a=flat_a, b=spec_lib.flatten(_apply_moving(spec, params_b, element)),
+               start=tuple((stack([element[s].qk for s in g.names]),
+                            stack([element[s].vo for s in g.names])) for g in plan.sites))
 
 
-def _mean_holdout(delta: tuple[dict[str, Any], ...], data: _Data, batches: Sequence[Any],
-                  lams: Sequence[float], dtype, *, loss_fn: LossFn,
-                  groups: tuple[_Group, ...]) -> np.ndarray:
+def _mean_holdout(params: Params, data: _Data, batches: Sequence[Any], lams: Sequence[float],
+                  dtype, *, loss_fn: LossFn, plan: _correction.Plan) -> np.ndarray:
   """The interpolated loss at each of ``lams`` averaged over ``batches`` (each read once)."""
   lams = [jnp.asarray(x, dtype) for x in lams]
-  return np.mean([[np.asarray(_holdout_jit(delta, data, b, x, loss_fn=loss_fn, groups=groups),
+  return np.mean([[np.asarray(_holdout_jit(params, data, b, x, loss_fn=loss_fn, plan=plan),
                               np.float64) for x in lams] for b in batches], axis=0)
+
+
+def _check_function(aligned: Params, params_b: Params, batch: Any, dtype: Any, *,
+                    loss_fn: LossFn) -> dict[str, float]:
+  """{"loss_b", "loss_aligned", "tolerance"} on ``batch``; ValueError when the aligned model's
+  loss differs from B's by more than the tolerance (module docstring, 'Exactness')."""
+  loss_b, loss_aligned = (float(_loss_jit(p, batch, loss_fn=loss_fn)) for p in (params_b, aligned))
+  tolerance = math.sqrt(float(jnp.finfo(dtype).eps)) * max(1.0, abs(loss_b))
+  if not abs(loss_aligned - loss_b) <= tolerance:
+    raise ValueError(f"learned alignment: the learned element changes model B's function: loss "
+                     f"{loss_aligned:.9g} of g . theta_B against {loss_b:.9g} of theta_B on the "
+                     f"first held-out batch (difference {abs(loss_aligned - loss_b):.3g} > "
+                     f"tolerance {tolerance:.3g}); is loss_fn a function of what the model "
+                     "computes?")
+  return {"loss_b": loss_b, "loss_aligned": loss_aligned, "tolerance": tolerance}
 
 
 def _held_out(inner: Sequence[float], ends: tuple[float, float], lams: Sequence[float]
@@ -330,13 +288,15 @@ def _held_out(inner: Sequence[float], ends: tuple[float, float], lams: Sequence[
 
 
 def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
-                    start: tuple[dict[str, Any], dict[str, Any]], *, sites: Sequence[str],
+                    start: tuple[dict[str, Any], dict[str, Any]], *, names: Sequence[str],
                     loss_fn: LossFn, batches: Iterable[Any], holdout_batches: Sequence[Any],
-                    steps: int, learning_rate: float, lam: float | str = OPTIONS["lam"],
-                    key: jax.Array | None = None, eval_every: int | None = None,
+                    steps: int, learning_rate: float,
+                    factors: str | Sequence[str] | None = OPTIONS["factors"],
+                    lam: float | str = OPTIONS["lam"], key: jax.Array | None = None,
+                    eval_every: int | None = None,
                     progress: Callable[[dict[str, Any]], None] | None = None
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Trains the QK and VO matrices of ``sites`` from ``start`` (module docstring).
+  """Trains the ``factors`` of ``names`` from ``start`` (module docstring).
 
   Args:
     spec: the models' symmetry spec.
@@ -344,17 +304,24 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
     start: (element, info) of ``align_model`` for this pair, e.g. with method
       "full"; info["folded_norm_scales"] says whether the element acts on the
       folded parameters (both models are then folded here as well).
-    sites: attention-site paths of ``spec`` to train (those in scope); the
-      rest of the element is kept. With none, ``start`` comes back unchanged.
+    names: the factors and attention sites of ``spec`` in scope
+      (``matching.active_names(spec, scope)``); the rest of the element is
+      kept. With none, ``start`` comes back unchanged.
     loss_fn: loss_fn(params, batch) -> scalar, a pure JAX function of
       parameters nested like ``params_a`` (float32 for half precision).
     batches: training batches, all of one structure, shape and dtype; step i
       reads the i-th (a Sequence is cycled through; an iterator that ends
       early ends the training there). Exactly the batches used are read.
     holdout_batches: non-empty list of batches from the training split that
-      ``batches`` does not hold, on which the returned iterate is chosen.
-    steps: Adam steps.
-    learning_rate: Adam learning rate, a relative change of the matrices per step.
+      ``batches`` does not hold, on which the returned iterate is chosen; the
+      first also checks that the result keeps B's function.
+    steps: optimiser steps.
+    learning_rate: Adam's learning rate (a relative change of the attention
+      matrices per step) and that of the permutation scores
+      (``_correction``: a transposition needs about 1 / learning_rate steps).
+    factors: which factors are trained, some of ``_correction.FACTORS``
+      ("attention", "heads", "ffn", "residual"), or one of them as a string;
+      None: every one that ``names`` holds.
     lam: the interpolation weight lambda of B in (0, 1], or "uniform" (drawn
       at every step from ``key``).
     key: jax.random key, needed for lam="uniform".
@@ -368,52 +335,59 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
     (element, info): the element for ``group_action.apply_model`` on
     ``params_b`` (folded if info["folded_norm_scales"]) and the start's info
     with info["distance"]["final"] recomputed for the element (the start's
-    kept as info["distance"]["start"]), and info["learned"]: {"sites",
-    "steps" (run), "skipped", "holdout": {"initial", "final", "best"}, each
-    {"loss" (mean over the interior lambdas), "barrier", "endpoints" (the
-    losses at lambda 0 and 1)}, "best_step" (0: the start), "lambda",
-    "seconds"}; or info["learned"] = {"sites": [], "steps": 0, "note"} when
-    there is no site to train (``start`` is returned, no batch is read).
+    kept as info["distance"]["start"]), and info["learned"]: {"factors"
+    (trained), "sites" (attention sites trained), "names" (every name
+    trained), "steps" (run), "skipped", "holdout": {"initial", "final",
+    "best"}, each {"loss" (mean over the interior lambdas), "barrier",
+    "endpoints" (the losses at lambda 0 and 1)}, "best_step" (0: the start),
+    "lambda", "function_check" (``_check_function``), "seconds"}; or
+    info["learned"] = {"factors": [], "sites": [], "steps": 0, "note"} when
+    ``names`` is empty (``start`` is returned, no batch is read).
 
   Raises:
-    ValueError: before any computation, naming the argument or site.
+    ValueError: before any computation, naming the argument, name or factor;
+      after training, if the element does not keep B's function on the first
+      held-out batch (naming the measured difference).
   """
   check_options(loss_fn=loss_fn, batches=batches, holdout_batches=holdout_batches, steps=steps,
                 learning_rate=learning_rate, lam=lam, key=key, eval_every=eval_every,
                 progress=progress)
   element, info = start
-  unknown = [s for s in sites if s not in spec.attention]
+  unknown = [n for n in names if n not in spec.factors and n not in spec.attention]
   if unknown:
-    raise ValueError(f"sites {unknown} are not attention sites of the spec {sorted(spec.attention)}")
+    raise ValueError(f"names {unknown} are neither factors {sorted(spec.factors)} nor attention "
+                     f"sites {sorted(spec.attention)} of the spec")
+  trained = _correction.resolve(spec, names, factors)
   info = dict(info)
-  if not sites:
-    info["learned"] = {"sites": [], "steps": 0,
-                       "note": "no attention site in scope: the start element is returned"}
+  if not trained:
+    info["learned"] = {"factors": [], "sites": [], "steps": 0,
+                       "note": "no symmetry in scope: the start element is returned"}
     return element, info
 
   begin = time.perf_counter()
   params_a, params_b = _attention.upcast(params_a), _attention.upcast(params_b)
   if info.get("folded_norm_scales"):
     params_a, params_b = (group_action.fold_norm_scales(spec, p) for p in (params_a, params_b))
-  data, groups = _prepare(spec, params_a, params_b, element, sites)
-  dtype = data.start[0][0].dtype
-  delta = tuple(_zero_delta(g, dtype) for g in groups)
-  opt_state = optax.adam(learning_rate).init(delta)
-  state = _State(delta, opt_state, (delta, opt_state), jnp.ones((), dtype))
+  plan = _correction.plan(spec, names, trained, spec_lib.flatten(params_a))
+  data = _prepare(spec, params_a, params_b, element, plan)
+  dtype = next(iter(data.a.values())).dtype
+  params = _correction.init(plan, dtype)
+  opt_state = _correction.optimizer(jnp.asarray(learning_rate, dtype)).init(params)
+  state = _State(params, opt_state, (params, opt_state), jnp.ones((), dtype))
   uniform = lam == UNIFORM
   options = dict(learning_rate=jnp.asarray(learning_rate, dtype),
                  lam=jnp.asarray(0.0 if uniform else lam, dtype),
                  limit=jnp.asarray(_stage2.max_condition(dtype), dtype))
   key = jax.random.key(0) if key is None else key  # unused for a fixed lambda
   lams = UNIFORM_HOLDOUT_LAMBDAS if uniform else (lam,)
-  losses_at = lambda d, xs: _mean_holdout(d, data, holdout_batches, xs, dtype, loss_fn=loss_fn,
-                                          groups=groups)
-  start_curve = losses_at(delta, (0.0, *lams, 1.0))
+  losses_at = lambda q, xs: _mean_holdout(q, data, holdout_batches, xs, dtype, loss_fn=loss_fn,
+                                          plan=plan)
+  start_curve = losses_at(params, (0.0, *lams, 1.0))
   ends = (start_curve[0], start_curve[-1])  # the same for every iterate (module docstring)
-  held_out = lambda d: _held_out(losses_at(d, lams), ends, lams)
+  held_out = lambda q: _held_out(losses_at(q, lams), ends, lams)
 
   initial = best_value = final = _held_out(start_curve[1:-1], ends, lams)
-  best, best_step = delta, 0
+  best, best_step = params, 0
   scale = max(abs(x) for x in initial["endpoints"])
   tolerance = math.sqrt(float(jnp.finfo(dtype).eps)) * scale if math.isfinite(scale) else 0.0
   eval_every = eval_every or max(1, -(-steps // EVALUATIONS))
@@ -421,9 +395,9 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
 
   def evaluate():
     nonlocal best, best_value, best_step, final
-    final = held_out(state.delta)
+    final = held_out(state.params)
     if final["barrier"] < best_value["barrier"] - tolerance:
-      best, best_value, best_step = state.delta, final, taken
+      best, best_value, best_step = state.params, final, taken
     train = float(jnp.mean(jnp.stack(losses))) if losses else math.nan
     losses.clear()
     line = dict(step=taken, steps=steps, train_loss=train, holdout_loss=final["loss"],
@@ -442,7 +416,7 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
                        f"first had {signature[1]}: learned alignment compiles one step for one "
                        "batch shape (drop or pad the remainder)")
     state, loss, skip = _step_jit(state, data, batch, key, jnp.int32(i), loss_fn=loss_fn,
-                                  groups=groups, uniform=uniform, **options)
+                                  plan=plan, uniform=uniform, **options)
     losses.append(loss)
     skipped, taken = skipped + skip, i + 1
     if taken % eval_every == 0 or taken == steps:
@@ -452,25 +426,27 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
     if taken % eval_every:
       evaluate()
 
-  element = dict(element)
-  for group, d, m0 in zip(groups, best, data.start):
-    qk, vo = _matrices(d, m0, group)
-    element.update({s: element[s]._replace(qk=qk[i], vo=vo[i]) for i, s in enumerate(group.names)})
-  moved = spec_lib.flatten(_apply_moving(spec, params_b, element))
+  element = _correction.compose(best, plan, element)
+  moved = _apply_moving(spec, params_b, element)
+  check = _check_function(moved, params_b, holdout_batches[0], dtype, loss_fn=loss_fn)
+  moved = spec_lib.flatten(moved)
   distance = dict(info.get("distance", {}))
   if "final" in distance:
     distance["start"] = distance["final"]
   distance["final"] = sum(jnp.sum((a - moved[p]) ** 2) for p, a in data.a.items())
   info["distance"] = distance
-  info["learned"] = {"sites": list(sites), "steps": taken, "skipped": int(skipped),
+  trained_names = [*plan.site_names, *(n for g in plan.factors for n in g.names)]
+  info["learned"] = {"factors": list(trained), "sites": list(plan.site_names),
+                     "names": [n for n in names if n in trained_names], "steps": taken,
+                     "skipped": int(skipped),
                      "holdout": {"initial": initial, "final": final, "best": best_value},
-                     "best_step": best_step, "lambda": lam,
+                     "best_step": best_step, "lambda": lam, "function_check": check,
                      "seconds": time.perf_counter() - begin}
   return element, info
 
 
 def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
-          full: Callable[[], tuple[dict[str, Any], dict[str, Any]]], *, sites: Sequence[str],
+          full: Callable[[], tuple[dict[str, Any], dict[str, Any]]], *, names: Sequence[str],
           loss_fn: LossFn | None, batches: Iterable[Any] | None,
           holdout_batches: Sequence[Any] | None, steps: int, learning_rate: float,
           **options) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -485,5 +461,6 @@ def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
                      f"holdout_batches, steps, learning_rate and {list(OPTIONS)}")
   options = dict(OPTIONS, **options, loss_fn=loss_fn, batches=batches,
                  holdout_batches=holdout_batches, steps=steps, learning_rate=learning_rate)
-  check_options(**options)
-  return learn_alignment(spec, params_a, params_b, full(), sites=sites, **options)
+  check_options(**{k: v for k, v in options.items() if k != "factors"})
+  _correction.resolve(spec, names, options["factors"])
+  return learn_alignment(spec, params_a, params_b, full(), names=names, **options)

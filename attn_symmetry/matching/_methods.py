@@ -18,8 +18,9 @@ from attn_symmetry import registry
 from attn_symmetry.matching import _attention
 
 # ``align_model``'s matching options: Stage 1's distance; the "full" refinement's steps,
-# learning rate, start, schedule and solver.
-ALIGN_OPTIONS = ("distance", "steps", "learning_rate", "init", "refine", "solver")
+# learning rate, start, schedule and solver; the factors that "learned" trains.
+ALIGN_OPTIONS = ("distance", "steps", "learning_rate", "init", "refine", "solver", "factors")
+_FULL_OPTIONS = ALIGN_OPTIONS[:-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Method:
   align: Callable[..., tuple[dict[str, Any], dict[str, Any]]] | None = None
 
 
-_BUILT_IN = {"naive": (), "perm": ("distance",), "ortho": ("distance",), "full": ALIGN_OPTIONS,
+_BUILT_IN = {"naive": (), "perm": ("distance",), "ortho": ("distance",), "full": _FULL_OPTIONS,
              "learned": ALIGN_OPTIONS}
 METHODS: registry.Registry = registry.Registry(
     (name, Method(name, _BUILT_IN[name])) for name in _attention.METHODS)

@@ -607,6 +607,7 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
                 learning_rate: float = _attention.DEFAULT_LEARNING_RATE,
                 max_rounds: int = DEFAULT_MAX_ROUNDS, init: str = _attention.INITS[0],
                 refine: str = REFINES[0], solver: str = _attention.SOLVERS[0],
+                factors: str | Sequence[str] | None = None,
                 loss_fn: Callable[[Params, Any], Any] | None = None,
                 batches: Iterable[Any] | None = None, holdout_batches: Sequence[Any] | None = None,
                 **learned_options) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -625,7 +626,8 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       the factors, or "learned": "full" (with the default ``steps`` and
       ``learning_rate``), then its attention matrices in scope trained on
       ``loss_fn`` of the interpolated model (``learn_alignment``, where
-      ``steps`` and ``learning_rate`` are those of the training), or a
+      ``steps`` and ``learning_rate`` are those of the training; ``factors``
+      chooses what is trained), or a
       method of ``register_method``: its ``align`` is called with ``scope``
       and the options it names (``matching.METHODS[method].options``).
     distance, steps, learning_rate, init, solver: attention matching options
@@ -635,6 +637,11 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       (default: at every attention step of the descent) or "final" (the
       descent with "ortho", then one refinement; module docstring). Other
       methods ignore it.
+    factors: for "learned" (or a registered method that reads it): which
+      factors are trained, some of "attention" (the QK and VO matrices),
+      "heads" (head permutations), "ffn" (FFN unit permutations), "residual"
+      (the residual stream's factor); None (default) every one that the
+      scope has. A factor the scope has no symmetry for is a ValueError.
     loss_fn, batches, holdout_batches, **learned_options: for "learned" only
       (``learn_alignment``; learned_options: lam, key, eval_every, progress).
 
@@ -669,19 +676,20 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
                              method="full", distance=distance, steps=_attention.DEFAULT_STEPS,
                              learning_rate=_attention.DEFAULT_LEARNING_RATE,
                              max_rounds=max_rounds, init=init, refine=refine, solver=solver)
-    return _learned.align(spec, params_a, params_b, full,
-                          sites=[n for n in names if n in spec.attention], loss_fn=loss_fn,
+    return _learned.align(spec, params_a, params_b, full, names=names, loss_fn=loss_fn,
                           batches=batches, holdout_batches=holdout_batches, steps=steps,
-                          learning_rate=learning_rate, **learned_options)
+                          learning_rate=learning_rate, factors=factors, **learned_options)
+  registered = _methods.METHODS[method]
   given = [n for n, v in (("loss_fn", loss_fn), ("batches", batches),
                           ("holdout_batches", holdout_batches)) if v is not None]
+  if factors is not None and "factors" not in registered.options:
+    given.append("factors")
   if given or learned_options:
     raise ValueError(f"{given + sorted(learned_options)} are options of method 'learned' only, "
                      f"not of {method!r}")
-  registered = _methods.METHODS[method]
   if registered.align is not None:  # register_method's: it reads the options it names
     values = dict(distance=distance, steps=steps, learning_rate=learning_rate, init=init,
-                  refine=refine, solver=solver)
+                  refine=refine, solver=solver, factors=factors)
     return registered.align(spec, params_a, params_b, scope=scope,
                             **{k: values[k] for k in registered.options})
   if method == "naive":
