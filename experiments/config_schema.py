@@ -353,6 +353,12 @@ FIELDS: tuple[Field, ...] = (
           "'learned' draws lambda from U(0, 1) at every step instead of 1/2"),
     Field("study.learn_holdout_batches", 4, _AT_LEAST_1, Role.STUDY,
           "held-out batches on which 'learned' picks its best iterate"),
+    Field("study.learn_factors", ("attention",),
+          _distinct(_one_of("learned factor", "attn_symmetry.matching.LEARNED_FACTORS")),
+          Role.STUDY,
+          "the factors that 'learned' trains in the scope: 'attention' (per-head QK and VO "
+          "matrices), 'heads', 'ffn', 'residual' (matching.LEARNED_FACTORS)",
+          unkeyed_default=("attention",)),
     Field("study.eval_examples", 0, _AT_LEAST_0, Role.STUDY,
           "the first that many examples of eval_split evaluate every path (0: all of them)"),
     Field("study.eval_split", "test", _split(evaluation=True), Role.STUDY,

@@ -56,7 +56,7 @@ _OPTION_FIELDS = {"distance": "study.distance", "steps": "study.match_steps",
 # What the "learned" method reads besides the full method's options: its own options and
 # the training and validation batches it learns from and chooses on.
 LEARNED_FIELDS = ("study.learn_steps", "study.learn_learning_rate", "study.learn_uniform_lambda",
-                  "study.learn_holdout_batches", "dataset.train_split",
+                  "study.learn_holdout_batches", "study.learn_factors", "dataset.train_split",
                   "dataset.validation_split", "dataset.validation_examples", "train.batch_size",
                   "dataset.augment")
 
@@ -87,7 +87,8 @@ def matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
   (``matching.METHODS[method].options``), from ``config.study``, with ``changes`` applied."""
   s = config.study
   values = dict(distance=s.distance, steps=s.match_steps, learning_rate=s.match_learning_rate,
-                init=s.match_init, refine=s.match_refine, solver=s.match_solver)
+                init=s.match_init, refine=s.match_refine, solver=s.match_solver,
+                factors=tuple(s.learn_factors))
   return {k: changes.get(k, values[k]) for k in matching.METHODS[method].options}
 
 
@@ -189,7 +190,10 @@ class ScopeStudy:
 
   def _method_fields(self, method: str) -> dict[str, Any]:
     """Fingerprint fields of ``method``'s options (and, for "learned", what it learns from)."""
-    fields = _option_fields(self._matching_options(method))
+    # "factors" is keyed with the learned method's other fields (LEARNED_FIELDS), where its
+    # default keys nothing: results stored before the field existed stay valid.
+    fields = _option_fields({k: v for k, v in self._matching_options(method).items()
+                             if k != "factors"})
     if method == "learned":
       fields.update(fingerprints.config_fields(self.config, LEARNED_FIELDS))
     return fields
@@ -238,15 +242,14 @@ class ScopeStudy:
     return self._elements[key]
 
   def _learn(self, a: int, b: int, start: tuple[dict, dict]) -> tuple[dict, dict]:
-    """The "learned" method: ``start``'s attention matrices in scope trained on the loss of
-    the path's point at lambda (``matching.learn_alignment``), on batches of the training
+    """The "learned" method: the factors ``study.learn_factors`` names (the attention matrices
+    by default) of ``start`` in scope, trained on the loss of the path's point at lambda
+    (``matching.learn_alignment``), on batches of the training
     slice (``dataset.train_split``) of the data set the scope was fine-tuned on, the best
     iterate chosen on ``study.learn_holdout_batches`` batches of the validation slice. The
     evaluation examples are not read, unless ``study.eval_split`` shares records with these
     slices (``learned_overlap``, which the result records and summary.md reports)."""
     s = self.config.study
-    sites = [n for n in matching.active_names(self.model.spec, self.scope_paths)
-             if n in self.model.spec.attention]
     holdout = list(itertools.islice(inputs.validation_batches(self.config, self.dataset),
                                     s.learn_holdout_batches))
     batches = inputs.train_batches(self.config, self.dataset, seed=1000 * a + b)
@@ -256,7 +259,9 @@ class ScopeStudy:
                line["train_loss"], line["holdout_barrier"], line["best_holdout_barrier"],
                line["seconds"])
     return matching.learn_alignment(
-        self.model.spec, self.params[a], self.params[b], start, sites=sites,
+        self.model.spec, self.params[a], self.params[b], start,
+        names=matching.active_names(self.model.spec, self.scope_paths),
+        factors=tuple(s.learn_factors),
         loss_fn=path_evaluation.mean_loss(self.model), batches=batches, holdout_batches=holdout, steps=s.learn_steps,
         learning_rate=s.learn_learning_rate, lam="uniform" if s.learn_uniform_lambda else 0.5,
         key=jax.random.key(1000 * a + b), progress=progress)

@@ -266,7 +266,8 @@ def test_fingerprint_groups_derive_from_the_schema():
   assert fingerprints.PER_RUN == tuple(expected["PER_RUN"])
   assert not any(n.startswith("model.") for g in GROUPS for n in getattr(fingerprints, g))
   assert fingerprints.UNKEYED_DEFAULTS == {"dataset.validation_examples": 0,
-                                           "study.eval_split": "test"}
+                                           "study.eval_split": "test",
+                                           "study.learn_factors": ("attention",)}
   for field in config_schema.FIELDS:
     holders = [g for g in GROUPS for n in getattr(fingerprints, g)
                if field.path == n or field.path.startswith(n + ".")]

@@ -17,6 +17,7 @@ import pytest
 
 from attn_symmetry import data
 from experiments import evaluation
+from experiments import fingerprints
 from experiments import input_noise
 from experiments import inputs
 from experiments import report
@@ -427,3 +428,16 @@ def test_input_noise_perturbs_only_the_inputs_it_is_told_of():
   assert noisy["tokens"][replaced].max() < 5 and noisy["mask"].all()
   (clean,) = input_noise.noisy(tokens, 0.0, key=key, input_key="tokens", vocab_size=5)
   np.testing.assert_array_equal(clean["tokens"], tokens[0]["tokens"])
+
+
+def test_learned_factors_reach_the_method_and_key_its_stages_off_their_default():
+  """study.learn_factors is the learned method's ``factors``; at its default (the attention
+  matrices, as before the field existed) it keys nothing, so stored results stay valid."""
+  config = _config()
+  assert scope_study.matching_kwargs(config, "learned")["factors"] == ("attention",)
+  assert "study.learn_factors" not in fingerprints.config_fields(config,
+                                                                 scope_study.LEARNED_FIELDS)
+  config.study.learn_factors = ("attention", "ffn")
+  assert scope_study.matching_kwargs(config, "learned")["factors"] == ("attention", "ffn")
+  assert fingerprints.config_fields(config, scope_study.LEARNED_FIELDS)[
+      "study.learn_factors"] == ["attention", "ffn"]
