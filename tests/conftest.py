@@ -17,6 +17,7 @@ import copy
 import json
 import os
 import shutil
+import tempfile
 from typing import Any
 
 import jax
@@ -31,12 +32,24 @@ def x64():
     yield
 
 
+def pytest_configure(config):
+  """One persistent compilation cache for the test run, shared by its xdist workers: tests
+  build the same programs again and again (every training builds its step anew, every study
+  its evaluator), and a program compiled once, by either worker, then loads from disk. It
+  lives in the run's temporary folder, so that no run reads another's programs."""
+  del config
+  run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+  folder = os.path.join(tempfile.gettempdir(), "attn_symmetry_tests", run, "jax_cache")
+  jax.config.update("jax_compilation_cache_dir", folder)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
 @pytest.fixture(autouse=True)
 def no_persistent_compilation_cache_after():
-  """A test that turns on JAX's persistent compilation cache in this process (the align
-  command and main.py do, by default) leaves it off for the tests after it: JAX keeps a
-  cache it has once opened, whatever the config says later, and the rest of the suite then
-  wrote every program it compiled into the user's cache directory."""
+  """A test that points JAX's persistent compilation cache elsewhere (the align command and
+  main.py do, by default) leaves the run's own cache in place for the tests after it: JAX
+  keeps a cache it has once opened, whatever the config says later, and the rest of the suite
+  then wrote every program it compiled into the user's cache directory."""
   before = jax.config.jax_compilation_cache_dir
   yield
   if jax.config.jax_compilation_cache_dir != before:
