@@ -214,6 +214,7 @@ def test_float32_and_bfloat16_parameters(dtype):
   assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(moved))
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped():
   """Training batches with a NaN target: exactly those steps are skipped, the rest learns."""
   spec, a, b = _trained_pair(False, dtype=jnp.float32)
@@ -296,6 +297,7 @@ def test_reads_only_the_batches_given_and_compiles_one_step():
   assert batches.read == info["learned"]["steps"] == 10
 
 
+@pytest.mark.slow
 def test_scope_without_a_symmetry_returns_the_full_element():
   """A scope that holds no factor and no site (the head alone: the residual stream also acts
   elsewhere): the start comes back and no batch is read."""

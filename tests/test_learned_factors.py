@@ -40,6 +40,7 @@ def _random_correction(plan, dtype, key):
   return jax.tree.unflatten(tree, noisy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(FAMILIES))
 def test_every_factor_keeps_the_function_and_the_forward_is_the_hard_element(case):
   """Random correction parameters of every factor: the composed element (hard permutations,
@@ -85,6 +86,7 @@ def _distil(params, batch):
   return jnp.mean((tiny.apply(params, batch["tokens"]) - batch["target"]) ** 2)
 
 
+@pytest.mark.slow
 def test_estimator_recovers_a_planted_ffn_permutation():
   """B = A with layer 0's FFN units permuted; the start is right but for a 3-cycle and a
   transposition of five units. Only the FFN scores are trained, on a loss that is 0 exactly at
