@@ -37,11 +37,17 @@ def pytest_configure(config):
   build the same programs again and again (every training builds its step anew, every study
   its evaluator), and a program compiled once, by either worker, then loads from disk. It
   lives in the run's temporary folder, so that no run reads another's programs."""
-  del config
   run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-  folder = os.path.join(tempfile.gettempdir(), "attn_symmetry_tests", run, "jax_cache")
-  jax.config.update("jax_compilation_cache_dir", folder)
+  config.run_cache = os.path.join(tempfile.gettempdir(), "attn_symmetry_tests", run)
+  jax.config.update("jax_compilation_cache_dir", os.path.join(config.run_cache, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+def pytest_unconfigure(config):
+  """The run's compilation cache is removed when the run ends (by the controlling process
+  under xdist, after its workers)."""
+  if "PYTEST_XDIST_WORKER" not in os.environ and hasattr(config, "run_cache"):
+    shutil.rmtree(config.run_cache, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
