@@ -228,6 +228,7 @@ def test_non_finite_steps_are_skipped():
   assert all(np.isfinite(element[n].qk).all() for n in spec.attention)
 
 
+@pytest.mark.slow
 def test_steps_past_the_condition_bound_are_skipped(monkeypatch):
   """With a bound that no matrix meets (||M||_F ||M^-1||_F >= H), every step is skipped and
   the start comes back (``learn_alignment`` from the full method's result)."""
@@ -274,6 +275,7 @@ class _Recording(list):
       yield item
 
 
+@pytest.mark.slow
 def test_reads_only_the_batches_given_and_compiles_one_step():
   """Exactly ``steps`` training batches are read, the held-out ones only for evaluation (the
   test split is no argument), progress is reported, and the step compiles once for all."""

@@ -117,6 +117,7 @@ def test_estimator_recovers_a_planted_ffn_permutation():
     jax.tree.map(np.testing.assert_array_equal, out[name], start[name])
 
 
+@pytest.mark.slow
 def test_loss_of_the_parameters_not_the_function_is_refused():
   """A loss_fn that reads a raw weight is not invariant under the group: the final check
   refuses the element and names the measured difference."""
