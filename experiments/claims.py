@@ -59,16 +59,6 @@ class Row(NamedTuple):
   verdict: str
 
 
-def _ratios(pairs: Sequence[Mapping[str, Any]], method: str) -> list[ss.Pair]:
-  """(a, b, 100 * loss barrier of ``method`` / naive's) per pair (None where not finite)."""
-  out = []
-  for p in pairs:
-    m, z = p["methods"][method]["loss_barrier"], p["methods"]["naive"]["loss_barrier"]
-    ok = all(v is not None and math.isfinite(v) for v in (m, z)) and z > 0
-    out.append((p["a"], p["b"], 100.0 * m / z if ok else None))
-  return out
-
-
 def _show(interval: ss.Interval, unit: str = " %") -> str:
   return (f"{interval.estimate:.1f}{unit} [{interval.low:.1f}, {interval.high:.1f}] "
           f"({interval.num_seeds} seeds)")
@@ -121,10 +111,11 @@ class _Scope:
     return None
 
   def ratio(self, method: str) -> ss.Interval | None:
-    return ss.jackknife(_ratios(self.pairs, method))
+    return ss.jackknife(report.ratio_pairs(self.pairs, method))
 
   def difference(self, x: str, y: str) -> ss.Difference | None:
-    return ss.paired_difference(_ratios(self.pairs, x), _ratios(self.pairs, y))
+    return ss.paired_difference(report.ratio_pairs(self.pairs, x),
+                                report.ratio_pairs(self.pairs, y))
 
   def ablation(self, key: str) -> ss.Interval | None:
     per_pair = self.res.get("ablation", {}).get("permutations", {}).get("per_pair")

@@ -70,6 +70,14 @@ def _seed_pairs(pairs: Sequence[Mapping[str, Any]], values: Sequence[float | Non
   return [(p["a"], p["b"], v) for p, v in zip(pairs, values)]
 
 
+def ratio_pairs(pairs: Sequence[Mapping[str, Any]], method: str, metric: str = "loss_barrier"
+                ) -> list[seed_statistics.Pair] | None:
+  """(seed a, seed b, ``method``'s barrier as % of naive's, ``ratio_pct``) per pair; None
+  when the entries do not name their seeds."""
+  return _seed_pairs(pairs, [ratio_pct(p["methods"][method][metric],
+                                       p["methods"]["naive"][metric]) for p in pairs])
+
+
 def _seed_ci(pairs: Sequence[Mapping[str, Any]], values: Sequence[float | None]
              ) -> list[float] | None:
   seeded = _seed_pairs(pairs, values)
@@ -147,21 +155,14 @@ def paired_differences(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str
   for x, y in DIFFERENCES:
     if x not in pairs[0]["methods"] or y not in pairs[0]["methods"]:
       continue
-    series = {}
-    for method in (x, y):
-      series[method] = _seed_pairs(pairs, [
-          ratio_pct(p["methods"][method]["loss_barrier"], p["methods"]["naive"]["loss_barrier"])
-          for p in pairs])
-    if series[x] is None:
+    xs, ys = ratio_pairs(pairs, x), ratio_pairs(pairs, y)
+    if xs is None:
       return {}
-    d = seed_statistics.paired_difference(series[x], series[y])
-    finite = [a - b for (_, _, a), (_, _, b) in zip(series[x], series[y])
-              if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    d = seed_statistics.paired_difference(xs, ys)
     out[f"{x} - {y}"] = {
-        "mean": float(np.mean(finite)) if finite else None,
-        "seed_ci": None if d is None else [d.interval.low, d.interval.high],
-        "above": sum(v > 0 for v in finite), "below": sum(v < 0 for v in finite),
-        "zero": sum(v == 0 for v in finite), "num_pairs": len(finite)}
+        "mean": d.mean, "seed_ci": seed_statistics.interval_record(d.interval),
+        "above": d.above, "below": d.below, "zero": d.zero,
+        "num_pairs": d.above + d.below + d.zero}
   return out
 
 

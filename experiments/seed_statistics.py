@@ -16,16 +16,16 @@ only 5^5 distinct draws and its percentile interval is narrower still; t with
 n - 1 degrees of freedom accounts for the few seeds.
 
 Ratios of small barriers are heavy-tailed, so beside the mean of per-pair
-ratios (the paper's statistic) ``seed_summary`` gives the ratio of mean
-barriers and the median ratio, and ``paired_difference`` compares two methods
-pair by pair. A statistic needs at least ``MIN_SEEDS`` seeds with a finite
+ratios (the paper's statistic) the reports give the ratio of mean barriers and
+the median ratio (``report.summarise_methods``), and ``paired_difference``
+compares two methods pair by pair. A statistic needs at least ``MIN_SEEDS`` seeds with a finite
 value; below that the functions return None and say why.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -83,63 +83,32 @@ def jackknife(pairs: Sequence[Pair], statistic: Statistic = np.mean) -> Interval
   if why_no_interval(pairs) is not None:
     return None
   finite = _finite_pairs(pairs)
-  def over(kept: list[tuple[str, str, float]]) -> float:
-    return float(statistic(np.asarray([v for _, _, v in kept], np.float64)))
-  return _leave_one_seed_out(finite, over)
-
-
-def _leave_one_seed_out(pairs: list[tuple[str, str, Any]],
-                        statistic: Callable[[list[tuple[str, str, Any]]], float]
-                        ) -> Interval | None:
-  """The jackknife of the module docstring over ``pairs`` (none of them left out here);
-  None if the statistic is not finite over every pair or without some seed."""
-  seeds = _seeds(pairs)
+  seeds = _seeds(finite)
   n = len(seeds)
-  estimate = statistic(pairs)
-  left_out = np.asarray([statistic([p for p in pairs if s not in p[:2]]) for s in seeds])
-  if not (math.isfinite(estimate) and np.all(np.isfinite(left_out))):
-    return None
+  over = lambda kept: float(statistic(np.asarray([v for _, _, v in kept], np.float64)))
+  estimate = over(finite)
+  left_out = np.asarray([over([p for p in finite if s not in p[:2]]) for s in seeds])
   se = math.sqrt((n - 1) / n * float(np.sum((left_out - left_out.mean()) ** 2)))
   half = float(scipy.stats.t.ppf(0.975, n - 1)) * se
-  return Interval(estimate, estimate - half, estimate + half, n, len(pairs))
-
-
-def ratio_of_means(method: Sequence[Pair], naive: Sequence[Pair]) -> Interval | None:
-  """100 * mean(method barrier) / mean(naive barrier) over the pairs where both are finite,
-  with its leave-one-seed-out interval; None where a mean naive barrier is not positive.
-
-  Args:
-    method, naive: (seed a, seed b, barrier) of the same pairs (matched by their seeds).
-  """
-  zs = {(a, b): z for a, b, z in naive}
-  both = [(a, b, (m, zs.get((a, b)))) for a, b, m in method]
-  both = [(a, b, (m, z)) for a, b, (m, z) in both
-          if m is not None and z is not None and math.isfinite(m) and math.isfinite(z)]
-  if why_no_interval([(a, b, 0.0) for a, b, _ in both]) is not None:
-    return None
-  def statistic(kept):
-    total = sum(z for _, _, (_, z) in kept)
-    return 100.0 * sum(m for _, _, (m, _) in kept) / total if total > 0 else math.nan
-  return _leave_one_seed_out(both, statistic)
+  return Interval(estimate, estimate - half, estimate + half, n, len(finite))
 
 
 class Difference(NamedTuple):
-  """The mean of per-pair differences x - y, its seed-level interval, and how many pairs
-  lie above, below and at zero."""
-  interval: Interval
+  """The mean of the finite per-pair differences x - y (None without one), its seed-level
+  interval (None when ``why_no_interval`` gives a reason), and how many pairs lie above,
+  below and at zero."""
+  mean: float | None
+  interval: Interval | None
   above: int
   below: int
   zero: int
 
 
-def paired_difference(x: Sequence[Pair], y: Sequence[Pair]) -> Difference | None:
+def paired_difference(x: Sequence[Pair], y: Sequence[Pair]) -> Difference:
   """Pair by pair x - y (e.g. full's ratio minus Variant 2's), summarised by ``jackknife``.
 
   Args:
     x, y: (seed a, seed b, value) of the same pairs (matched by their seeds).
-
-  Returns:
-    ``Difference``, or None when no interval can be computed.
   """
   ys = {(a, b): v for a, b, v in y}
   diffs: list[Pair] = []
@@ -147,20 +116,11 @@ def paired_difference(x: Sequence[Pair], y: Sequence[Pair]) -> Difference | None
     w = ys.get((a, b))
     ok = v is not None and w is not None and math.isfinite(v) and math.isfinite(w)
     diffs.append((a, b, v - w if ok else None))
-  interval = jackknife(diffs)
-  if interval is None:
-    return None
   values = np.asarray([d for _, _, d in _finite_pairs(diffs)])
-  return Difference(interval, int(np.sum(values > 0)), int(np.sum(values < 0)),
-                    int(np.sum(values == 0)))
+  return Difference(float(values.mean()) if len(values) else None, jackknife(diffs),
+                    int(np.sum(values > 0)), int(np.sum(values < 0)), int(np.sum(values == 0)))
 
 
 def interval_record(interval: Interval | None) -> list[float] | None:
   """[low, high] for results.json, None without an interval."""
   return None if interval is None else [interval.low, interval.high]
-
-
-def method_pairs(pairs: Sequence[Mapping[str, Any]], method: str, key: str
-                 ) -> list[Pair]:
-  """(a, b, ``pairs[i]["methods"][method][key]``) for a study's pairs (results.json)."""
-  return [(p["a"], p["b"], p["methods"][method].get(key)) for p in pairs]

@@ -63,16 +63,3 @@ def test_paired_difference_matches_a_numpy_reference():
   assert got.interval.low == pytest.approx(d.mean() - half, rel=1e-6)
   assert got.interval.high == pytest.approx(d.mean() + half, rel=1e-6)
   assert (got.above, got.below, got.zero) == (int((d > 0).sum()), int((d < 0).sum()), 0)
-
-
-def test_ratio_of_means_by_hand():
-  """Method barriers 1, 2, 3 over naive barriers 2, 2, 4 (pairs (s1,s2), (s1,s3), (s2,s3)):
-  100 * 6 / 8 = 75 %. Leaving out s1 keeps (s2,s3): 3/4 = 75 %; s2 keeps (s1,s3): 2/2 =
-  100 %; s3 keeps (s1,s2): 1/2 = 50 %."""
-  method = _pairs([1.0, 2.0, 3.0])
-  naive = _pairs([2.0, 2.0, 4.0])
-  interval = ss.ratio_of_means(method, naive)
-  assert interval.estimate == pytest.approx(75.0)
-  left_out = np.asarray([75.0, 100.0, 50.0])
-  half = 4.302653 * math.sqrt(2 / 3 * np.sum((left_out - left_out.mean()) ** 2))
-  assert interval.high == pytest.approx(75.0 + half, rel=1e-6)
