@@ -19,6 +19,7 @@ import pytest
 from safetensors import safe_open
 
 from attn_symmetry import spec as spec_lib
+from attn_symmetry.models import convert
 from attn_symmetry.models import safetensors_io
 from attn_symmetry.models import torch_pickle
 
@@ -236,7 +237,7 @@ def test_legacy_and_non_state_dict_files_are_refused(tmp_path):
 def test_bert_pretraining_bin_folder(tmp_path):
   """A BertForPreTraining .bin (tied decoder weight and bias stored too, as in MultiBERTs):
   Checkpoint's headers and tensors as torch.load's; the zoo model of head "pretraining" computes
-  transformers' MLM and next-sentence logits from it."""
+  transformers' MLM and next-sentence logits from it, and converts back to the same state dict."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from attn_symmetry.models import Model  # pylint: disable=g-import-not-at-top
 
@@ -260,6 +261,10 @@ def test_bert_pretraining_bin_folder(tmp_path):
   np.testing.assert_allclose(logits, out.prediction_logits.numpy(), atol=1e-5, rtol=0)
   np.testing.assert_allclose(inter["nsp_logits"], out.seq_relationship_logits.numpy(), atol=1e-5,
                              rtol=0)
+  back = convert.to_hf(model, params).state_dict()  # a BertForPreTraining again
+  assert set(back) == set(want)
+  for key, value in want.items():
+    torch.testing.assert_close(back[key], value, rtol=0, atol=0)
 
 
 def test_sharded_bin_folder_reads_and_saves_as_safetensors(tmp_path):
@@ -276,7 +281,8 @@ def test_sharded_bin_folder_reads_and_saves_as_safetensors(tmp_path):
   bins = sorted(f for f in os.listdir(folder) if f.endswith(".bin"))
   n = len(bins)
   assert ckpt.sharded and ckpt.index == "pytorch_model.bin.index.json" and n > 1
-  assert list(ckpt.files) == bins == [f"pytorch_model-{i:05d}-of-{n:05d}.bin" for i in range(1, n + 1)]
+  assert list(ckpt.files) == bins == [f"pytorch_model-{i:05d}-of-{n:05d}.bin"
+                                      for i in range(1, n + 1)]
   want = {}
   for file in bins:
     want |= torch.load(os.path.join(folder, file))
@@ -319,8 +325,8 @@ def test_folder_without_weights_names_both_formats(tmp_path):
   os.makedirs(folder)
   _gpt2(0).config.save_pretrained(folder)
   (folder / "tf_model.h5").write_bytes(b"")
-  with pytest.raises(ValueError, match=r"no model.safetensors, pytorch_model.bin or their index "
-                                       r"model.safetensors.index.json, pytorch_model.bin.index.json "
+  with pytest.raises(ValueError, match=r"no model.safetensors, model.safetensors.index.json, "
+                                       r"pytorch_model.bin or pytorch_model.bin.index.json "
                                        r"\(tf_model.h5 not read\)$"):
     safetensors_io.Checkpoint(folder)
 

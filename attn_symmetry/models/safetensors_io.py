@@ -10,7 +10,7 @@ or in the shards that ``model.safetensors.index.json`` lists (its
 "weight_map": tensor name -> file); without either, in PyTorch's
 ``pytorch_model.bin`` or the shards of ``pytorch_model.bin.index.json``
 (``torch.save``'s zip format, read by ``torch_pickle`` without torch and
-without executing the pickle: MultiBERTs, the Stanford CRFM GPT-2 seeds).
+without executing the pickle: MultiBERTs ships only these).
 Each tensor is read on its own, with safetensors' numpy API through ``pread``
 (no memory map) or from its ``.bin`` zip member, so reading a model holds one
 stored tensor at a time besides the float32 parameters. bfloat16 tensors come
@@ -174,7 +174,7 @@ class Checkpoint:
         return None, is_torch
     other = sorted(f for f in os.listdir(self.path) if f.endswith((".bin", ".pt", ".pth", ".h5")))
     hint = f" ({_listing(other)} not read)" if other else ""
-    raise self.error(f"no {WEIGHTS}, {BIN_WEIGHTS} or their index {INDEX}, {BIN_INDEX}{hint}")
+    raise self.error(f"no {WEIGHTS}, {INDEX}, {BIN_WEIGHTS} or {BIN_INDEX}{hint}")
 
   def _weight_files(self) -> dict[str, list[str] | None]:
     """Weight file -> the tensor names the index gives it (None: all of the file's)."""
@@ -391,7 +391,8 @@ def save_params(path: str | os.PathLike, like: Checkpoint, model: Model, params:
   _write_json(os.path.join(path, CONFIG), hf_config)
   for file in sorted(os.listdir(like.path)):
     full = os.path.join(like.path, file)
-    if file.endswith(_SIDE_FILES) and file not in (CONFIG, INDEX, BIN_INDEX) and os.path.isfile(full):
+    if (file.endswith(_SIDE_FILES) and file not in (CONFIG, INDEX, BIN_INDEX)
+        and os.path.isfile(full)):
       shutil.copyfile(full, os.path.join(path, file))
 
 
