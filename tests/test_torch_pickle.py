@@ -207,6 +207,21 @@ def test_other_globals_are_refused(tmp_path):
     torch_pickle.read_index(path)
 
 
+def test_a_tensor_past_its_storage_is_refused(tmp_path):
+  """A storage member cut short (or a pickle claiming more elements than it holds) is refused
+  before any tensor is read: no view ever reaches past the bytes of its storage."""
+  path = tmp_path / "state.bin"
+  torch.save({"x": torch.zeros(4, 6)[1:, ::2]}, path)
+  cut = tmp_path / "cut.bin"
+  with zipfile.ZipFile(path) as src, zipfile.ZipFile(cut, "w") as dst:
+    for item in src.infolist():
+      data = src.read(item)
+      dst.writestr(item, data[:-8] if item.filename.endswith("/data/0") else data)
+  with pytest.raises(ValueError, match=r"^cut.bin: tensor x \(3, 3\) \(offset 6, stride \(6, 2\)\) "
+                                       r"runs past its storage of 22 elements$"):
+    torch_pickle.read_index(cut)
+
+
 def test_legacy_and_non_state_dict_files_are_refused(tmp_path):
   legacy = tmp_path / "legacy.bin"
   torch.save({"x": torch.zeros(2)}, legacy, _use_new_zipfile_serialization=False)

@@ -116,6 +116,8 @@ class TensorRef:
     with archive.open(self.member) as f:
       f.seek(self.offset * item)
       raw = f.read(self.span * item)
+    if len(raw) != self.span * item:  # as_strided must never reach past the bytes read
+      raise ValueError(f"{os.path.basename(self.path)}: {self.member} is shorter than its tensor")
     flat = np.frombuffer(raw, self.dtype)
     strides = tuple(s * item for s in self.stride)
     out = np.array(np.lib.stride_tricks.as_strided(flat, self.shape, strides, writeable=False),
@@ -175,8 +177,10 @@ def _archive_prefix(zf: zipfile.ZipFile, where: str) -> str:
   return pickles[0][:-len("data.pkl")]
 
 
-def _tensor_ref(path: str, prefix: str, byteorder: str, members: set[str], name: str,
+def _tensor_ref(path: str, prefix: str, byteorder: str, members: dict[str, int], name: str,
                 value: Any, where: str) -> TensorRef:
+  """The place of tensor ``name`` (``value``: what ``_rebuild_tensor_v2`` gave), checked to lie
+  inside its storage and its storage's zip member (``members``: name -> bytes)."""
   if not (isinstance(value, dict) and isinstance(value.get("storage"), _Storage)):
     raise ValueError(f"{where}: {name} holds a {type(value).__name__}, not a tensor")
   storage = value["storage"]
@@ -189,9 +193,10 @@ def _tensor_ref(path: str, prefix: str, byteorder: str, members: set[str], name:
                   byteorder)
   if ref.member not in members:
     raise ValueError(f"{where}: tensor {name}'s storage {ref.member} is missing")
-  if offset + ref.span > storage.numel:
+  stored = min(storage.numel, members[ref.member] // storage.dtype.itemsize)
+  if offset + ref.span > stored:
     raise ValueError(f"{where}: tensor {name} {shape} (offset {offset}, stride {stride}) runs past "
-                     f"its storage of {storage.numel} elements")
+                     f"its storage of {stored} elements")
   return ref
 
 
@@ -212,7 +217,7 @@ def read_index(path: str | os.PathLike) -> dict[str, TensorRef]:
                      "is not read (load and re-save it with torch >= 1.6, or as safetensors)")
   with zipfile.ZipFile(path) as zf:
     prefix = _archive_prefix(zf, where)
-    members = set(zf.namelist())
+    members = {info.filename: info.file_size for info in zf.infolist()}
     byteorder = "little"
     if prefix + "byteorder" in members:
       byteorder = zf.read(prefix + "byteorder").decode("ascii", "replace").strip()
