@@ -9,7 +9,8 @@
     result.element, result.params, result.report   # g, B' = g . theta_B, the report
 
 MODEL_A and MODEL_B are local model folders of one architecture (GPT-2,
-Llama, BERT or ViT; ``models.safetensors_io``), read and written without torch.
+Llama, BERT or ViT) in safetensors or PyTorch ``.bin`` files
+(``models.safetensors_io``), read and written without torch.
 B is aligned to A by ``matching.align_model`` on the zoo model's symmetry spec
 (head permutations and per-head matrices of every attention layer, FFN and
 residual-stream factors), and re-parametrised as g . B, which computes the
@@ -29,7 +30,7 @@ each announced by one progress line and timed in the report (``_Clock``):
 4. ``_evaluate`` (with an evaluation file, ``_eval_files``): loss and accuracy
    along (1 - lambda) A + lambda B ("before") and (1 - lambda) A + lambda B'
    ("after"), and their barriers (``lmc``);
-5. ``_save``: DIR/aligned_b/ (B' in B's tensor names, shards and dtypes, with
+5. ``_save``: DIR/aligned_b/ (B' as safetensors in B's tensor names, shards and dtypes, with
    B's config and tokenizer files), DIR/merged/ with ``merge`` ((1 - merge) A
    + merge B' in A's layout), DIR/interpolation.json and .png with an
    evaluation file, DIR/report.json.

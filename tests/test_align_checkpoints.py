@@ -483,7 +483,8 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
       ([a, variant("badjson", lambda f: open(os.path.join(f, "config.json"), "w").write("{"))],
        r"MODEL_B .*badjson: config.json is unreadable"),
       ([a, variant("noweights", lambda f: os.remove(os.path.join(f, "model.safetensors")))],
-       r"noweights: no model.safetensors or model.safetensors.index.json$"),
+       r"noweights: no model.safetensors, model.safetensors.index.json, pytorch_model.bin or "
+       r"pytorch_model.bin.index.json$"),
       ([a, variant("garbage", lambda f: open(os.path.join(f, "model.safetensors"), "wb").write(
           b"\x08" + b"\0" * 7 + b"not json"))],
        r"garbage: model.safetensors is not a readable safetensors file"),

@@ -27,6 +27,7 @@ CASES = {
     "bert-sinusoidal": ("bert", dict(pos_encoding="sinusoidal")),
     "bert-rope": ("bert", dict(pos_encoding="rope")),
     "bert-mlm": ("bert", dict(head="mlm")),
+    "bert-pretraining": ("bert", dict(head="pretraining")),
     "bert-mlm-untied-rope": ("bert", dict(head="mlm", tied_embeddings=False, pos_encoding="rope",
                                           rope_pairing="interleaved")),
     "gpt2-learned": ("gpt2", {}),
@@ -93,6 +94,8 @@ def test_logits_invariant_under_full_group(x64, case):
   assert _max_diff(spec_lib.flatten(params)["layers_0/attention/query/kernel"],
                    spec_lib.flatten(moved)["layers_0/attention/query/kernel"]) > 0.1
   assert _max_diff(logits, moved_logits) <= 1e-8
+  if "nsp_logits" in inter:  # BERT's next-sentence head, read off the pooler
+    assert _max_diff(inter["nsp_logits"], moved_inter["nsp_logits"]) <= 1e-8
   # Intermediates are named after the factors that act on their last axis.
   perm = element["layers_1/mlp"]
   np.testing.assert_allclose(moved_inter["layers_1/mlp"], inter["layers_1/mlp"][..., perm],

@@ -10,6 +10,10 @@ Parameters besides the core and embeddings (``core.py``):
       mlm/norm/{scale, bias} [D]
       mlm/bias [V]                               tied: logits = y E^T + b
       mlm/decoder/{kernel [D, V], bias [V]}      untied: logits = y W + b
+    head "pretraining" (BertForPreTraining: MLM logits as "mlm", and next-sentence logits
+    [B, 2] in intermediates["nsp_logits"]):
+      the "mlm" parameters, the pooler, and
+      nsp/{kernel [D, 2], bias [2]}              nsp_logits = p W_nsp + b_nsp
 """
 
 from __future__ import annotations
@@ -47,34 +51,40 @@ class Bert(core.TextCore):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     super().__init__(cfg, rngs=rngs)
     d, std = cfg.width, cfg.init_std
-    if cfg.head == "mlm":
+    if cfg.head != "classifier":
       self.mlm = MlmHead(cfg, rngs=rngs)
-    else:
+    if cfg.head != "mlm":
       self.pooler = core.Dense((d,), (d,), use_bias=True, init_std=std, rngs=rngs)
+    if cfg.head == "classifier":
       self.head = core.Dense((d,), (cfg.num_classes,), use_bias=True, init_std=std, rngs=rngs)
+    if cfg.head == "pretraining":
+      self.nsp = core.Dense((d,), (2,), use_bias=True, init_std=std, rngs=rngs)
 
   def __call__(self, tokens, *, mask=None, segments=None):
     x, inter = self.encode_tokens(tokens, mask=mask, segments=segments)
-    if self.cfg.head == "mlm":
-      inter["features"] = x
-      return self.mlm(x, self.embed), inter
-    pooled = jnp.tanh(self.pooler(x[:, 0]))
-    inter["features"] = pooled
-    return self.head(pooled), inter
+    if self.cfg.head == "classifier":
+      pooled = jnp.tanh(self.pooler(x[:, 0]))
+      inter["features"] = pooled
+      return self.head(pooled), inter
+    inter["features"] = x
+    if self.cfg.head == "pretraining":
+      inter["nsp_logits"] = self.nsp(jnp.tanh(self.pooler(x[:, 0])))
+    return self.mlm(x, self.embed), inter
 
 
 def symmetry_spec(cfg: Config) -> spec_lib.SymmetrySpec:
   """Core and embedding spec plus the head.
 
-  The pooler's D tanh units get their own permutation factor "pooler". The
-  MLM transform writes into the space that the decoder reads: with a tied
-  decoder that is the residual stream (the embedding), untied it is a space of
-  its own with a permutation factor "mlm".
+  The pooler reads the residual stream, and its D tanh units get their own
+  permutation factor "pooler", which the classifier (or the next-sentence
+  head) reads. The MLM transform writes into the space that the decoder
+  reads: with a tied decoder that is the residual stream (the embedding),
+  untied it is a space of its own with a permutation factor "mlm".
   """
   spec = core.core_spec(cfg)
   r, axes = spec.r, spec.axes
   axes |= core.text_embedding_axes(cfg, r)
-  if cfg.head == "mlm":
+  if cfg.head != "classifier":
     m = r if cfg.tied_embeddings else "mlm"
     if not cfg.tied_embeddings:
       spec.factors["mlm"] = spec_lib.Factor(cfg.width)
@@ -83,16 +93,17 @@ def symmetry_spec(cfg: Config) -> spec_lib.SymmetrySpec:
       axes["mlm/bias"] = (None,)
     else:
       axes |= core.dense_axes("mlm/decoder", (m, None), (None,), True)
-  else:
+  if cfg.head != "mlm":
     spec.factors["pooler"] = spec_lib.Factor(cfg.width)
     axes |= core.dense_axes("pooler", (r, "pooler"), ("pooler",), True)
-    axes |= core.dense_axes("head", ("pooler", None), (None,), True)
+    reader = "head" if cfg.head == "classifier" else "nsp"
+    axes |= core.dense_axes(reader, ("pooler", None), (None,), True)
   return spec.build()
 
 
 register_family(Family(
     "bert", Bert, symmetry_spec, input_key="tokens",
-    heads={"classifier": tasks.CLASSIFICATION, "mlm": tasks.MLM},
+    heads={"classifier": tasks.CLASSIFICATION, "mlm": tasks.MLM, "pretraining": tasks.MLM},
     defaults=dict(pos_encoding="learned", norm="layer", norm_eps=1e-12, post_norm=True,
                   activation="gelu", num_segments=2, tied_embeddings=True, num_classes=2),
     presets={"base": dict(vocab_size=30522, max_len=512, num_classes=2)}, segments=True))

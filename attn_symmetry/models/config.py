@@ -143,8 +143,9 @@ class Config:
       image_size, num_channels] cut into (image_size / patch_size)^2 patches.
     pooling: ViT pooling, "cls" (a learned CLS token) or "mean".
     num_classes: classifier outputs.
-    head: "classifier" (ViT, BERT), "lm" (GPT-2, Llama: next-token logits) or
-      "mlm" (BERT's masked-LM head: per-token logits).
+    head: "classifier" (ViT, BERT), "lm" (GPT-2, Llama: next-token logits),
+      "mlm" (BERT's masked-LM head: per-token logits) or "pretraining" (BERT's
+      masked-LM head and next-sentence head, as BertForPreTraining).
   """
   family: str
   width: int = 32

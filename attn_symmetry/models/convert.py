@@ -8,7 +8,9 @@
 
 Supported: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` (grouped-query attention,
 half-split RoPE with the default rope type), ``BertForSequenceClassification``,
-``BertForMaskedLM`` and ``ViTForImageClassification``; ``config_from_hf`` also
+``BertForMaskedLM``, ``BertForPreTraining`` (head "pretraining": the MLM head,
+the pooler and the next-sentence head ``cls.seq_relationship``) and
+``ViTForImageClassification``; ``config_from_hf`` also
 reads Mistral configs (``MistralForCausalLM``: Llama's tensors, no sliding
 window), for checkpoint files (``safetensors_io``).
 
@@ -61,7 +63,8 @@ _ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "g
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
 _HF_CLASSES = {("gpt2", "lm"): "GPT2LMHeadModel", ("llama", "lm"): "LlamaForCausalLM",
                ("bert", "classifier"): "BertForSequenceClassification",
-               ("bert", "mlm"): "BertForMaskedLM", ("vit", "classifier"): "ViTForImageClassification"}
+               ("bert", "mlm"): "BertForMaskedLM", ("bert", "pretraining"): "BertForPreTraining",
+               ("vit", "classifier"): "ViTForImageClassification"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,8 +178,8 @@ def config_from_hf(hf_config: Any, head: str) -> config_lib.Config:
         "bert", width=c.hidden_size, depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
         mlp_dim=c.intermediate_size, max_len=c.max_position_embeddings, vocab_size=c.vocab_size,
         num_segments=c.type_vocab_size, norm_eps=c.layer_norm_eps,
-        activation=_activation(c.hidden_act), num_classes=c.num_labels, head=head,
-        tied_embeddings=c.tie_word_embeddings)
+        activation=_activation(c.hidden_act), head=head, tied_embeddings=c.tie_word_embeddings,
+        num_classes=2 if head == "pretraining" else c.num_labels)  # next-sentence: 2 classes
   if kind == "vit":
     _require(c, "qkv_bias", lambda v: v is not False, "the zoo's ViT has qkv biases")
     return config_lib.make_config(
@@ -301,9 +304,13 @@ def _bert_table(cfg):
     t |= _dense(f"{lp}/mlp/wo", f"{hf}.output.dense", True)
     t |= _norm(f"{lp}/mlp_norm", f"{hf}.output.LayerNorm", cfg)
   aliases = {}
+  if cfg.head != "mlm":
+    t |= _dense("pooler", "bert.pooler.dense", True)
   if cfg.head == "classifier":
-    t |= _dense("pooler", "bert.pooler.dense", True) | _dense("head", "classifier", True)
+    t |= _dense("head", "classifier", True)
   else:
+    if cfg.head == "pretraining":
+      t |= _dense("nsp", "cls.seq_relationship", True)
     p = "cls.predictions"
     t |= _dense("mlm/transform", f"{p}.transform.dense", True)
     t |= _norm("mlm/norm", f"{p}.transform.LayerNorm", cfg)
@@ -402,7 +409,7 @@ def head_of(family: str, keys: set[str]) -> str:
   if family == "vit" or "classifier.weight" in keys:
     return "classifier"
   if "cls.predictions.transform.dense.weight" in keys:
-    return "mlm"
+    return "pretraining" if "cls.seq_relationship.weight" in keys else "mlm"
   raise ValueError("BERT checkpoint has neither a classifier ('classifier.weight') nor an MLM head "
                    "('cls.predictions.transform.dense.weight')")
 

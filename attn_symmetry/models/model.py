@@ -32,7 +32,7 @@ class Model:
     config: the frozen ``Config``.
     spec: the ``SymmetrySpec`` of the parameters (every leaf listed).
     task: ``attn_symmetry.tasks.CLASSIFICATION`` (ViT, BERT), ``LM`` (GPT-2,
-      Llama) or ``MLM`` (BERT with ``head="mlm"``).
+      Llama) or ``MLM`` (BERT with ``head="mlm"`` or ``"pretraining"``).
     input_key: the batch entry its inputs are read from ("image" for ViT,
       "tokens" for the text families), as ``data.DatasetInfo.input_key``.
   """
@@ -89,8 +89,9 @@ class Model:
 
     Returns:
       (logits, intermediates): logits [B, classes] for classification,
-      [B, T, V] for "lm" and "mlm"; intermediates maps names to activations
-      ("embed", "layers_i/attention", "layers_i/mlp", "layers_i", "features").
+      [B, T, V] for "lm", "mlm" and "pretraining"; intermediates maps names to
+      activations ("embed", "layers_i/attention", "layers_i/mlp", "layers_i",
+      "features"; "nsp_logits" [B, 2] for "pretraining").
     """
     self.check_params(params)
     module = nnx.merge(self._graphdef, params)

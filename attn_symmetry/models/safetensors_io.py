@@ -1,4 +1,4 @@
-"""Hugging Face model folders read and written with numpy: no torch, no transformers.
+"""Hugging Face model folders read with numpy and written as safetensors: no torch, no transformers.
 
     ckpt = safetensors_io.Checkpoint("gpt2-seed1")       # config.json and file headers only
     model = models.Model(ckpt.config)
@@ -7,11 +7,17 @@
 
 A model folder holds ``config.json`` and its weights in ``model.safetensors``,
 or in the shards that ``model.safetensors.index.json`` lists (its
-"weight_map": tensor name -> file). Each tensor is read on its own with
-safetensors' numpy API through ``pread`` (no memory map), so reading a model
-holds one stored tensor at a time besides the float32 parameters. bfloat16
-tensors come as ``ml_dtypes.bfloat16`` arrays; ``save_params`` writes every
-tensor back in its stored dtype (or float32).
+"weight_map": tensor name -> file); without either, in PyTorch's
+``pytorch_model.bin`` or the shards of ``pytorch_model.bin.index.json``
+(``torch.save``'s zip format, read by ``torch_pickle`` without torch and
+without executing the pickle: MultiBERTs ships only these).
+Each tensor is read on its own, with safetensors' numpy API through ``pread``
+(no memory map) or from its ``.bin`` zip member, so reading a model holds one
+stored tensor at a time besides the float32 parameters. bfloat16 tensors come
+as ``ml_dtypes.bfloat16`` arrays; ``save_params`` writes every tensor back in
+its stored dtype (or float32), always as safetensors: a ``.bin`` folder's
+``pytorch_model[-0000i-of-0000n].bin`` become ``model[-0000i-of-0000n].safetensors``
+(``safetensors_name``) with the same tensor names and shards.
 
 Names. Files keep the tensor names of the checkpoint format on the Hub, which
 can differ from the state dict of transformers' current classes, the names of
@@ -47,13 +53,20 @@ from safetensors.numpy import save_file
 
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.models import convert
+from attn_symmetry.models import torch_pickle
 from attn_symmetry.models.model import Model
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+BIN_WEIGHTS = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
 DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
           "BF16": np.dtype(ml_dtypes.bfloat16)}
+# numpy dtype -> safetensors' code, for the tensors of .bin files.
+_CODES = {**{v: k for k, v in DTYPES.items()}, np.dtype(np.int64): "I64",
+          np.dtype(np.int32): "I32", np.dtype(np.int16): "I16", np.dtype(np.int8): "I8",
+          np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
 # File name (regex) -> state-dict name, as transformers renames Hub checkpoints on loading.
 _RENAMES = {
     "bert": ((r"LayerNorm\.gamma$", "LayerNorm.weight"), (r"LayerNorm\.beta$", "LayerNorm.bias")),
@@ -97,8 +110,11 @@ class Checkpoint:
     hf_config: ``config.json`` as a dict.
     config: our ``models.Config`` of it.
     tensors: file tensor name -> ``TensorInfo``, in file order.
-    files: weight file -> its tensor names; metadata: weight file -> its header metadata.
-    sharded: whether the weights are shards listed by ``model.safetensors.index.json``.
+    files: weight file -> its tensor names; metadata: weight file -> its header metadata
+      (``{"format": "pt"}`` for a ``.bin`` file, what transformers writes in safetensors).
+    torch: whether the weights are ``.bin`` files (``torch_pickle``), not safetensors.
+    index: the index file of sharded weights (``INDEX`` or ``BIN_INDEX``), else None.
+    sharded: whether the weights are shards that ``index`` lists.
     names: state-dict name (``convert.param_table``'s) -> file tensor name.
     nbytes: size of all tensors as stored.
   """
@@ -113,10 +129,12 @@ class Checkpoint:
     if model_type not in convert.MODEL_TYPES:
       raise self.error(f"unsupported HF model type {model_type!r} in {CONFIG}; supported: "
                  f"{', '.join(convert.MODEL_TYPES)}")
-    self.sharded = os.path.exists(os.path.join(self.path, INDEX))
+    self.index, self.torch = self._weights_kind()
+    self.sharded = self.index is not None
     self.files = self._weight_files()
     self.tensors: dict[str, TensorInfo] = {}
     self.metadata: dict[str, dict[str, str] | None] = {}
+    self._refs: dict[str, torch_pickle.TensorRef] = {}  # .bin tensors: where each lies
     for file, keys in self.files.items():
       self._read_header(file, keys)
     self.names = self._state_dict_names(model_type)
@@ -146,42 +164,69 @@ class Checkpoint:
       raise self.error(f"{file} does not hold a JSON object")
     return out
 
+  def _weights_kind(self) -> tuple[str | None, bool]:
+    """(the index file or None, whether the weights are .bin files): safetensors first, then
+    PyTorch's files."""
+    for index, single, is_torch in ((INDEX, WEIGHTS, False), (BIN_INDEX, BIN_WEIGHTS, True)):
+      if os.path.exists(os.path.join(self.path, index)):
+        return index, is_torch
+      if os.path.exists(os.path.join(self.path, single)):
+        return None, is_torch
+    other = sorted(f for f in os.listdir(self.path) if f.endswith((".bin", ".pt", ".pth", ".h5")))
+    hint = f" ({_listing(other)} not read)" if other else ""
+    raise self.error(f"no {WEIGHTS}, {INDEX}, {BIN_WEIGHTS} or {BIN_INDEX}{hint}")
+
   def _weight_files(self) -> dict[str, list[str] | None]:
     """Weight file -> the tensor names the index gives it (None: all of the file's)."""
-    if self.sharded:
-      weight_map = self._read_json(INDEX).get("weight_map")
-      if not isinstance(weight_map, dict) or not weight_map:
-        raise self.error(f"{INDEX} has no weight_map")
-      files: dict[str, list[str] | None] = {}
-      for key, file in weight_map.items():
-        files.setdefault(file, []).append(key)
-      return files
-    if os.path.exists(os.path.join(self.path, WEIGHTS)):
-      return {WEIGHTS: None}
-    other = sorted(f for f in os.listdir(self.path) if f.endswith((".bin", ".pt", ".pth", ".h5")))
-    hint = f" ({_listing(other)} not read: save the model as safetensors)" if other else ""
-    raise self.error(f"no {WEIGHTS} or {INDEX}{hint}")
+    if self.index is None:
+      return {BIN_WEIGHTS if self.torch else WEIGHTS: None}
+    weight_map = self._read_json(self.index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+      raise self.error(f"{self.index} has no weight_map")
+    files: dict[str, list[str] | None] = {}
+    for key, file in weight_map.items():
+      files.setdefault(file, []).append(key)
+    return files
 
   def _read_header(self, file: str, keys: list[str] | None) -> None:
     full = os.path.join(self.path, file)
     if not os.path.isfile(full):
-      raise self.error(f"weight file {file} is missing" + (f" (listed in {INDEX})" if keys else ""))
-    try:
-      with safe_open(full, framework="numpy", backend="pread") as f:
-        present = list(f.keys())
-        self.metadata[file] = f.metadata()
-        slices = {k: f.get_slice(k) for k in present}
-        infos = {k: TensorInfo(file, tuple(s.get_shape()), s.get_dtype()) for k, s in slices.items()}
-    except Exception as e:  # pylint: disable=broad-except  # safetensors raises its own errors
-      raise self.error(f"{file} is not a readable safetensors file ({e})")
+      raise self.error(f"weight file {file} is missing" +
+                       (f" (listed in {self.index})" if keys else ""))
+    if self.torch:
+      infos = self._read_torch_header(file, full)
+    else:
+      infos = self._read_safetensors_header(file, full)
+    present = list(infos)
     absent = sorted(set(keys or ()) - set(present))
     if absent:
-      raise self.error(f"{file} lacks tensors that {INDEX} puts there: {_listing(absent)}")
+      raise self.error(f"{file} lacks tensors that {self.index} puts there: {_listing(absent)}")
     self.files[file] = keys or present
     for k in keys or present:
       if k in self.tensors:
         raise self.error(f"tensor {k} is in both {self.tensors[k].file} and {file}")
       self.tensors[k] = infos[k]
+
+  def _read_safetensors_header(self, file: str, full: str) -> dict[str, TensorInfo]:
+    try:
+      with safe_open(full, framework="numpy", backend="pread") as f:
+        self.metadata[file] = f.metadata()
+        slices = {k: f.get_slice(k) for k in f.keys()}
+        return {k: TensorInfo(file, tuple(s.get_shape()), s.get_dtype()) for k, s in slices.items()}
+    except Exception as e:  # pylint: disable=broad-except  # safetensors raises its own errors
+      raise self.error(f"{file} is not a readable safetensors file ({e})")
+
+  def _read_torch_header(self, file: str, full: str) -> dict[str, TensorInfo]:
+    try:
+      refs = torch_pickle.read_index(full)
+    except (OSError, ValueError) as e:
+      raise self.error(str(e))
+    self.metadata[file] = {"format": "pt"}
+    infos = {}
+    for k, ref in refs.items():
+      self._refs[k] = ref
+      infos[k] = TensorInfo(file, ref.shape, _CODES.get(ref.dtype, ref.dtype.name))
+    return infos
 
   def _state_dict_names(self, model_type: str) -> dict[str, str]:
     prefix = _PREFIXES[model_type]
@@ -211,6 +256,8 @@ class Checkpoint:
 
   def read(self, key: str) -> np.ndarray:
     """The file tensor ``key`` in its stored dtype (the file is opened for it alone)."""
+    if self.torch:
+      return self._refs[key].read()
     info = self.tensors[key]
     with safe_open(os.path.join(self.path, info.file), framework="numpy", backend="pread") as f:
       return f.get_tensor(key)
@@ -241,6 +288,17 @@ def check_layout(ckpt: Checkpoint, model: Model) -> None:
     if aliases.get(k) in wanted and ckpt.tensors[ckpt.names[k]].shape != wanted[aliases[k]]:
       raise ckpt.error(f"tied tensor {ckpt.names[k]} {info.shape} does not match "
                  f"{aliases[k]} {wanted[aliases[k]]}")
+
+
+def safetensors_name(file: str) -> str:
+  """The safetensors file that ``save_params`` writes for weight file ``file``:
+  ``pytorch_model-00001-of-00002.bin`` -> ``model-00001-of-00002.safetensors``."""
+  if not file.endswith(".bin"):
+    return file
+  stem = file[:-len(".bin")]
+  if stem.startswith("pytorch_model"):
+    stem = "model" + stem[len("pytorch_model"):]
+  return stem + ".safetensors"
 
 
 def _by_key(table: Mapping[str, convert.Source]) -> dict[str, list[tuple[str, convert.Source]]]:
@@ -284,7 +342,8 @@ def _hf_tensor(entries: list[tuple[str, convert.Source]], flat: Mapping[str, Any
 
 def save_params(path: str | os.PathLike, like: Checkpoint, model: Model, params: Mapping[str, Any],
                 *, dtype: str = "keep", leaf_fn: LeafFn | None = None) -> None:
-  """Writes ``params`` as a model folder laid out as ``like``: its tensor names and shards.
+  """Writes ``params`` as a safetensors model folder laid out as ``like``: its tensor names and
+  shards (a ``.bin`` shard's safetensors file is ``safetensors_name`` of it).
 
   With ``leaf_fn``, ``leaf_fn(path, leaf)`` is written for each leaf of
   ``params`` instead (its parameter path, e.g. "layers_0/attention/query/kernel"), computed
@@ -319,10 +378,10 @@ def save_params(path: str | os.PathLike, like: Checkpoint, model: Model, params:
         value = like.read(key)
       tensors[key] = value
       total += value.nbytes
-    save_file(tensors, os.path.join(path, file), metadata=like.metadata[file])
+    save_file(tensors, os.path.join(path, safetensors_name(file)), metadata=like.metadata[file])
     del tensors
   if like.sharded:
-    weight_map = {key: like.tensors[key].file for key in like.tensors}
+    weight_map = {key: safetensors_name(like.tensors[key].file) for key in like.tensors}
     _write_json(os.path.join(path, INDEX), {"metadata": {"total_size": total},
                                             "weight_map": weight_map})
   hf_config = dict(like.hf_config)
@@ -332,7 +391,8 @@ def save_params(path: str | os.PathLike, like: Checkpoint, model: Model, params:
   _write_json(os.path.join(path, CONFIG), hf_config)
   for file in sorted(os.listdir(like.path)):
     full = os.path.join(like.path, file)
-    if file.endswith(_SIDE_FILES) and file not in (CONFIG, INDEX) and os.path.isfile(full):
+    if (file.endswith(_SIDE_FILES) and file not in (CONFIG, INDEX, BIN_INDEX)
+        and os.path.isfile(full)):
       shutil.copyfile(full, os.path.join(path, file))
 
 
