@@ -9,7 +9,7 @@
     result.element, result.params, result.report   # g, B' = g . theta_B, the report
 
 MODEL_A and MODEL_B are local model folders of one architecture (GPT-2,
-Llama, BERT or ViT) in safetensors or PyTorch ``.bin`` files
+Llama, GPT-NeoX, BERT or ViT) in safetensors or PyTorch ``.bin`` files
 (``models.safetensors_io``), read and written without torch.
 B is aligned to A by ``matching.align_model`` on the zoo model's symmetry spec
 (head permutations and per-head matrices of every attention layer, FFN and

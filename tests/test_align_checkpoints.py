@@ -471,7 +471,7 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
           "transformer.h.1.mlp.c_fc.bias")))], r"missing transformer.h.1.mlp.c_fc.bias$"),
       ([a, variant("t5", lambda f: config(f, model_type="t5"))],
        r"MODEL_B .*t5: unsupported HF model type 't5' in config.json; supported: gpt2, llama, "
-       r"mistral, bert, vit$"),
+       r"mistral, gpt_neox, bert, vit$"),
       ([a, variant("rope", lambda f: config(f, model_type="llama", rope_scaling={"rope_type": "yarn"}))],
        r"rope type 'yarn'"),
       ([a, variant("window", lambda f: config(f, model_type="mistral", sliding_window=8,
