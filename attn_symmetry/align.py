@@ -108,7 +108,8 @@ from attn_symmetry.models import safetensors_io
 
 OUTPUTS = ("aligned_a", "aligned_b", "merged", "interpolation.json", "interpolation.png",
            "report.json")
-MATCHING_OPTIONS = ("distance", "steps", "learning_rate", "max_rounds", "init", "refine", "solver")
+MATCHING_OPTIONS = ("distance", "steps", "learning_rate", "max_rounds", "init", "refine", "solver",
+                    "factors")
 DTYPES = ("keep", "float32")
 # The function check's random inputs: CHECK_BATCH examples (of CHECK_TOKENS tokens, or at most the
 # model's max_len; or images of its size) drawn from jax.random.key(CHECK_SEED).
@@ -346,6 +347,7 @@ def _check_options(options: _Options) -> None:
     raise InputError(f"unknown matching options {unknown}; known: {', '.join(MATCHING_OPTIONS)}")
   if options.matching.get("distance", "frobenius") not in matching.DISTANCES:
     raise InputError(f"--distance must be one of {', '.join(matching.DISTANCES)}")
+  _check_factors(options)
   _check_scope(options.scope)
   if options.merge is not None and not 0.0 <= options.merge <= 1.0:
     raise InputError(f"--merge must lie in [0, 1], got {options.merge}")
@@ -363,6 +365,21 @@ def _check_options(options: _Options) -> None:
                              ("--eval-batches", options.eval_batches, 1)):
     if int(value) != value or value < least:
       raise InputError(f"{name} must be an integer >= {least}, got {value}")
+
+
+def _check_factors(options: _Options) -> None:
+  """``--factors``: names of ``matching.LEARNED_FACTORS``, for ``--method learned`` only (which
+  of them the model has in the scope is ``_inspect``'s check)."""
+  if "factors" not in options.matching:
+    return
+  factors = options.matching["factors"]
+  if options.method != "learned":
+    raise InputError(f"--factors chooses what --method learned trains; --method is "
+                     f"{options.method!r}")
+  if (not isinstance(factors, (list, tuple)) or not factors
+      or any(f not in matching.LEARNED_FACTORS for f in factors)):
+    raise InputError(f"--factors must list some of {', '.join(matching.LEARNED_FACTORS)}, "
+                     f"got {factors!r}")
 
 
 def _scope_prefixes(scope: str | Sequence[str]) -> list[str] | None:
@@ -462,6 +479,16 @@ def _scope(model: Model, scope: str | Sequence[str]) -> list[str]:
   return prefixes
 
 
+def _factors_in_scope(model: Model, prefixes: list[str], factors: Sequence[str]) -> None:
+  """Refuses a factor of ``--factors`` that ``model`` has no symmetry for in the scope."""
+  try:
+    matching.learned_factors(model.spec, matching.active_names(model.spec, prefixes), factors)
+  except ValueError as e:
+    message = str(e).removeprefix("factors: ")
+    raise InputError(f"--factors: {message} ({model.config.family} model, scope "
+                     f"{','.join(prefixes) or 'full'})") from None
+
+
 def _same_tokenizer(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint) -> None:
   files = [os.path.join(c.path, "tokenizer.json") for c in (a, b)]
   if all(os.path.isfile(f) for f in files):
@@ -528,6 +555,8 @@ def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: _Opt
     if options.out is not None:
       _check_out(options.out, options.overwrite, (a, b))
     prefixes = _scope(model, options.scope)
+    if "factors" in options.matching:
+      _factors_in_scope(model, prefixes, options.matching["factors"])
     batches = _evaluation_batches(options, a, b, model)
   except InputError:
     raise
@@ -971,7 +1000,8 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
       on each path, examples per batch, tokens per text sequence, most batches.
     progress: called with one line per stage (e.g. ``print``).
     **options: ``align_model``'s distance, steps, learning_rate, max_rounds,
-      init, refine and solver.
+      init, refine and solver; for method "learned", factors (a tuple of
+      ``matching.LEARNED_FACTORS``; default every one the scope has).
 
   Returns:
     ``Alignment(model, params_a, params, element, report)``: the zoo model, A's
@@ -1064,6 +1094,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--refine", help="when full refines: every_round, final")
   parser.add_argument("--solver", help="the full method's refinement: gauss_newton, adam")
   parser.add_argument("--distance", help="Stage 1 head distance")
+  parser.add_argument("--factors", type=lambda text: tuple(f for f in text.split(",") if f),
+                      help="what --method learned trains, comma-separated: some of "
+                           f"{','.join(matching.LEARNED_FACTORS)} (default: every one the "
+                           "scope has)")
   parser.add_argument("--quiet", action="store_true", help="no progress lines")
   parser.add_argument("--compilation-cache", metavar="DIR", default=runtime.COMPILATION_CACHE,
                       help="JAX's persistent compilation cache: a later alignment of the same "

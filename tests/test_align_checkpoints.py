@@ -542,6 +542,12 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
       ([a, b, "--method", "learned"], r"--method learned trains on the task loss: give "
                                       r"--eval-text or --eval-images$"),
       ([a, b, "--method", "best"], r"--method must be one of"),
+      ([a, b, "--method", "learned", "--eval-text", str(tmp_path / "valid.txt"), "--scope",
+        "layers_0/attention", "--factors", "attention,ffn"],
+       r"--factors: the model has no 'ffn' symmetry in this scope; .*\(gpt2 model, scope "
+       r"layers_0/attention\)$"),
+      ([a, b, "--method", "full", "--factors", "ffn"], r"--factors chooses what --method learned "
+                                                      r"trains; --method is 'full'$"),
       ([a, b, "--import", "no_such_module.methods"],
        r"--import no_such_module.methods: no module named 'no_such_module' in the current folder"),
       ([a, b, "--scope", "layers_9"], r"--scope: scope prefix 'layers_9' matches no parameter"),

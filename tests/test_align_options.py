@@ -62,6 +62,8 @@ def no_file_access(monkeypatch):
     dict(num_lambdas=3, batch_size=1, seq_len=1, eval_batches=1),
     dict(function_tolerance=1e-3), dict(function_tolerance=2),
     dict(matching=dict(distance="cosine", steps=0, init="best", max_rounds=2)),
+    dict(method="learned", matching=dict(factors=("residual",))),
+    dict(method="learned", matching=dict(factors=["attention", "heads", "ffn", "residual"])),
 ], ids=repr)
 def test_good_options_pass_without_reading_a_file(changes, no_file_access):
   align._check_options(_options(**changes))
@@ -74,7 +76,15 @@ def test_good_options_pass_without_reading_a_file(changes, no_file_access):
      r"--method learned trains on the task loss: give --eval-text or --eval-images"),
     (dict(matching=dict(steps=3, lr=0.1, temperature=1)),
      r"unknown matching options \['lr', 'temperature'\]; known: distance, steps, learning_rate, "
-     r"max_rounds, init, refine, solver"),
+     r"max_rounds, init, refine, solver, factors"),
+    (dict(matching=dict(factors=("ffn",))),
+     r"--factors chooses what --method learned trains; --method is 'full'"),
+    (dict(method="learned", matching=dict(factors=("ffn", "norms"))),
+     r"--factors must list some of attention, heads, ffn, residual, got \('ffn', 'norms'\)"),
+    (dict(method="learned", matching=dict(factors=())),
+     r"--factors must list some of attention, heads, ffn, residual, got \(\)"),
+    (dict(method="learned", matching=dict(factors="ffn")),
+     r"--factors must list some of attention, heads, ffn, residual, got 'ffn'"),
     (dict(matching=dict(distance="l1")), r"--distance must be one of frobenius, squared, "),
     (dict(scope=","), r"--scope  holds no whole attention site or factor to align"),
     (dict(scope=()), r"--scope  holds no whole attention site or factor to align"),
@@ -285,3 +295,27 @@ def test_function_check_measures_and_refuses():
   nan = spec_lib.unflatten({**flat, path: flat[path].at[0, 0, 0].set(jnp.nan)})
   with pytest.raises(align.FunctionCheckError, match=r"up to nan \(nan of the logits' scale"):
     _tiny_check(model, params, nan, function_tolerance=1e30)
+
+
+@pytest.mark.parametrize("family, prefixes, factors", [
+    ("gpt2", [""], ("attention", "heads", "ffn", "residual")),
+    ("llama", [""], ("residual",)),  # RMSNorm: the orthogonal residual factor
+    ("gpt2", ["layers_0"], ("heads", "ffn")),
+])
+def test_factors_the_scope_has_pass(family, prefixes, factors):
+  align._factors_in_scope(models.build(family, "tiny"), prefixes, factors)
+
+
+@pytest.mark.parametrize("family, prefixes, factors, missing", [
+    ("gpt2", ["layers_0/attention"], ("ffn",), "ffn"),
+    ("llama", ["layers_0"], ("attention", "residual"), "residual"),
+    ("vit", ["layers_0/attention"], ("residual",), "residual"),
+])
+def test_a_factor_without_a_symmetry_is_refused_naming_it_and_the_model(family, prefixes, factors,
+                                                                        missing):
+  with pytest.raises(align.InputError) as refusal:
+    align._factors_in_scope(models.build(family, "tiny"), prefixes, factors)
+  message = str(refusal.value)
+  assert message.startswith(f"--factors: the model has no {missing!r} symmetry in this scope")
+  assert message.endswith(f"({family} model, scope {','.join(prefixes)})"), message
+  assert "\n" not in message

@@ -54,6 +54,7 @@ from attn_symmetry.matching._attention import match_attention_exhaustive
 from attn_symmetry.matching._features import DISTANCES
 from attn_symmetry.matching._features import head_distances
 from attn_symmetry.matching._correction import FACTORS as LEARNED_FACTORS
+from attn_symmetry.matching._correction import resolve as learned_factors
 from attn_symmetry.matching._learned import learn_alignment
 from attn_symmetry.matching._methods import ALIGN_OPTIONS
 from attn_symmetry.matching._methods import METHODS
