@@ -356,8 +356,9 @@ FIELDS: tuple[Field, ...] = (
     Field("study.learn_factors", ("attention",),
           _distinct(_one_of("learned factor", "attn_symmetry.matching.LEARNED_FACTORS")),
           Role.STUDY,
-          "the factors that 'learned' trains in the scope: 'attention' (per-head QK and VO "
-          "matrices), 'heads', 'ffn', 'residual' (matching.LEARNED_FACTORS)",
+          "the factors that 'learned' trains, those of them that each scope has: 'attention' "
+          "(per-head QK and VO matrices), 'heads', 'ffn', 'residual' "
+          "(matching.LEARNED_FACTORS)",
           unkeyed_default=("attention",)),
     Field("study.eval_examples", 0, _AT_LEAST_0, Role.STUDY,
           "the first that many examples of eval_split evaluate every path (0: all of them)"),

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -36,7 +36,7 @@ from attn_symmetry import lmc
 from attn_symmetry import matching
 from attn_symmetry import runtime
 from attn_symmetry import tasks
-from attn_symmetry.spec import subtree
+from attn_symmetry.spec import SymmetrySpec, subtree
 from experiments import fingerprints
 from experiments import input_noise
 from experiments import inputs
@@ -79,6 +79,14 @@ def learned_overlap(config: ml_collections.ConfigDict, dataset: str) -> dict[str
     if split and inputs.shared_records(evaluated, inputs.split_range(config, field, dataset)):
       out[field] = split
   return out
+
+
+def factors_in_scope(spec: SymmetrySpec, names: Sequence[str], wanted: Sequence[str]) -> tuple[str, ...]:
+  """The factors of ``wanted`` (``study.learn_factors``) that ``names`` (a scope's
+  ``matching.active_names``) have a symmetry for, in ``wanted``'s order: one list serves
+  every scope of a study (the first attention layer has no FFN factor, say)."""
+  has = matching.learned_factors(spec, names, None)
+  return tuple(f for f in wanted if f in has)
 
 
 def matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
@@ -243,13 +251,21 @@ class ScopeStudy:
 
   def _learn(self, a: int, b: int, start: tuple[dict, dict]) -> tuple[dict, dict]:
     """The "learned" method: the factors ``study.learn_factors`` names (the attention matrices
-    by default) of ``start`` in scope, trained on the loss of the path's point at lambda
+    by default) that the scope has (``factors_in_scope``; with none of them, ``start`` itself)
+    of ``start``, trained on the loss of the path's point at lambda
     (``matching.learn_alignment``), on batches of the training
     slice (``dataset.train_split``) of the data set the scope was fine-tuned on, the best
     iterate chosen on ``study.learn_holdout_batches`` batches of the validation slice. The
     evaluation examples are not read, unless ``study.eval_split`` shares records with these
     slices (``learned_overlap``, which the result records and summary.md reports)."""
     s = self.config.study
+    names = matching.active_names(self.model.spec, self.scope_paths)
+    factors = factors_in_scope(self.model.spec, names, s.learn_factors)
+    if not factors:
+      return start[0], dict(start[1], learned={
+          "factors": [], "sites": [], "steps": 0,
+          "note": f"the scope has none of study.learn_factors {list(s.learn_factors)}: the "
+                  "full method's element is returned"})
     holdout = list(itertools.islice(inputs.validation_batches(self.config, self.dataset),
                                     s.learn_holdout_batches))
     batches = inputs.train_batches(self.config, self.dataset, seed=1000 * a + b)
@@ -260,8 +276,7 @@ class ScopeStudy:
                line["seconds"])
     return matching.learn_alignment(
         self.model.spec, self.params[a], self.params[b], start,
-        names=matching.active_names(self.model.spec, self.scope_paths),
-        factors=tuple(s.learn_factors),
+        names=names, factors=factors,
         loss_fn=path_evaluation.mean_loss(self.model), batches=batches, holdout_batches=holdout, steps=s.learn_steps,
         learning_rate=s.learn_learning_rate, lam="uniform" if s.learn_uniform_lambda else 0.5,
         key=jax.random.key(1000 * a + b), progress=progress)

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from attn_symmetry import data
+from attn_symmetry import matching
+from attn_symmetry import models
 from experiments import evaluation
 from experiments import fingerprints
 from experiments import input_noise
@@ -441,3 +443,18 @@ def test_learned_factors_reach_the_method_and_key_its_stages_off_their_default()
   assert scope_study.matching_kwargs(config, "learned")["factors"] == ("attention", "ffn")
   assert fingerprints.config_fields(config, scope_study.LEARNED_FIELDS)[
       "study.learn_factors"] == ["attention", "ffn"]
+
+
+@pytest.mark.parametrize("scope, expected", [
+    ("first_attention", ("attention", "heads")),
+    ("first_layer", ("attention", "heads", "ffn")),
+    ("full", ("attention", "heads", "ffn", "residual")),
+])
+def test_each_scope_learns_the_factors_it_has(scope, expected):
+  """One study.learn_factors serves every scope: each trains those of them it has."""
+  model = models.build("vit", "tiny")
+  names = matching.active_names(model.spec, model.scope_paths(scope))
+  wanted = ("residual", "ffn", "heads", "attention")
+  assert scope_study.factors_in_scope(model.spec, names, wanted) == tuple(
+      f for f in wanted if f in expected)
+  assert scope_study.factors_in_scope(model.spec, names, ("attention",)) == ("attention",)
