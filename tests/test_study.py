@@ -292,7 +292,6 @@ def test_bad_input_raises_before_work(finished, tmp_path):
     study.run_study(_config(methods=["full"]), workdir)
   with pytest.raises(ValueError, match="checkpoint"):
     study.run_study(_config(), str(tmp_path))  # nothing trained there
-  from attn_symmetry import models
   with pytest.MonkeyPatch.context() as mp:  # a scope holding only the classifier head
     mp.setattr(models.Model, "scope_paths", lambda self, scope: ["head"])
     with pytest.raises(ValueError, match="nothing to align"):
