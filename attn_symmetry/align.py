@@ -422,11 +422,12 @@ def _check_extras(options: _Options) -> None:
 def _architecture_difference(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint
                              ) -> str | None:
   """None if A and B have one architecture, else what differs first: a config.json key whose
-  value in B changes A's architecture, or else the field of the derived config."""
+  value in B changes A's architecture (``model_type`` before the others, so that two families
+  are named as such), or else the field of the derived config."""
   if a.config == b.config:
     return None
   head = a.config.head
-  for key in sorted(set(a.hf_config) | set(b.hf_config)):
+  for key in sorted(set(a.hf_config) | set(b.hf_config), key=lambda k: (k != "model_type", k)):
     va, vb = a.hf_config.get(key), b.hf_config.get(key)
     if va == vb:
       continue

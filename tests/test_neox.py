@@ -362,7 +362,9 @@ def test_align_refuses_bad_neox_input_with_one_line(tmp_path, capsys):
   out = str(tmp_path / "out")
   line = _refusal(capsys, a, odd, "--out", out)
   assert "MODEL_B" in line and "unsupported HF config: rotary_pct=0.3" in line
-  for pair in ((a, llama), (llama, a)):
+  for pair, (first, second) in (((a, llama), ("gpt_neox", "llama")),
+                                 ((llama, a), ("llama", "gpt_neox"))):
     line = _refusal(capsys, *pair, "--out", out)
-    assert "MODEL_A and MODEL_B have different architectures: config.json's " in line
+    assert (f"MODEL_A and MODEL_B have different architectures: config.json's model_type is "
+            f"{first!r} in MODEL_A") in line and f"but {second!r} in MODEL_B" in line, line
   assert not os.path.exists(out)
