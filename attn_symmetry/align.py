@@ -3,13 +3,14 @@
     attn-symmetry align MODEL_A MODEL_B --out DIR [--method full|ortho|perm|naive|learned]
                         [--scope ...]
                         [--merge 0.5] [--eval-text FILE | --eval-images DIR] [--dtype keep|float32]
+                        [--function-tolerance TOL]
 
     from attn_symmetry import align_checkpoints
     result = align_checkpoints("seed1", "seed2", out="aligned", merge=0.5)
     result.element, result.params, result.report   # g, B' = g . theta_B, the report
 
 MODEL_A and MODEL_B are local model folders of one architecture (GPT-2,
-Llama, BERT or ViT) in safetensors or PyTorch ``.bin`` files
+Llama, GPT-NeoX, BERT or ViT) in safetensors or PyTorch ``.bin`` files
 (``models.safetensors_io``), read and written without torch.
 B is aligned to A by ``matching.align_model`` on the zoo model's symmetry spec
 (head permutations and per-head matrices of every attention layer, FFN and
@@ -18,33 +19,47 @@ same function. ``align_checkpoints`` runs five stages, one function each, and
 each announced by one progress line and timed in the report (``_Clock``):
 
 1. ``_check``: the options alone (``_check_options``: method, scope, merge,
-   dtype, matching options, evaluation flags and sizes; no file is read), the
-   packages the evaluation needs, then the folders (``_inspect``: config,
-   tensor names, shapes and dtypes), their architectures against each other,
-   the output folder and the evaluation file. Every problem is refused here
-   (or, for NaN weights, while loading) with a one-line ``InputError``,
-   before anything is written;
+   dtype, function tolerance, matching options, evaluation flags and sizes; no
+   file is read), the packages the evaluation needs, then the folders
+   (``_inspect``: config, tensor names, shapes and dtypes), their
+   architectures against each other, the output folder and the evaluation
+   file. Every problem is refused here (or, for NaN weights, while loading)
+   with a one-line ``InputError``, before anything is written;
 2. ``_load``: both models' float32 parameters, one stored tensor at a time;
 3. ``_align``: the element g and B' = g . B; squared distances ||A - B||,
    ||A - B'|| per top-level parameter group (``layers_i``, ``embed``, ...);
+   then the function check (``_function_check``): the logits of B and B' (and
+   of A and A', when A is re-parametrised) on CHECK_BATCH random inputs of the
+   model's kind, drawn from ``jax.random.key(CHECK_SEED)``, B' and A' rounded
+   to the dtypes they are written in. Above ``function_tolerance`` (relative to
+   the largest logit; by default the square root of the written dtype's
+   epsilon) it stops with a ``FunctionCheckError`` that gives the difference,
+   and nothing is written;
 4. ``_evaluate`` (with an evaluation file, ``_eval_files``): loss and accuracy
-   along (1 - lambda) A + lambda B ("before") and (1 - lambda) A + lambda B'
+   along (1 - lambda) A + lambda B ("before") and (1 - lambda) A' + lambda B'
    ("after"), and their barriers (``lmc``);
-5. ``_save``: DIR/aligned_b/ (B' as safetensors in B's tensor names, shards and dtypes, with
-   B's config and tokenizer files), DIR/merged/ with ``merge`` ((1 - merge) A
-   + merge B' in A's layout), DIR/interpolation.json and .png with an
-   evaluation file, DIR/report.json.
+5. ``_save``: DIR/aligned_b/ (B' as safetensors in B's tensor names, shards
+   and dtypes, with B's config and tokenizer files), DIR/aligned_a/ when A is
+   re-parametrised (A' likewise, in A's), DIR/merged/ with ``merge``
+   ((1 - merge) A' + merge B' in A's layout), DIR/interpolation.json and .png
+   with an evaluation file, DIR/report.json.
 
-RMSNorm models (Llama): an orthogonal map of the residual stream is a
-symmetry only once the norm scales are folded into the weights that read them
-(``group_action.fold_norm_scales``). When the alignment uses one, A and B' are
-compared, merged and saved folded: the same functions, with norm weights of one.
+One gauge. RMSNorm models (Llama): an orthogonal map of the residual stream is
+a symmetry only once the norm scales are folded into the weights that read them
+(``group_action.fold_norm_scales``). When the alignment uses one, A is
+re-parametrised too: A' is A folded (the same function, norm weights of one),
+and it is A' and B' that lie close, tensor for tensor, and are compared and
+merged; aligned_a/ holds A'. Otherwise A' is A itself, and aligned_b/ lies
+close to MODEL_A. report.json's "compare" names the two folders: ["aligned_a",
+"aligned_b"] or ["MODEL_A", "aligned_b"].
 
 Memory and time. Peak memory stays within 3x the two checkpoints' size
 (``benchmarks/bench_align_checkpoints.py``, GPT-2 small in float32): the
 models are read one tensor at a time, B' is computed one top-level group of
 leaves at a time with B's group released after it (B is kept only for an
-evaluation: ``_Loaded``), the merged model is computed leaf by leaf as it is
+evaluation: ``_Loaded``; the function check keeps only B's and A's logits on its
+small batch, computed before they are released, and rounds B' and A' in place,
+one leaf at a time), the merged model is computed leaf by leaf as it is
 written, and the C heap's free pages are returned to the system after every
 stage and between compiling the matching program and running it
 (``runtime``). jaxlib's LAPACK kernels run on one OpenBLAS thread during the
@@ -63,6 +78,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -73,7 +89,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -90,9 +106,13 @@ from attn_symmetry.models import SCOPES, Model
 from attn_symmetry.models import convert
 from attn_symmetry.models import safetensors_io
 
-OUTPUTS = ("aligned_b", "merged", "interpolation.json", "interpolation.png", "report.json")
+OUTPUTS = ("aligned_a", "aligned_b", "merged", "interpolation.json", "interpolation.png",
+           "report.json")
 MATCHING_OPTIONS = ("distance", "steps", "learning_rate", "max_rounds", "init", "refine", "solver")
 DTYPES = ("keep", "float32")
+# The function check's random inputs: CHECK_BATCH examples (of CHECK_TOKENS tokens, or at most the
+# model's max_len; or images of its size) drawn from jax.random.key(CHECK_SEED).
+CHECK_SEED, CHECK_BATCH, CHECK_TOKENS = 0, 2, 16
 Params = dict[str, Any]
 
 
@@ -100,15 +120,20 @@ class InputError(ValueError):
   """Bad input to ``align_checkpoints``, found before anything is written (one line)."""
 
 
+class FunctionCheckError(InputError):
+  """Aligned B (or A) does not compute B's (or A's) function to the tolerance on the function
+  check's inputs (``_function_difference``); nothing is written (one line)."""
+
+
 class Alignment(NamedTuple):
   """What ``align_checkpoints`` returns.
 
   Attributes:
     model: the zoo ``Model`` of both checkpoints (``model.apply(params, inputs)``).
-    params_a: A's float32 parameters (norm scales folded if
-      report["folded_norm_scales"]).
-    params: B' = g . B in float32, in the same parametrisation: what
-      DIR/aligned_b holds.
+    params_a: A's float32 parameters, or A' (norm scales folded, values rounded to
+      the written dtypes: what DIR/aligned_a holds) if report["folded_norm_scales"].
+    params: B' = g . B in float32, in the same parametrisation, values rounded to
+      the written dtypes: what DIR/aligned_b holds.
     element: g, for ``group_action.apply_model(model.spec, params_b, g)``.
     report: the report, as written to DIR/report.json.
   """
@@ -132,6 +157,9 @@ class _Options:
       prefixes, or a tuple of prefixes.
     merge: lambda of the merged model (1 - lambda) A + lambda B', or None.
     dtype: one of ``DTYPES``.
+    function_tolerance: the most relative logit difference the function check
+      allows (``_function_difference``), or None for its default
+      (``_default_tolerance`` of the written dtypes).
     out: the output folder, or None (nothing is written).
     overwrite: replace this tool's earlier outputs in ``out``.
     eval_text, eval_images: the evaluation file or image folder, or None.
@@ -143,6 +171,7 @@ class _Options:
   scope: str | tuple[str, ...]
   merge: float | None
   dtype: str
+  function_tolerance: float | None
   out: str | None
   overwrite: bool
   eval_text: str | None
@@ -201,10 +230,15 @@ class _Aligned:
   Attributes:
     element: g (``matching.align_model``).
     info: ``align_model``'s info.
-    folded: whether A and B' have their norm scales folded (``group_action.fold_norm_scales``).
-    params_a: A, in that parametrisation.
-    params: B' = g . B, in that parametrisation.
+    folded: whether A and B' have their norm scales folded (``group_action.fold_norm_scales``):
+      then A' (A folded) is written to aligned_a, the folder to compare with aligned_b.
+    params_a: A, in that parametrisation (A' if folded, its values rounded to the dtypes it is
+      written in: ``_round_to``).
+    params: B' = g . B, in that parametrisation, its values rounded to the dtypes it is written in.
     distance: {"before": ||A - B||, "after": ||A - B'||}, each as ``_distances`` gives it.
+    function: the function check (``_function_check``): {"inputs": {"seed", "shape"},
+      "aligned_b": B' against B and, if folded, "aligned_a": A' against A, each as
+      ``_function_difference`` gives it}.
   """
   element: dict[str, Any]
   info: dict[str, Any]
@@ -212,6 +246,13 @@ class _Aligned:
   params_a: Params
   params: Params
   distance: dict[str, dict[str, Any]]
+  function: dict[str, Any]
+
+  @property
+  def compare(self) -> list[str]:
+    """The two folders whose tensors lie close and are to be compared or merged: aligned_a and
+    aligned_b when A was re-parametrised (folded), else MODEL_A itself and aligned_b."""
+    return ["aligned_a" if self.folded else "MODEL_A", "aligned_b"]
 
 
 # ----------------------------------------------------------------------------- timing
@@ -274,13 +315,15 @@ class _Stage(contextlib.AbstractContextManager):
 
   @contextlib.contextmanager
   def part(self, key: str, label: str) -> Iterator[None]:
-    """Times a step of the stage as ``clock.seconds[key]``, releases the heap's free pages after
-    it, and names it in the stage's line ("(12.0 s, of which LABEL 9.5 s)")."""
+    """Times a step of the stage as ``clock.seconds[key]`` (a step in several blocks: their
+    sum), releases the heap's free pages after it, and names it in the stage's line ("(12.0 s,
+    of which LABEL 9.5 s)")."""
     start = time.perf_counter()
     yield
-    self.clock.seconds[key] = time.perf_counter() - start
+    self.clock.seconds[key] = self.clock.seconds.get(key, 0.0) + time.perf_counter() - start
     runtime.release_free_memory()
-    self._parts.append((label, key))
+    if (label, key) not in self._parts:
+      self._parts.append((label, key))
 
 
 # ----------------------------------------------------------------------------- check: the options
@@ -308,6 +351,10 @@ def _check_options(options: _Options) -> None:
     raise InputError(f"--merge must lie in [0, 1], got {options.merge}")
   if options.dtype not in DTYPES:
     raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+  tolerance = options.function_tolerance
+  if tolerance is not None and (isinstance(tolerance, bool) or
+                                not isinstance(tolerance, (int, float)) or not tolerance > 0):
+    raise InputError(f"--function-tolerance must be a positive number, got {tolerance!r}")
   if options.eval_text is not None and options.eval_images is not None:
     raise InputError("give --eval-text or --eval-images, not both")
   for name, value, least in (("--lambdas", options.num_lambdas, 3),
@@ -547,24 +594,40 @@ def _match(inputs: _Inputs, options: _Options, loaded: _Loaded, say: Callable[[s
 
 def _align(inputs: _Inputs, options: _Options, loaded: _Loaded, stage: _Stage) -> _Aligned:
   """The align stage: g (``_match``, timed as the stage's part "align_model"), A and B folded
-  where g needs it, B' = g . B and the distances before and after.
+  where g needs it, B' = g . B, the distances before and after, and the function check
+  (``_function_check``, the part "function_check"): B's logits (and A's, if folded) on a few
+  random inputs, taken before B (and A) are released and compared with those of B' (and A') as
+  they are written.
 
   Without an evaluation, A and B are taken out of ``loaded`` and each of B's groups is released
   as soon as its part of B' is computed; with one, they stay there for the "before" path.
+
+  Raises:
+    FunctionCheckError: B' (or A') does not compute B's (or A's) function to the tolerance.
   """
   with stage.part("align_model", "matching"):
     element, info = _match(inputs, options, loaded, stage.say)
-  keep = inputs.batches is not None
+  model, keep = inputs.model, inputs.batches is not None
   params_a, params_b = (loaded.a, loaded.b) if keep else loaded.take()
   folded = bool(info.get("folded_norm_scales"))
+  check_inputs = _check_inputs(model)
+  with stage.part("function_check", "function check"):
+    reference = {"aligned_b": _logits(model, params_b, check_inputs)}
+    if folded:
+      reference["aligned_a"] = _logits(model, params_a, check_inputs)
   if folded:
-    params_a = group_action.fold_norm_scales(inputs.model.spec, params_a)
-    params_b = group_action.fold_norm_scales(inputs.model.spec, params_b)
+    params_a = group_action.fold_norm_scales(model.spec, params_a)
+    params_b = group_action.fold_norm_scales(model.spec, params_b)
   before = _distances(params_a, params_b)
-  aligned = _apply_by_group(inputs.model.spec, params_b, element, consume=not keep or folded)
+  aligned = _apply_by_group(model.spec, params_b, element, consume=not keep or folded)
   del params_b
   after = _distances(params_a, aligned)
-  return _Aligned(element, info, folded, params_a, aligned, {"before": before, "after": after})
+  written = {"aligned_b": (inputs.b, aligned)} | ({"aligned_a": (inputs.a, params_a)} if folded
+                                                  else {})
+  with stage.part("function_check", "function check"):
+    function = _function_check(model, options, check_inputs, reference, written)
+  return _Aligned(element, info, folded, params_a, aligned, {"before": before, "after": after},
+                  function)
 
 
 def _part_spec(spec: spec_lib.SymmetrySpec, paths: set[str]) -> spec_lib.SymmetrySpec:
@@ -625,6 +688,116 @@ def _distances(params_a: Params, params_b: Params) -> dict[str, Any]:
           "per_layer": {g: math.sqrt(squares[g]) for g in sorted(squares, key=_natural)}}
 
 
+# ----------------------------------------------------------------------------- the function check
+
+
+def _check_inputs(model: Model) -> jax.Array:
+  """The function check's inputs, drawn from ``jax.random.key(CHECK_SEED)`` as the model reads
+  them (``model.input_key``): CHECK_BATCH rows of min(CHECK_TOKENS, max_len) uniform token ids
+  [B, T] (int32), or CHECK_BATCH standard normal images [B, S, S, C] (float32)."""
+  key, config = jax.random.key(CHECK_SEED), model.config
+  if model.input_key == "image":
+    return jax.random.normal(key, (CHECK_BATCH, config.image_size, config.image_size,
+                                   config.num_channels), jnp.float32)
+  return jax.random.randint(key, (CHECK_BATCH, min(CHECK_TOKENS, config.max_len)), 0,
+                            config.vocab_size, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(model: Model, params: Params, inputs: jax.Array) -> jax.Array:
+  """``model``'s float32 logits on ``inputs``: [B, classes] or [B, T, V]."""
+  return model.apply(params, inputs)[0].astype(jnp.float32)
+
+
+def _written_dtypes(ckpt: safetensors_io.Checkpoint, model: Model, dtype: str
+                    ) -> dict[str, np.dtype]:
+  """{parameter path: the dtype ``safetensors_io.save_params`` writes its tensor in}, laid out
+  as ``ckpt``: the tensor's stored dtype (``dtype="keep"``) or float32."""
+  table, _ = convert.param_table(model.config)
+  if dtype == "float32":
+    return {path: np.dtype(np.float32) for path in table}
+  return {path: safetensors_io.DTYPES[ckpt.tensors[ckpt.names[src.key]].dtype]
+          for path, src in table.items()}
+
+
+def _round_to(params: Params, dtypes: Mapping[str, np.dtype]) -> None:
+  """Rounds, in place, every leaf of ``params`` whose written dtype (``dtypes``) is narrower
+  than float32 (bfloat16, float16) to that dtype's values, kept in float32: the function check
+  then evaluates what is written, and writing rounds nothing further. One leaf is replaced at a
+  time, so the rounded model never coexists with a whole copy of itself."""
+  for path, dtype in dtypes.items():
+    if dtype.itemsize >= 4:
+      continue
+    *parents, name = path.split("/")
+    node = params
+    for parent in parents:
+      node = node[parent]
+    node[name] = node[name].astype(dtype).astype(jnp.float32)
+
+
+def _default_tolerance(dtypes: Iterable[np.dtype]) -> float:
+  """The function check's default relative tolerance for a folder written in ``dtypes``: the
+  square root of the machine epsilon of the least precise of them and float32 (the
+  computation's): 3.5e-4 in float32, 3.1e-2 with float16 tensors, 8.8e-2 with bfloat16 ones."""
+  return max(math.sqrt(float(jnp.finfo(d).eps)) for d in (*dtypes, np.dtype(np.float32)))
+
+
+def _function_difference(reference: jax.Array, logits: jax.Array, tolerance: float
+                         ) -> dict[str, float]:
+  """How far ``logits`` lie from the ``reference`` logits (both [B, ...]).
+
+  Returns:
+    {"max_abs": max |logits - reference|, "scale": max |reference| (the logits' scale),
+    "relative": max_abs / scale, "tolerance": the most relative difference allowed}.
+  """
+  reference, logits = np.asarray(reference, np.float64), np.asarray(logits, np.float64)
+  max_abs = float(np.max(np.abs(logits - reference)))
+  scale = float(np.max(np.abs(reference)))
+  relative = max_abs / scale if scale else (0.0 if max_abs == 0 else math.inf)
+  return {"max_abs": max_abs, "scale": scale, "relative": relative, "tolerance": tolerance}
+
+
+def _function_check(model: Model, options: _Options, inputs: jax.Array,
+                    reference: Mapping[str, jax.Array],
+                    written: Mapping[str, tuple[safetensors_io.Checkpoint, Params]]
+                    ) -> dict[str, Any]:
+  """Checks that each folder to be written computes its source's function.
+
+  Args:
+    model: the zoo model.
+    options: the dtype to write (``_written_dtypes``) and the tolerance (``function_tolerance``,
+      else ``_default_tolerance`` of the folder's dtypes).
+    inputs: the check's inputs (``_check_inputs``).
+    reference: {"aligned_b": B's logits, "aligned_a": A's} on ``inputs``.
+    written: {folder: (the checkpoint whose layout it takes, its float32 parameters)} for
+      "aligned_b" (B') and, if folded, "aligned_a" (A'); each is rounded in place to the dtypes
+      it is written in (``_round_to``) and then evaluated.
+
+  Returns:
+    {"inputs": {"seed", "shape"}, folder: ``_function_difference`` of its logits from its
+    reference, for each folder}.
+
+  Raises:
+    FunctionCheckError: a folder's relative difference is above its tolerance (or NaN).
+  """
+  out: dict[str, Any] = {"inputs": {"seed": CHECK_SEED, "shape": list(inputs.shape)}}
+  for folder, (ckpt, params) in written.items():
+    dtypes = _written_dtypes(ckpt, model, options.dtype)
+    _round_to(params, dtypes)
+    tolerance = options.function_tolerance or _default_tolerance(set(dtypes.values()))
+    out[folder] = d = _function_difference(reference[folder], _logits(model, params, inputs),
+                                           tolerance)
+    if not d["relative"] <= tolerance:
+      source = {"aligned_b": "B", "aligned_a": "A"}[folder]
+      what = "aligned B" if folder == "aligned_b" else "aligned A (A with its norm scales folded)"
+      raise FunctionCheckError(
+          f"{what} does not compute {source}'s function: on {inputs.shape[0]} random inputs its "
+          f"logits differ from {source}'s by up to {d['max_abs']:.4g} ({d['relative']:.3g} of the "
+          f"logits' scale {d['scale']:.4g}), above --function-tolerance {tolerance:.3g}; nothing "
+          "is written")
+  return out
+
+
 # ----------------------------------------------------------------------------- evaluate and save
 
 
@@ -681,9 +854,9 @@ def _report(inputs: _Inputs, options: _Options, aligned: _Aligned, curves: dict[
       "method": options.method,
       "scope": options.scope if isinstance(options.scope, str) else list(options.scope),
       "scope_paths": inputs.scope, "merge": options.merge, "options": dict(options.matching),
-      "folded_norm_scales": aligned.folded,
+      "folded_norm_scales": aligned.folded, "compare": aligned.compare,
       "rounds": int(info["rounds"]) if "rounds" in info else 0,
-      "distance": aligned.distance,
+      "distance": aligned.distance, "function_check": aligned.function,
   }
   if "learned" in info:
     report["learned"] = runtime.jsonable(info["learned"])
@@ -701,12 +874,17 @@ def _report(inputs: _Inputs, options: _Options, aligned: _Aligned, curves: dict[
 
 def _save(inputs: _Inputs, options: _Options, aligned: _Aligned, curves: dict[str, Any] | None,
           report: dict[str, Any], stage: _Stage) -> list[str]:
-  """The save stage: B' to out/aligned_b, with ``merge`` the merged model to out/merged, the
-  curves to out/interpolation.json and .png, and last the report, its clock stopped just before
+  """The save stage: A' (A with its norm scales folded, if they are) to out/aligned_a, B' to
+  out/aligned_b, with ``merge`` the merged model to out/merged, the curves to
+  out/interpolation.json and .png, and last the report, its clock stopped just before
   (``_replace_outputs``). Returns the paths written."""
   a, b, model, dtype = inputs.a, inputs.b, inputs.model, options.dtype
-  writers = {"aligned_b": lambda p: safetensors_io.save_params(p, b, model, aligned.params,
-                                                               dtype=dtype)}
+  writers = {}
+  if aligned.folded:
+    writers["aligned_a"] = lambda p: safetensors_io.save_params(p, a, model, aligned.params_a,
+                                                                dtype=dtype)
+  writers["aligned_b"] = lambda p: safetensors_io.save_params(p, b, model, aligned.params,
+                                                              dtype=dtype)
   if options.merge is not None:
     flat_a, merge = spec_lib.flatten(aligned.params_a), options.merge
     writers["merged"] = lambda p: safetensors_io.save_params(
@@ -763,7 +941,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
                       scope: str | Sequence[str] = "full", merge: float | None = None,
                       eval_text: str | os.PathLike | None = None,
                       eval_images: str | os.PathLike | None = None, dtype: str = "keep",
-                      overwrite: bool = False, num_lambdas: int = 11, batch_size: int = 8,
+                      function_tolerance: float | None = None, overwrite: bool = False, num_lambdas: int = 11, batch_size: int = 8,
                       seq_len: int = 128, eval_batches: int = 8,
                       progress: Callable[[str], None] | None = None,
                       **options: Any) -> Alignment:
@@ -784,6 +962,10 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
       (``_eval_files``); the interpolation curves and barriers are then
       computed (and written with ``out``).
     dtype: "keep" (every tensor in its stored dtype) or "float32".
+    function_tolerance: the most relative difference (to the largest logit) allowed between
+      the logits of B and B', and of A and A', on the function check's random inputs; None: the
+      square root of the machine epsilon of the least precise dtype written (3.5e-4 in
+      float32, 8.8e-2 with bfloat16 tensors).
     overwrite: replace this tool's earlier outputs in ``out``.
     num_lambdas, batch_size, seq_len, eval_batches: the evaluation: points
       on each path, examples per batch, tokens per text sequence, most batches.
@@ -794,15 +976,19 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
   Returns:
     ``Alignment(model, params_a, params, element, report)``: the zoo model, A's
     and B' = g . B's float32 parameters (norm scales folded if
-    report["folded_norm_scales"]), the element g and the report.
+    report["folded_norm_scales"]; what aligned_a, or MODEL_A, and aligned_b hold), the
+    element g and the report.
 
   Raises:
     InputError: bad input (one line naming the folder, file, tensor, config
       key or option), before anything is written.
+    FunctionCheckError: (an InputError) B' or A' does not compute B's or A's function to
+      ``function_tolerance``; nothing is written.
   """
   fspath = lambda path: None if path is None else os.fspath(path)
   opts = _Options(method=method, scope=scope if isinstance(scope, str) else tuple(scope),
-                  merge=merge, dtype=dtype, out=fspath(out), overwrite=overwrite,
+                  merge=merge, dtype=dtype, function_tolerance=function_tolerance,
+                  out=fspath(out), overwrite=overwrite,
                   eval_text=fspath(eval_text), eval_images=fspath(eval_images),
                   num_lambdas=num_lambdas, batch_size=batch_size, seq_len=seq_len,
                   eval_batches=eval_batches, matching=options)
@@ -819,8 +1005,10 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
   with clock.stage("align") as stage:
     aligned = _align(inputs, opts, loaded, stage)
     before, after = aligned.distance["before"], aligned.distance["after"]
+    function = aligned.function["aligned_b"]
     stage.summary = (f"method {method}, distance {before['total']:.6g} -> {after['total']:.6g} "
-                     f"(relative {before['relative']:.4g} -> {after['relative']:.4g})")
+                     f"(relative {before['relative']:.4g} -> {after['relative']:.4g}), aligned "
+                     f"B's logits within {function['relative']:.2g} of B's")
   curves = None
   if inputs.batches is not None:
     with clock.stage("evaluate") as stage:
@@ -859,6 +1047,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
   data.add_argument("--eval-images", metavar="DIR", help="DIR/LABEL/*.png images (ViT)")
   parser.add_argument("--dtype", default="keep", choices=DTYPES,
                       help="keep each tensor's stored dtype (default) or write float32")
+  parser.add_argument("--function-tolerance", type=float, metavar="TOL",
+                      help="most relative logit difference between B and aligned B (A and "
+                           "aligned A) on a few random inputs before anything is written "
+                           "(default: sqrt of the written dtype's epsilon, 3.5e-4 in float32)")
   parser.add_argument("--overwrite", action="store_true",
                       help="replace this tool's earlier outputs in DIR")
   parser.add_argument("--lambdas", type=int, default=11, help="points on each path (default 11)")
@@ -888,7 +1080,8 @@ def _run(args: argparse.Namespace, prog: str) -> int:
     _import_modules(args.imports)
     align_checkpoints(args.model_a, args.model_b, out=args.out, method=args.method,
                       scope=args.scope, merge=args.merge, eval_text=args.eval_text,
-                      eval_images=args.eval_images, dtype=args.dtype, overwrite=args.overwrite,
+                      eval_images=args.eval_images, dtype=args.dtype,
+                      function_tolerance=args.function_tolerance, overwrite=args.overwrite,
                       num_lambdas=args.lambdas, batch_size=args.batch_size, seq_len=args.seq_len,
                       eval_batches=args.eval_batches, progress=say, **options)
   except InputError as e:

@@ -5,7 +5,8 @@ random matrix per kv head applied to the QK pair (GL(H), or H(H) under RoPE)
 and to the VO pair, written by ``_plant`` straight on the HF tensors in numpy
 (independent of the library's group actions and converters). Aligning B to A
 must give A back (norm scales folded where an RMSNorm model aligns an
-orthogonal residual), B's function, and files that transformers loads.
+orthogonal residual), B's function, and files that transformers loads; the two
+folders that report.json's "compare" names must agree tensor for tensor.
 """
 
 import dataclasses
@@ -232,15 +233,26 @@ def _images(folder, count=6):
   return folder
 
 
+def _check_close(want, got, tol=TOL):
+  """``got`` has ``want``'s tensor names and each tensor equals ``want``'s to ``tol`` relative."""
+  assert set(got) == set(want)
+  for k, x in want.items():
+    x = np.asarray(x, np.float64)
+    err = np.linalg.norm(np.asarray(got[k], np.float64) - x) / np.linalg.norm(x)
+    assert err <= tol, (k, err)
+
+
 def _check_recovered(family, folder_a, aligned):
   """Every tensor of ``aligned`` equals A's (folded) to TOL relative."""
   want, _, _ = _read_folder(folder_a)
-  want = _folded(family, {k: np.asarray(v, np.float64) for k, v in want.items()})
-  got, _, _ = _read_folder(aligned)
-  assert set(got) == set(want)
-  for k, x in want.items():
-    err = np.linalg.norm(np.asarray(got[k], np.float64) - x) / np.linalg.norm(x)
-    assert err <= TOL, (k, err)
+  _check_close(_folded(family, {k: np.asarray(v, np.float64) for k, v in want.items()}),
+               _read_folder(aligned)[0])
+
+
+def _compared(report, folder_a, out):
+  """The two folders that report["compare"] names (MODEL_A is ``folder_a``, the rest lie in
+  ``out``): A's side, B's side."""
+  return [folder_a if name == "MODEL_A" else os.path.join(out, name) for name in report["compare"]]
 
 
 def _tokenizer(folder, words):
@@ -307,11 +319,14 @@ def test_readme_command_runs_without_torch(tmp_path):
                              atol=1e-3, rtol=0)
   report = json.load(open(os.path.join(out, "report.json")))
   assert report["method"] == "full" and report["merge"] == 0.5
+  assert report["compare"] == ["MODEL_A", "aligned_b"] and "aligned_a" not in os.listdir(out)
   assert report["distance"]["after"]["relative"] <= TOL < report["distance"]["before"]["relative"]
+  assert report["function_check"]["aligned_b"]["relative"] <= 1e-5
+  assert "aligned_a" not in report["function_check"]
   assert set(report["distance"]["after"]["per_layer"]) == {"embed", "pos_embed", "layers_0",
                                                            "layers_1", "final_norm"}
-  assert set(report["time_s"]) == {"check", "load", "align", "align_model", "evaluate",
-                                    "save"}
+  assert set(report["time_s"]) == {"check", "load", "align", "align_model", "function_check",
+                                    "evaluate", "save"}
   curves = json.load(open(os.path.join(out, "interpolation.json")))
   assert len(curves["lambdas"]) == len(curves["after"]["accuracy"]) == 11  # the default
   assert report["barrier"]["after"]["loss"] <= 1e-4
@@ -325,7 +340,10 @@ def test_planted_pair_is_recovered(family, tmp_path):
   """Llama and Mistral (GQA, RoPE: H(H) on the QK side; norm scales folded; one compiled
   alignment, as their tensors are the same), BERT saved in shards, ViT with an image folder: A
   back to 1e-4 relative per tensor; transformers loads aligned_b with B's logits and the merged
-  model."""
+  model. The two folders that the report says to compare agree tensor for tensor: aligned_a (A
+  with its norm gains, which are not one, folded: A's function, A's files) and aligned_b for
+  Llama and Mistral, MODEL_A itself and aligned_b for the others, which write no aligned_a.
+  The function check measured B' (and A') as B's (A's) function."""
   shards = dict(max_shard_size="20KB") if family == "bert" else {}
   a = _save_model(family, str(tmp_path / "a"), **shards)
   b = _plant(family, a, str(tmp_path / "b"), seed=1)
@@ -340,8 +358,25 @@ def test_planted_pair_is_recovered(family, tmp_path):
   np.testing.assert_allclose(_logits(aligned, family), _logits(b, family), atol=TOL, rtol=0)
   np.testing.assert_allclose(_logits(os.path.join(out, "merged"), family), _logits(a, family),
                              atol=1e-3, rtol=0)
-  assert result.report["folded_norm_scales"] == (family in ROPE)
-  assert result.report["distance"]["after"]["relative"] <= TOL
+  report = result.report
+  assert report["folded_norm_scales"] == (family in ROPE)
+  assert report["distance"]["after"]["relative"] <= TOL
+  side_a, side_b = _compared(report, a, out)
+  assert side_b == aligned and os.path.isdir(side_a)
+  _check_close(_read_folder(side_a)[0], _read_folder(side_b)[0])
+  checked = {"aligned_b"} | ({"aligned_a"} if family in ROPE else set())
+  assert set(report["function_check"]) == {"inputs", *checked}
+  for name in checked:
+    assert report["function_check"][name]["relative"] <= 1e-5
+  if family in ROPE:
+    assert side_a == os.path.join(out, "aligned_a")
+    gains = [x for k, x in _read_folder(a)[0].items() if k.endswith("norm.weight")]
+    assert min(np.abs(x - 1).max() for x in gains) > 0.1  # the folding changes A's tensors
+    _check_recovered(family, a, side_a)
+    assert sorted(os.listdir(side_a)) == sorted(os.listdir(a))
+    np.testing.assert_allclose(_logits(side_a, family), _logits(a, family), atol=TOL, rtol=0)
+  else:
+    assert side_a == a and "aligned_a" not in os.listdir(out)
   if family == "vit":
     assert result.report["barrier"]["after"]["loss"] <= 1e-4
     assert os.path.exists(os.path.join(out, "interpolation.png"))
@@ -358,8 +393,8 @@ def test_stages_run_alone_and_release_b(tmp_path):
   b = _plant("gpt2", a, str(tmp_path / "b"), seed=4)
   text = tmp_path / "text.txt"
   text.write_text("\n".join(" ".join(WORDS[i:i + 9]) for i in range(len(WORDS) - 9)))
-  options = align._Options(method="full", scope="full", merge=None, dtype="keep", out=None,
-                           overwrite=False, eval_text=str(text), eval_images=None, num_lambdas=3,
+  options = align._Options(method="full", scope="full", merge=None, dtype="keep",
+                           function_tolerance=None, out=None, overwrite=False, eval_text=str(text), eval_images=None, num_lambdas=3,
                            batch_size=2, seq_len=8, eval_batches=2, matching=EXACT)
   inputs = align._check(a, b, options)
   assert inputs.model.config.family == "gpt2" and inputs.scope == [""]
@@ -383,13 +418,14 @@ def test_stages_run_alone_and_release_b(tmp_path):
   assert loaded.a is None and loaded.b is None and params_b == {}  # consumed group by group
   for path, leaf in align.spec_lib.flatten(again.params).items():
     np.testing.assert_array_equal(leaf, align.spec_lib.flatten(aligned.params)[path])
-  assert set(clock.seconds) == {"align", "align_model"}
+  assert set(clock.seconds) == {"align", "align_model", "function_check"}
 
 
 @pytest.mark.slow
 def test_bfloat16_stays_bfloat16(tmp_path):
   """A bfloat16 pair is aligned in float32 and written back in bfloat16, which transformers
-  loads as such; B's function is kept to bfloat16 rounding."""
+  loads as such; B's function is kept to bfloat16 rounding, which the function check measures
+  on B' as written and allows by default (the square root of bfloat16's epsilon)."""
   a = _save_model("llama", str(tmp_path / "a"), dtype=torch.bfloat16)
   b = _plant("llama", a, str(tmp_path / "b"), seed=2)
   out = tmp_path / "out"  # earlier outputs of the tool are replaced, other files kept
@@ -398,9 +434,10 @@ def test_bfloat16_stays_bfloat16(tmp_path):
   (out / "interpolation.json").write_text("{}")
   (out / "notes.txt").write_text("mine")
   result = align.align_checkpoints(a, b, out=out, merge=0.5, overwrite=True, **EXACT)
-  assert sorted(os.listdir(out)) == ["aligned_b", "merged", "notes.txt", "report.json"]
+  assert sorted(os.listdir(out)) == ["aligned_a", "aligned_b", "merged", "notes.txt",
+                                     "report.json"]
   assert "stale.safetensors" not in os.listdir(out / "aligned_b")
-  for folder in ("aligned_b", "merged"):
+  for folder in ("aligned_a", "aligned_b", "merged"):
     with safe_open(os.path.join(out, folder, "model.safetensors"), framework="numpy") as f:
       assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     assert json.load(open(os.path.join(out, folder, "config.json")))["dtype"] == "bfloat16"
@@ -409,6 +446,14 @@ def test_bfloat16_stays_bfloat16(tmp_path):
   np.testing.assert_allclose(_logits(os.path.join(out, "aligned_b"), "llama"), _logits(b, "llama"),
                              atol=0.05, rtol=0.05)
   assert result.report["stored_dtypes"] == {"a": ["bfloat16"], "b": ["bfloat16"]}
+  function = result.report["function_check"]
+  for name in ("aligned_a", "aligned_b"):
+    assert function[name]["tolerance"] == pytest.approx(2 ** -3.5)
+    assert 1e-5 < function[name]["relative"] < 0.02  # bfloat16 rounding, measured
+  written, _, _ = _read_folder(out / "aligned_b")  # what was checked is what was written
+  assert {leaf.dtype for leaf in align.spec_lib.flatten(result.params).values()} == {np.dtype(np.float32)}
+  np.testing.assert_array_equal(np.asarray(written["lm_head.weight"], np.float32),
+                                np.asarray(result.params["head"]["kernel"]).T)
   wide = tmp_path / "float32"
   attn_symmetry.align_checkpoints(a, b, out=wide, dtype="float32", **EXACT)  # the package's name
   with safe_open(os.path.join(wide, "aligned_b", "model.safetensors"), framework="numpy") as f:
@@ -471,7 +516,7 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
           "transformer.h.1.mlp.c_fc.bias")))], r"missing transformer.h.1.mlp.c_fc.bias$"),
       ([a, variant("t5", lambda f: config(f, model_type="t5"))],
        r"MODEL_B .*t5: unsupported HF model type 't5' in config.json; supported: gpt2, llama, "
-       r"mistral, bert, vit$"),
+       r"mistral, gpt_neox, bert, vit$"),
       ([a, variant("rope", lambda f: config(f, model_type="llama", rope_scaling={"rope_type": "yarn"}))],
        r"rope type 'yarn'"),
       ([a, variant("window", lambda f: config(f, model_type="mistral", sliding_window=8,
@@ -501,6 +546,8 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
        r"--import no_such_module.methods: no module named 'no_such_module' in the current folder"),
       ([a, b, "--scope", "layers_9"], r"--scope: scope prefix 'layers_9' matches no parameter"),
       ([a, b, "--merge", "1.5"], r"--merge must lie in \[0, 1\], got 1.5"),
+      ([a, b, "--function-tolerance", "0"], r"--function-tolerance must be a positive number, "
+                                            r"got 0.0$"),
       ([a, b, "--out", os.path.join(a, "aligned")], r"--out .* overlaps MODEL_A"),
       ([a, b, "--out", str(tmp_path)], r"--out .* overlaps MODEL_A"),
   ]
@@ -515,6 +562,38 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
     assert re.search(message, _refusal(capsys, *args)), (args, message)
   assert _snapshot(tmp_path) == before  # nothing written, nothing created
   assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_a_broken_alignment_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+  """An alignment whose B' is not B's function (one leaf of B' scaled: not a symmetry) stops the
+  command after the function check with one line that names the measured difference; no folder
+  is made. With a tolerance above it, the same difference is what report.json records."""
+  a = _save_model("gpt2", str(tmp_path / "a"))
+  b = _plant("gpt2", a, str(tmp_path / "b"), seed=5)
+  apply_by_group = align._apply_by_group
+
+  def broken(spec, params, element, *, consume):
+    out = apply_by_group(spec, params, element, consume=consume)
+    out["layers_1"]["attention"]["out"]["kernel"] *= 1.5
+    return out
+
+  monkeypatch.setattr(align, "_apply_by_group", broken)
+  out = tmp_path / "out"
+  args = [a, b, "--out", str(out), "--method", "naive"]
+  line = _refusal(capsys, *args)
+  refused = re.fullmatch(r"attn-symmetry align: error: aligned B does not compute B's function: "
+                         r"on 2 random inputs its logits differ from B's by up to (\S+) \((\S+) of "
+                         r"the logits' scale \S+\), above --function-tolerance 0.000345; nothing "
+                         r"is written", line)
+  assert refused, line
+  assert not os.path.exists(out)
+  assert align.cli(["align", *args, "--function-tolerance", "100", "--quiet"]) == 0
+  report = json.load(open(out / "report.json"))
+  measured = report["function_check"]["aligned_b"]
+  assert measured["tolerance"] == 100 and measured["relative"] > 0.01
+  assert float(refused[1]) == pytest.approx(measured["max_abs"], rel=1e-3)
+  assert float(refused[2]) == pytest.approx(measured["relative"], rel=1e-2)
 
 
 METHOD_MODULE = """

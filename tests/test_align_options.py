@@ -1,5 +1,6 @@
 """``attn_symmetry.align``'s parts that need no checkpoint: the option checks, the split of the
-evaluation batches for method "learned", the stages' clock and the compilation cache default.
+evaluation batches for method "learned", the stages' clock, the compilation cache default and
+the function check on a tiny zoo model.
 
 The option checks (``align._check_options``) look at the options alone: they are run here with
 paths that do not exist and with every way of reading a file made to fail.
@@ -12,15 +13,22 @@ import importlib.util
 import os
 import re
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 import pytest
 
 from attn_symmetry import align
+from attn_symmetry import models
 from attn_symmetry import runtime
+from attn_symmetry import spec as spec_lib
 
 NOWHERE = os.path.join(os.sep, "no", "such", "folder")
 # align_checkpoints' defaults, with an output folder and an evaluation file that do not exist.
 VALID = align._Options(
-    method="full", scope="full", merge=None, dtype="keep", out=os.path.join(NOWHERE, "out"),
+    method="full", scope="full", merge=None, dtype="keep", function_tolerance=None,
+    out=os.path.join(NOWHERE, "out"),
     overwrite=False, eval_text=os.path.join(NOWHERE, "valid.txt"), eval_images=None,
     num_lambdas=11, batch_size=8, seq_len=128, eval_batches=8, matching={})
 
@@ -52,6 +60,7 @@ def no_file_access(monkeypatch):
     dict(scope=("",)),  # the whole model, as scope "full" is
     dict(merge=0.0), dict(merge=1.0), dict(merge=0.5, dtype="float32"),
     dict(num_lambdas=3, batch_size=1, seq_len=1, eval_batches=1),
+    dict(function_tolerance=1e-3), dict(function_tolerance=2),
     dict(matching=dict(distance="cosine", steps=0, init="best", max_rounds=2)),
 ], ids=repr)
 def test_good_options_pass_without_reading_a_file(changes, no_file_access):
@@ -75,6 +84,13 @@ def test_good_options_pass_without_reading_a_file(changes, no_file_access):
     (dict(merge=1.5), r"--merge must lie in \[0, 1\], got 1.5"),
     (dict(merge=-0.1), r"--merge must lie in \[0, 1\], got -0.1"),
     (dict(dtype="bfloat16"), r"--dtype must be one of keep, float32, got 'bfloat16'"),
+    (dict(function_tolerance=0.0), r"--function-tolerance must be a positive number, got 0.0"),
+    (dict(function_tolerance=-1e-3),
+     r"--function-tolerance must be a positive number, got -0.001"),
+    (dict(function_tolerance=float("nan")),
+     r"--function-tolerance must be a positive number, got nan"),
+    (dict(function_tolerance="1e-3"),
+     r"--function-tolerance must be a positive number, got '1e-3'"),
     (dict(eval_images=NOWHERE), r"give --eval-text or --eval-images, not both"),
     (dict(num_lambdas=2), r"--lambdas must be an integer >= 3, got 2"),
     (dict(batch_size=0), r"--batch-size must be an integer >= 1, got 0"),
@@ -89,17 +105,18 @@ def test_bad_options_are_refused_without_reading_a_file(changes, message, no_fil
 
 
 def test_the_first_bad_option_is_named():
-  """Method, then matching options, scope, merge, dtype, the evaluation flags, the sizes."""
+  """Method, then matching options, scope, merge, dtype, function tolerance, the evaluation
+  flags, the sizes."""
   bad = dict(method="best", matching=dict(lr=1), scope=",", merge=2.0, dtype="x",
-             eval_images=NOWHERE, num_lambdas=1)
+             function_tolerance=0, eval_images=NOWHERE, num_lambdas=1)
   named = []
   while bad:
     with pytest.raises(align.InputError) as refusal:
       align._check_options(_options(**bad))
     named.append(re.match(r"(--[\w-]+|unknown matching options|give)", str(refusal.value))[0])
     bad.pop(next(iter(bad)))
-  assert named == ["--method", "unknown matching options", "--scope", "--merge", "--dtype", "give",
-                   "--lambdas"]
+  assert named == ["--method", "unknown matching options", "--scope", "--merge", "--dtype",
+                   "--function-tolerance", "give", "--lambdas"]
 
 
 def test_missing_evaluation_packages_are_named(monkeypatch):
@@ -140,8 +157,9 @@ def test_learned_method_needs_three_batches():
 
 
 def test_clock_says_and_times_each_stage(monkeypatch):
-  """One line per stage that ends, its seconds in order (a part before its stage), the heap
-  released after every stage and part; a stage that raises says and records nothing."""
+  """One line per stage that ends, its seconds in order (a part before its stage; a part in two
+  blocks named once, with their sum), the heap released after every stage and part; a stage
+  that raises says and records nothing."""
   now = iter(range(0, 100, 2))
   monkeypatch.setattr(align.time, "perf_counter", lambda: float(next(now)))
   releases = []
@@ -150,11 +168,14 @@ def test_clock_says_and_times_each_stage(monkeypatch):
   clock = align._Clock(lines.append)
   with clock.stage("load") as stage:            # starts at 0
     stage.summary = "both models"
-  with clock.stage("align") as stage:           # 4 ... 10
+  with clock.stage("align") as stage:           # 4 ... 18
     with stage.part("align_model", "matching"):  # 6 ... 8
       stage.say("learned: step 1/1")
+    for _ in range(2):                          # 10 ... 12, 14 ... 16
+      with stage.part("function_check", "function check"):
+        pass
     stage.summary = "distance 1 -> 0"
-  with clock.stage("save") as stage:            # 12: stopped at 14, not at its end
+  with clock.stage("save") as stage:            # 20: stopped at 22, not at its end
     stage.stop()
     stage.stop()
     stage.summary = "out/report.json"
@@ -162,11 +183,13 @@ def test_clock_says_and_times_each_stage(monkeypatch):
     with clock.stage("evaluate") as stage:
       raise align.InputError("no")
   assert lines == ["load: both models (2.0 s)", "learned: step 1/1",
-                   "align: distance 1 -> 0 (6.0 s, of which matching 2.0 s)",
+                   "align: distance 1 -> 0 (14.0 s, of which matching 2.0 s, of which function "
+                   "check 4.0 s)",
                    "save: out/report.json (2.0 s)"]
-  assert clock.seconds == {"load": 2.0, "align_model": 2.0, "align": 6.0, "save": 2.0}
-  assert list(clock.seconds) == ["load", "align_model", "align", "save"]
-  assert len(releases) == 4
+  assert clock.seconds == {"load": 2.0, "align_model": 2.0, "function_check": 4.0, "align": 14.0,
+                           "save": 2.0}
+  assert list(clock.seconds) == ["load", "align_model", "function_check", "align", "save"]
+  assert len(releases) == 6
 
 
 def test_one_compilation_cache_default():
@@ -178,3 +201,87 @@ def test_one_compilation_cache_default():
   assert parser.get_default("compilation_cache") == runtime.COMPILATION_CACHE
   assert main.FLAGS["compilation_cache"].default == runtime.COMPILATION_CACHE
   assert runtime.COMPILATION_CACHE.endswith(os.path.join("attn_symmetry", "jax_cache"))
+
+
+# ----------------------------------------------------------------------------- the function check
+
+
+def test_default_tolerance_is_the_square_root_of_the_least_precise_epsilon():
+  """float32 (and float64, computed in float32) 2^-11.5; float16 2^-5; bfloat16 2^-3.5."""
+  f32, f16, bf16 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
+  assert align._default_tolerance([f32]) == pytest.approx(2 ** -11.5)
+  assert align._default_tolerance([np.dtype(np.float64)]) == pytest.approx(2 ** -11.5)
+  assert align._default_tolerance([f32, f16]) == pytest.approx(2 ** -5)
+  assert align._default_tolerance([f16, bf16, f32]) == pytest.approx(2 ** -3.5)
+
+
+def test_check_inputs_follow_the_model_and_the_key():
+  """Token ids in the vocabulary, at most max_len of them; images of the model's size; the same
+  draw every time."""
+  text = models.build("gpt2", "tiny", vocab_size=50, max_len=8)
+  tokens = align._check_inputs(text)
+  assert tokens.shape == (align.CHECK_BATCH, 8) and tokens.dtype == jnp.int32
+  assert 0 <= int(tokens.min()) and int(tokens.max()) < 50
+  np.testing.assert_array_equal(tokens, align._check_inputs(text))
+  images = align._check_inputs(models.build("vit", "tiny"))
+  assert images.shape == (align.CHECK_BATCH, 8, 8, 3) and images.dtype == jnp.float32
+
+
+def test_round_to_rounds_narrow_leaves_in_place():
+  """bfloat16 and float16 leaves take their dtype's values (in float32); float32 leaves stay
+  the very same arrays."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3)), jnp.float32)
+  params = {"a": {"w": x, "b": x}, "c": x}
+  dtypes = {"a/w": np.dtype(ml_dtypes.bfloat16), "a/b": np.dtype(np.float16),
+            "c": np.dtype(np.float32)}
+  align._round_to(params, dtypes)
+  assert params["c"] is x and all(v.dtype == jnp.float32 for v in params["a"].values())
+  np.testing.assert_array_equal(params["a"]["w"], np.asarray(x).astype(ml_dtypes.bfloat16)
+                                .astype(np.float32))
+  np.testing.assert_array_equal(params["a"]["b"], np.asarray(x).astype(np.float16)
+                                .astype(np.float32))
+  assert not np.array_equal(params["a"]["w"], x)
+
+
+def _tiny_check(model, params, broken, **changes):
+  """``_function_check`` of ``broken`` (as aligned_a and aligned_b) against ``params``'s logits,
+  written in float32 (no checkpoint is read)."""
+  inputs = align._check_inputs(model)
+  reference = align._logits(model, params, inputs)
+  written = {"aligned_b": (None, params), "aligned_a": (None, broken)}
+  return align._function_check(model, _options(dtype="float32", **changes), inputs,
+                               {"aligned_b": reference, "aligned_a": reference}, written)
+
+
+def test_function_check_measures_and_refuses():
+  """The same parameters pass with a difference of 0; a changed leaf is refused with one line
+  that names the folder and the measured difference, unless the tolerance allows it; NaN
+  logits are refused whatever the tolerance."""
+  model = models.build("gpt2", "tiny")
+  params = model.init(jax.random.key(0))
+  flat = spec_lib.flatten(params)
+  path = "layers_0/attention/out/kernel"
+  broken = spec_lib.unflatten({**flat, path: flat[path] * 1.5})
+  passed = _tiny_check(model, params, params)
+  assert passed["inputs"] == {"seed": align.CHECK_SEED, "shape": [align.CHECK_BATCH, 16]}
+  assert passed["aligned_b"]["max_abs"] == 0 and passed["aligned_b"]["relative"] == 0
+  assert passed["aligned_b"]["tolerance"] == pytest.approx(2 ** -11.5)
+  assert passed["aligned_a"]["scale"] == passed["aligned_b"]["scale"] > 0
+
+  allowed = _tiny_check(model, params, broken, function_tolerance=10.0)
+  difference = allowed["aligned_a"]
+  assert difference["tolerance"] == 10.0 and 1e-3 < difference["relative"] < 10
+  assert difference["relative"] == pytest.approx(difference["max_abs"] / difference["scale"])
+  with pytest.raises(align.FunctionCheckError) as refusal:
+    _tiny_check(model, params, broken)
+  message = str(refusal.value)
+  assert "\n" not in message and isinstance(refusal.value, align.InputError)
+  assert re.fullmatch(
+      r"aligned A \(A with its norm scales folded\) does not compute A's function: on 2 random "
+      r"inputs its logits differ from A's by up to (\S+) \((\S+) of the logits' scale \S+\), "
+      r"above --function-tolerance 0.000345; nothing is written", message), message
+  assert float(re.search(r"by up to (\S+)", message)[1]) == pytest.approx(difference["max_abs"],
+                                                                         rel=1e-3)
+  nan = spec_lib.unflatten({**flat, path: flat[path].at[0, 0, 0].set(jnp.nan)})
+  with pytest.raises(align.FunctionCheckError, match=r"up to nan \(nan of the logits' scale"):
+    _tiny_check(model, params, nan, function_tolerance=1e30)

@@ -1,4 +1,4 @@
-"""Flax NNX model zoo: ViT, BERT, GPT-2 and Llama on one Transformer core.
+"""Flax NNX model zoo: ViT, BERT, GPT-2, Llama and GPT-NeoX on one Transformer core.
 
     model = models.build("vit", "tiny", pos_encoding="rope2d")
     params = model.init(jax.random.key(0))         # plain nested dict

@@ -9,7 +9,8 @@ registered names; everything else (``make_config``, ``Config`` validation,
 
 ``make_config(family, preset, **overrides)`` starts from the family's defaults
 (its architecture: GPT-2 is pre-LayerNorm with learned positions and a tied
-head, Llama is RMSNorm + SwiGLU + RoPE + GQA with no biases, ...), applies the
+head, Llama is RMSNorm + SwiGLU + RoPE + GQA with no biases, GPT-NeoX is
+LayerNorm + partial RoPE + parallel residual, ...), applies the
 preset's sizes, then the overrides, and validates the result. Every field can
 be overridden, so e.g. ``make_config("gpt2", pos_encoding="rope")`` is a GPT-2
 with rotary positions.
@@ -115,7 +116,7 @@ class Config:
 
   Attributes:
     family: a registered family (``FAMILIES``: "vit", "bert", "gpt2",
-      "llama", ...), which chooses the module, inputs and heads.
+      "llama", "gpt_neox", ...), which chooses the module, inputs and heads.
     width: D, the residual stream width.
     depth: L, the number of Transformer layers.
     num_heads: N query heads; must divide ``width`` (head dim H = D / N).
@@ -129,6 +130,9 @@ class Config:
     norm_eps: epsilon of every norm.
     post_norm: True for BERT's post-LN (norm after each residual add, plus an
       embedding norm and no final norm); False for pre-norm.
+    parallel_residual: True for GPT-NeoX's parallel layer, where attention and
+      FFN both read the layer's input: x + attn(norm_a(x)) + mlp(norm_m(x));
+      False for the sequential pre-norm layer (pre-norm models only).
     activation: FFN nonlinearity, "gelu" (exact), "gelu_tanh", "silu", "relu".
     gated_mlp: True for a gated FFN (SwiGLU with "silu"): act(x W_gate) * (x W_up).
     causal: causal self-attention (language models).
@@ -143,7 +147,7 @@ class Config:
       image_size, num_channels] cut into (image_size / patch_size)^2 patches.
     pooling: ViT pooling, "cls" (a learned CLS token) or "mean".
     num_classes: classifier outputs.
-    head: "classifier" (ViT, BERT), "lm" (GPT-2, Llama: next-token logits),
+    head: "classifier" (ViT, BERT), "lm" (GPT-2, Llama, GPT-NeoX: next-token logits),
       "mlm" (BERT's masked-LM head: per-token logits) or "pretraining" (BERT's
       masked-LM head and next-sentence head, as BertForPreTraining).
   """
@@ -160,6 +164,7 @@ class Config:
   norm: str = "layer"
   norm_eps: float = 1e-6
   post_norm: bool = False
+  parallel_residual: bool = False
   activation: str = "gelu"
   gated_mlp: bool = False
   causal: bool = False
@@ -192,6 +197,8 @@ class Config:
     if self.num_heads % self.kv_heads:
       raise ValueError(f"config.num_kv_heads {self.kv_heads} does not divide config.num_heads "
                        f"{self.num_heads}")
+    if self.parallel_residual and self.post_norm:
+      raise ValueError("config.parallel_residual is for pre-norm models; config.post_norm is True")
     if self.rotary:
       attention.rotary_dims(self.head_dim, self.rotary_fraction, self.rope_axes)
     if self.pos_encoding == "rope2d" and fam.input_key != "image":

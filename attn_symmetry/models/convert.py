@@ -7,11 +7,12 @@
     hf_model = convert.to_hf(model, params)                  # back to PyTorch
 
 Supported: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` (grouped-query attention,
-half-split RoPE with the default rope type), ``BertForSequenceClassification``,
-``BertForMaskedLM``, ``BertForPreTraining`` (head "pretraining": the MLM head,
-the pooler and the next-sentence head ``cls.seq_relationship``) and
-``ViTForImageClassification``; ``config_from_hf`` also
-reads Mistral configs (``MistralForCausalLM``: Llama's tensors, no sliding
+half-split RoPE with the default rope type), ``GPTNeoXForCausalLM`` (Pythia:
+partial half-split RoPE, parallel or sequential residual),
+``BertForSequenceClassification``, ``BertForMaskedLM``, ``BertForPreTraining``
+(head "pretraining": the MLM head, the pooler and the next-sentence head
+``cls.seq_relationship``) and ``ViTForImageClassification``; ``config_from_hf``
+also reads Mistral configs (``MistralForCausalLM``: Llama's tensors, no sliding
 window), for checkpoint files (``safetensors_io``).
 
 Each family has a table from our parameter paths to HF state-dict keys and
@@ -23,8 +24,11 @@ the layout of the HF tensor:
   (q_proj [N * H, D] -> query/kernel [D, N, H]; o_proj [D, N * H] ->
   out/kernel [N, H, D]); HF splits heads head-major, like the canonical layout;
 * "conv": ViT's patch convolution [D, C, p, p] -> patch_embed/kernel [p, p, C, D];
-* ``part`` i of 3: GPT-2's fused ``c_attn`` [D, 3D] holds query, key, value
-  side by side along its last axis;
+* ``part`` i of 3 of a fused query-key-value tensor, along its output axis
+  (the first of a "linear" weight, the last otherwise): GPT-2's ``c_attn``
+  [D, 3D] holds query, key, value side by side; with ``heads`` = N they
+  alternate head by head, as in GPT-NeoX's ``query_key_value`` [3D, D], whose
+  output axis is [N, 3, H] (head n's query, key and value rows together);
 * ``lead``: the HF tensor has that many leading axes of size 1 more (ViT's
   ``cls_token`` [1, 1, D]).
 
@@ -56,12 +60,14 @@ from attn_symmetry import spec as spec_lib
 from attn_symmetry.models import config as config_lib
 from attn_symmetry.models.model import Model
 
-MODEL_TYPES = ("gpt2", "llama", "mistral", "bert", "vit")  # the HF ``model_type`` values read
+# The HF ``model_type`` values read.
+MODEL_TYPES = ("gpt2", "llama", "mistral", "gpt_neox", "bert", "vit")
 LLAMA_TYPES = ("llama", "mistral")  # Llama's architecture (Mistral's: the same, no biases)
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                 "relu": "relu", "silu": "silu", "swish": "silu"}
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
 _HF_CLASSES = {("gpt2", "lm"): "GPT2LMHeadModel", ("llama", "lm"): "LlamaForCausalLM",
+               ("gpt_neox", "lm"): "GPTNeoXForCausalLM",
                ("bert", "classifier"): "BertForSequenceClassification",
                ("bert", "mlm"): "BertForMaskedLM", ("bert", "pretraining"): "BertForPreTraining",
                ("vit", "classifier"): "ViTForImageClassification"}
@@ -73,6 +79,7 @@ class Source:
   key: str
   layout: str = "same"
   part: int | None = None
+  heads: int | None = None
   lead: int = 0
 
 
@@ -94,6 +101,11 @@ _HF_DEFAULTS = {
                     max_position_embeddings=131072, vocab_size=32000, rms_norm_eps=1e-6,
                     hidden_act="silu", tie_word_embeddings=False, rope_theta=10000.0,
                     sliding_window=4096),
+    "gpt_neox": dict(hidden_size=6144, num_hidden_layers=44, num_attention_heads=64,
+                     intermediate_size=24576, max_position_embeddings=2048, vocab_size=50432,
+                     layer_norm_eps=1e-5, hidden_act="gelu", use_parallel_residual=True,
+                     attention_bias=True, tie_word_embeddings=False, rotary_pct=0.25,
+                     rotary_emb_base=10000.0),
     "bert": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                  intermediate_size=3072, max_position_embeddings=512, vocab_size=30522,
                  type_vocab_size=2, layer_norm_eps=1e-12, hidden_act="gelu", is_decoder=False,
@@ -129,13 +141,44 @@ def _activation(hf_name: str) -> str:
   return _ACT_FROM_HF[hf_name]
 
 
-def _rope_theta(hf_config: Any) -> float:
+def _plain_rope(hf_config: Any) -> dict[str, Any]:
+  """The config's ``rope_parameters`` ({} if none); ValueError for a rope type other than plain
+  RoPE ("default")."""
   params = getattr(hf_config, "rope_parameters", None) or {}
   scaling = getattr(hf_config, "rope_scaling", None) or {}
   rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
   if rope_type != "default":
     raise ValueError(f"unsupported HF config: rope type {rope_type!r} (only plain RoPE, 'default')")
-  return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+  return params
+
+
+def _rope_theta(hf_config: Any) -> float:
+  return float(_plain_rope(hf_config).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def _neox_rope(c: Any) -> tuple[float, float]:
+  """(rope base, rotary fraction) of a GPT-NeoX config: ``rope_parameters`` (transformers 5)
+  or the legacy ``rotary_emb_base`` and ``rotary_pct`` of Pythia's config.json.
+
+  Raises:
+    ValueError: naming the field, unless head_dim * fraction is a positive even integer
+      (the rotated dims, which RoPE pairs up).
+  """
+  params = _plain_rope(c)
+  base = params.get("rope_theta", getattr(c, "rotary_emb_base", None))
+  if "partial_rotary_factor" in params:
+    field, fraction = "rope_parameters['partial_rotary_factor']", params["partial_rotary_factor"]
+  else:
+    field, fraction = "rotary_pct", getattr(c, "rotary_pct", None)
+  head_dim = c.hidden_size // c.num_attention_heads
+  if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+    raise ValueError(f"unsupported HF config: {field}={fraction!r} (a fraction in (0, 1] of "
+                     "each head's dims is rotated)")
+  dims = head_dim * fraction
+  if abs(dims - round(dims)) > 1e-9 * head_dim or round(dims) % 2:
+    raise ValueError(f"unsupported HF config: {field}={fraction!r} (head_dim {head_dim} * "
+                     f"{field} = {dims:g} rotated dims; RoPE needs a positive even number of them)")
+  return float(base if base is not None else 10000.0), float(fraction)
 
 
 def config_from_hf(hf_config: Any, head: str) -> config_lib.Config:
@@ -170,6 +213,16 @@ def config_from_hf(hf_config: Any, head: str) -> config_lib.Config:
         mlp_dim=c.intermediate_size, max_len=c.max_position_embeddings, vocab_size=c.vocab_size,
         norm_eps=c.rms_norm_eps, rope_base=_rope_theta(c), activation=_activation(c.hidden_act),
         use_bias=bias, tied_embeddings=c.tie_word_embeddings)
+  if kind == "gpt_neox":
+    _require(c, "attention_bias", lambda v: v is not False,
+             "the zoo's GPT-NeoX has attention biases, as its FFN does")
+    base, fraction = _neox_rope(c)
+    return config_lib.make_config(
+        "gpt_neox", width=c.hidden_size, depth=c.num_hidden_layers,
+        num_heads=c.num_attention_heads, mlp_dim=c.intermediate_size,
+        max_len=c.max_position_embeddings, vocab_size=c.vocab_size, norm_eps=c.layer_norm_eps,
+        rope_base=base, rotary_fraction=fraction, activation=_activation(c.hidden_act),
+        parallel_residual=bool(c.use_parallel_residual), tied_embeddings=c.tie_word_embeddings)
   if kind == "bert":
     _require(c, "position_embedding_type", lambda v: v in (None, "absolute"),
              "only absolute position embeddings")
@@ -213,6 +266,15 @@ def hf_config(cfg: config_lib.Config) -> Any:
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base}, hidden_act=act,
         attention_bias=cfg.use_bias, mlp_bias=cfg.use_bias, tie_word_embeddings=cfg.tied_embeddings,
         head_dim=cfg.head_dim)
+  elif cfg.family == "gpt_neox":
+    out = transformers.GPTNeoXConfig(
+        hidden_size=cfg.width, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
+        intermediate_size=cfg.mlp_dim, max_position_embeddings=cfg.max_len,
+        vocab_size=cfg.vocab_size, layer_norm_eps=cfg.norm_eps, hidden_act=act,
+        use_parallel_residual=cfg.parallel_residual, attention_bias=cfg.use_bias,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base,
+                         "partial_rotary_factor": cfg.rotary_fraction},
+        tie_word_embeddings=cfg.tied_embeddings)
   elif cfg.family == "bert":
     out = transformers.BertConfig(
         hidden_size=cfg.width, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
@@ -251,6 +313,14 @@ def _norm(ours: str, hf: str, cfg: config_lib.Config) -> dict[str, Source]:
   return table
 
 
+def _lm_head(cfg: config_lib.Config, embed_key: str
+             ) -> tuple[dict[str, Source], dict[str, str]]:
+  """A decoder's head: ``lm_head`` [V, D], or (tied) an alias of the token embedding."""
+  if cfg.tied_embeddings:
+    return {}, {"lm_head.weight": embed_key}
+  return _dense("head", "lm_head", False), {}
+
+
 def _gpt2_table(cfg):
   t = {"embed/embedding": Source("transformer.wte.weight"),
        "pos_embed/embedding": Source("transformer.wpe.weight")}
@@ -264,10 +334,8 @@ def _gpt2_table(cfg):
     t |= _dense(f"{lp}/mlp/wi", f"{hf}.mlp.c_fc", True, "same")
     t |= _dense(f"{lp}/mlp/wo", f"{hf}.mlp.c_proj", True, "same")
   t |= _norm("final_norm", "transformer.ln_f", cfg)
-  aliases = {"lm_head.weight": "transformer.wte.weight"} if cfg.tied_embeddings else {}
-  if not cfg.tied_embeddings:
-    t |= _dense("head", "lm_head", False)
-  return t, aliases
+  head, aliases = _lm_head(cfg, "transformer.wte.weight")
+  return t | head, aliases
 
 
 def _llama_table(cfg):
@@ -282,10 +350,28 @@ def _llama_table(cfg):
     for name in ("gate", "up", "down"):
       t |= _dense(f"{lp}/mlp/{name}", f"{hf}.mlp.{name}_proj", b)
   t |= _norm("final_norm", "model.norm", cfg)
-  aliases = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tied_embeddings else {}
-  if not cfg.tied_embeddings:
-    t |= _dense("head", "lm_head", False)
-  return t, aliases
+  head, aliases = _lm_head(cfg, "model.embed_tokens.weight")
+  return t | head, aliases
+
+
+def _gpt_neox_table(cfg):
+  m, b = "gpt_neox", cfg.use_bias
+  t = {"embed/embedding": Source(f"{m}.embed_in.weight")}
+  for i in range(cfg.depth):
+    hf, lp = f"{m}.layers.{i}", f"layers_{i}"
+    t |= _norm(f"{lp}/attention_norm", f"{hf}.input_layernorm", cfg)
+    t |= _norm(f"{lp}/mlp_norm", f"{hf}.post_attention_layernorm", cfg)
+    qkv = f"{hf}.attention.query_key_value"
+    for part, name in enumerate(("query", "key", "value")):
+      t[f"{lp}/attention/{name}/kernel"] = Source(f"{qkv}.weight", "linear", part, cfg.num_heads)
+      if b:
+        t[f"{lp}/attention/{name}/bias"] = Source(f"{qkv}.bias", part=part, heads=cfg.num_heads)
+    t |= _dense(f"{lp}/attention/out", f"{hf}.attention.dense", b)
+    t |= _dense(f"{lp}/mlp/wi", f"{hf}.mlp.dense_h_to_4h", b)
+    t |= _dense(f"{lp}/mlp/wo", f"{hf}.mlp.dense_4h_to_h", b)
+  t |= _norm("final_norm", f"{m}.final_layer_norm", cfg)
+  head, aliases = _lm_head(cfg, f"{m}.embed_in.weight")
+  return t | head, aliases
 
 
 def _bert_table(cfg):
@@ -340,7 +426,8 @@ def _vit_table(cfg):
   return t, {}
 
 
-_TABLES = {"gpt2": _gpt2_table, "llama": _llama_table, "bert": _bert_table, "vit": _vit_table}
+_TABLES = {"gpt2": _gpt2_table, "llama": _llama_table, "gpt_neox": _gpt_neox_table,
+           "bert": _bert_table, "vit": _vit_table}
 
 
 def param_table(cfg: config_lib.Config) -> tuple[dict[str, Source], dict[str, str]]:
@@ -354,7 +441,7 @@ def hf_shape(path: str, shape: tuple[int, ...], src: Source) -> tuple[int, ...]:
   HF keeps the heads of an attention projection in one axis: query/key/value
   [D, N, H] -> [D, N * H], their biases [N, H] -> [N * H], out [N, H, D] ->
   [N * H, D]; then the layout's transposition, the three parts of a fused
-  tensor and ``lead`` leading ones.
+  tensor (along its output axis, ``_part_axis``) and ``lead`` leading ones.
   """
   *parents, name, kind = ["", *path.split("/")]  # "cls_token" has no parent
   if "attention" in parents and name in ("query", "key", "value"):
@@ -366,7 +453,8 @@ def hf_shape(path: str, shape: tuple[int, ...], src: Source) -> tuple[int, ...]:
   elif src.layout == "conv":
     shape = (shape[3], shape[2], shape[0], shape[1])
   if src.part is not None:
-    shape = (*shape[:-1], 3 * shape[-1])
+    shape = list(shape)
+    shape[_part_axis(src)] *= 3
   return (1,) * src.lead + tuple(shape)
 
 
@@ -380,10 +468,21 @@ def _to_numpy(x: Any) -> np.ndarray:
   return np.asarray(x, np.float32)
 
 
+def _part_axis(src: Source) -> int:
+  """The output axis of a fused HF tensor, along which its three parts lie (``Source``)."""
+  return 0 if src.layout == "linear" else -1
+
+
 def leaf_from_hf(x: np.ndarray, src: Source, shape: tuple[int, ...]) -> np.ndarray:
   """Our leaf of ``shape`` from the HF tensor ``x`` that ``src`` names (a view where it can)."""
   if src.part is not None:
-    x = np.split(x, 3, axis=-1)[src.part]
+    axis = _part_axis(src)
+    x = np.moveaxis(x, axis, 0)
+    if src.heads is None:  # [3 * N * H, ...]: the parts one after the other
+      x = np.split(x, 3)[src.part]
+    else:  # [N * 3 * H, ...]: the parts alternate head by head
+      x = x.reshape(src.heads, 3, -1, *x.shape[1:])[:, src.part].reshape(-1, *x.shape[1:])
+    x = np.moveaxis(x, 0, axis)
   if src.layout == "linear":
     x = x.T
   elif src.layout == "conv":
@@ -392,9 +491,12 @@ def leaf_from_hf(x: np.ndarray, src: Source, shape: tuple[int, ...]) -> np.ndarr
 
 
 def leaf_to_hf(x: np.ndarray, src: Source, hf_shape: tuple[int, ...]) -> np.ndarray:
-  """Inverse of ``leaf_from_hf``: our leaf -> the HF tensor (or its part), shape ``hf_shape``."""
+  """Inverse of ``leaf_from_hf``: our leaf -> the HF tensor (or its part, which ``join_parts``
+  joins), shape ``hf_shape``."""
   if src.part is not None:
-    hf_shape = (*hf_shape[:-1], hf_shape[-1] // 3)
+    hf_shape = list(hf_shape)
+    hf_shape[_part_axis(src)] //= 3
+    hf_shape = tuple(hf_shape)
   if src.layout == "linear":
     return x.reshape(hf_shape[::-1]).T
   if src.layout == "conv":
@@ -402,9 +504,24 @@ def leaf_to_hf(x: np.ndarray, src: Source, hf_shape: tuple[int, ...]) -> np.ndar
   return x.reshape(hf_shape)
 
 
+def join_parts(parts: Mapping[int | None, np.ndarray], src: Source) -> np.ndarray:
+  """The HF tensor of ``leaf_to_hf``'s outputs for one key: {None: tensor} for a plain one, or
+  {0: query, 1: key, 2: value} parts of a fused one, laid out as ``src`` (any part's) says."""
+  if None in parts:
+    return parts[None]
+  axis = _part_axis(src)
+  xs = [np.moveaxis(parts[i], axis, 0) for i in range(3)]
+  if src.heads is None:
+    joined = np.concatenate(xs)
+  else:
+    joined = np.stack([x.reshape(src.heads, -1, *x.shape[1:]) for x in xs], 1)
+    joined = joined.reshape(-1, *xs[0].shape[1:])
+  return np.moveaxis(joined, 0, axis)
+
+
 def head_of(family: str, keys: set[str]) -> str:
   """``Config.head`` of a checkpoint of ``family`` with HF state-dict ``keys``."""
-  if family in ("gpt2", *LLAMA_TYPES):
+  if family in ("gpt2", "gpt_neox", *LLAMA_TYPES):
     return "lm"
   if family == "vit" or "classifier.weight" in keys:
     return "classifier"
@@ -506,11 +623,12 @@ def to_hf(model: Model, params: Mapping[str, Any]) -> Any:
   table, aliases = param_table(cfg)
   flat = spec_lib.flatten(params)
   parts: dict[str, dict[int | None, np.ndarray]] = {}
+  sources: dict[str, Source] = {}
   for path, src in table.items():
     value = leaf_to_hf(np.asarray(flat[path], np.float32), src, template[src.key])
     parts.setdefault(src.key, {})[src.part] = value
-  state = {key: torch.from_numpy(np.array(
-      np.concatenate([p[i] for i in range(3)], -1) if None not in p else p[None]))
+    sources[src.key] = src
+  state = {key: torch.from_numpy(np.array(join_parts(p, sources[key])))
            for key, p in parts.items()}
   for alias, src in aliases.items():
     if alias in template:

@@ -14,6 +14,7 @@ segment_embed/embedding [S, D], pos_embed/embedding [max_len, D] and
 embed_norm (post-norm).
 
 Pre-norm layer:  x <- x + attn(norm_a(x));  x <- x + mlp(norm_m(x)).
+Parallel layer:  x <- x + attn(norm_a(x)) + mlp(norm_m(x))   (GPT-NeoX, pre-norm).
 Post-norm layer: x <- norm_a(x + attn(x));  x <- norm_m(x + mlp(x)).
 The attention layer calls ``attention.multi_head_attention`` on its own
 parameters, so a group element of ``group_action`` acts on
@@ -156,10 +157,10 @@ class Mlp(nnx.Module):
 
 
 class Block(nnx.Module):
-  """One Transformer layer (pre- or post-norm, module docstring)."""
+  """One Transformer layer (pre-norm, parallel or post-norm, module docstring)."""
 
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-    self.post_norm = cfg.post_norm
+    self.post_norm, self.parallel = cfg.post_norm, cfg.parallel_residual
     self.attention_norm = make_norm(cfg)
     self.attention = Attention(cfg, rngs=rngs)
     self.mlp_norm = make_norm(cfg)
@@ -171,6 +172,10 @@ class Block(nnx.Module):
       x = self.attention_norm(x + attn)
       out, hidden = self.mlp(x)
       x = self.mlp_norm(x + out)
+    elif self.parallel:
+      attn = self.attention(self.attention_norm(x), positions=positions, mask=mask)
+      out, hidden = self.mlp(self.mlp_norm(x))
+      x = x + attn + out
     else:
       attn = self.attention(self.attention_norm(x), positions=positions, mask=mask)
       x = x + attn

@@ -1,8 +1,11 @@
-"""Decoder-only language models: GPT-2 and Llama are configs of one module.
+"""Decoder-only language models: GPT-2, Llama and GPT-NeoX are configs of one module.
 
 GPT-2: learned positions, pre-LayerNorm, GELU (tanh), biases, causal, head tied
 to the token embedding. Llama: RoPE (half-split pairing), RMSNorm, SwiGLU,
-grouped-query attention, no biases, untied head.
+grouped-query attention, no biases, untied head. GPT-NeoX (Pythia): partial
+RoPE (the first quarter of each head's dims, half-split pairing), LayerNorm,
+exact GELU, biases, parallel residual (attention and FFN read the same layer
+input), untied head.
 
 Parameters besides the core and embeddings (``core.py``):
 
@@ -58,3 +61,9 @@ register_family(Family(
     presets={"tiny": dict(num_kv_heads=2), "small": dict(mlp_dim=704),
              "paper": dict(mlp_dim=704),
              "base": dict(num_kv_heads=4, mlp_dim=2048, vocab_size=32000, max_len=2048)}))
+register_family(Family(
+    "gpt_neox", Decoder, symmetry_spec, input_key="tokens", heads={"lm": tasks.LM},
+    defaults=dict(pos_encoding="rope", rope_pairing="half", rotary_fraction=0.25, norm="layer",
+                  norm_eps=1e-5, activation="gelu", parallel_residual=True, causal=True,
+                  use_bias=True, tied_embeddings=False),
+    presets={"base": dict(vocab_size=50304, max_len=2048)}))  # Pythia-160m's sizes

@@ -32,7 +32,7 @@ class Model:
     config: the frozen ``Config``.
     spec: the ``SymmetrySpec`` of the parameters (every leaf listed).
     task: ``attn_symmetry.tasks.CLASSIFICATION`` (ViT, BERT), ``LM`` (GPT-2,
-      Llama) or ``MLM`` (BERT with ``head="mlm"`` or ``"pretraining"``).
+      Llama, GPT-NeoX) or ``MLM`` (BERT with ``head="mlm"`` or ``"pretraining"``).
     input_key: the batch entry its inputs are read from ("image" for ViT,
       "tokens" for the text families), as ``data.DatasetInfo.input_key``.
   """
@@ -115,7 +115,7 @@ class Model:
 
 
 def build(family: str, preset: str = "tiny", **overrides: Any) -> Model:
-  """The ``family`` model ("vit", "bert", "gpt2", "llama") at size ``preset``.
+  """The ``family`` model ("vit", "bert", "gpt2", "llama", "gpt_neox") at size ``preset``.
 
   Args:
     family: model family.

@@ -76,10 +76,12 @@ _RENAMES = {
         ("attention.attention.value.", "attention.v_proj."),
         ("attention.output.dense.", "attention.o_proj."),
         ("intermediate.dense.", "mlp.fc1."), ("output.dense.", "mlp.fc2."), ("", ""))),
+    "gpt_neox": ((r"^embed_out\.", "lm_head."),),
 }
 _PREFIXES = {"gpt2": "transformer.", "llama": "model.", "mistral": "model.", "bert": "bert.",
-             "vit": "vit."}
-_BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|position_ids)$")
+             "vit": "vit.", "gpt_neox": "gpt_neox."}
+_BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|position_ids|attention\.bias|"
+                      r"attention\.masked_bias|rotary_emb\.inv_freq)$")
 # Files of a model folder copied next to rewritten weights (tokenizer, generation config, ...).
 _SIDE_FILES = (".json", ".txt", ".model", ".jinja")
 LeafFn = Callable[[str, Any], Any]  # (parameter path, leaf) -> the leaf to write
@@ -337,7 +339,7 @@ def _hf_tensor(entries: list[tuple[str, convert.Source]], flat: Mapping[str, Any
   leaf = (lambda path: flat[path]) if leaf_fn is None else lambda path: leaf_fn(path, flat[path])
   parts = {src.part: convert.leaf_to_hf(np.asarray(leaf(path), np.float32), src, shape)
            for path, src in entries}
-  return np.concatenate([parts[i] for i in range(3)], -1) if None not in parts else parts[None]
+  return convert.join_parts(parts, entries[0][1])
 
 
 def save_params(path: str | os.PathLike, like: Checkpoint, model: Model, params: Mapping[str, Any],
