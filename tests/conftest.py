@@ -3,7 +3,10 @@
 Tiers: a test that trains a model, spawns a process, executes a notebook, or takes more than
 15 s alone on a 2-core machine is marked ``@pytest.mark.slow``. ``pytest -m "not slow"`` runs
 the rest, the fast tier; ``pytest`` (``.ci/run``) runs every test. Both take ``-n auto --dist
-loadfile`` (pytest-xdist): one worker per core, each test file on one worker. The invariance,
+loadgroup`` (pytest-xdist): one worker per core, each test file on one worker (its module
+fixtures and the trained workdirs it asks for are made once), except the files in
+``SPREAD_OVER_WORKERS``, whose tests are long, independent and go to whichever worker is free
+(``pytest_collection_modifyitems``). The invariance,
 group-axiom and planted-recovery tests of the core stay in the fast tier whatever they take.
 
 Trained workdirs are shared: ``trained_workdir(config, dest)`` trains ``config`` (and, with
@@ -25,6 +28,20 @@ from jax.experimental.compilation_cache import compilation_cache
 import pytest
 
 
+# Files whose tests each run long on their own and share no fixture that costs: spread test by
+# test over the workers, so that no worker is left with all of them at the end of the run.
+SPREAD_OVER_WORKERS = frozenset({"test_colabs.py", "test_learned.py"})
+
+
+def pytest_collection_modifyitems(config, items):
+  """Every test's xdist group is its file (``--dist loadgroup`` keeps a file on one worker),
+  except in the files of ``SPREAD_OVER_WORKERS``."""
+  del config
+  for item in items:
+    if item.path.name not in SPREAD_OVER_WORKERS:
+      item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
 @pytest.fixture
 def x64():
   """Runs a test in float64 (restored afterwards, so other tests keep float32)."""
@@ -32,11 +49,43 @@ def x64():
     yield
 
 
+# LLVM's optimisation of the programs the tests compile: off. The tests' models are tiny, so
+# compiling takes most of their time and running them little; without LLVM's passes XLA:CPU
+# compiles 2-4x faster (``benchmarks/bench_test_compile.py``). The numbers are IEEE float all
+# the same (every tolerance holds), but rounded otherwise than with the passes: the processes
+# that tests start inherit the flags (a run killed in a child and resumed in the test process
+# must be bit for bit the run the test process makes alone), except where a test compares
+# with numbers a user's run committed (``user_environment``).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def _set_test_flags():
+  """Adds ``TEST_XLA_FLAGS`` to ``XLA_FLAGS`` (read once, when a process starts its backend;
+  this process's has not started yet)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if TEST_XLA_FLAGS not in flags.split():
+    os.environ["XLA_FLAGS"] = f"{flags} {TEST_XLA_FLAGS}".strip()
+
+
+def user_environment(**changes: str) -> dict[str, str]:
+  """This process's environment without ``TEST_XLA_FLAGS``, with ``changes``: for a child
+  process that must compute what a user's run computes (e.g. the committed results)."""
+  env = dict(os.environ, **changes)
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if f != TEST_XLA_FLAGS]
+  if flags:
+    env["XLA_FLAGS"] = " ".join(flags)
+  else:
+    env.pop("XLA_FLAGS", None)
+  return env
+
+
 def pytest_configure(config):
-  """One persistent compilation cache for the test run, shared by its xdist workers: tests
+  """Sets the tests' XLA flags (``TEST_XLA_FLAGS``), and makes one persistent
+  compilation cache for the test run, shared by its xdist workers: tests
   build the same programs again and again (every training builds its step anew, every study
   its evaluator), and a program compiled once, by either worker, then loads from disk. It
   lives in the run's temporary folder, so that no run reads another's programs."""
+  _set_test_flags()
   run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
   config.run_cache = os.path.join(tempfile.gettempdir(), "attn_symmetry_tests", run)
   jax.config.update("jax_compilation_cache_dir", os.path.join(config.run_cache, "jax_cache"))
