@@ -49,43 +49,11 @@ def x64():
     yield
 
 
-# LLVM's optimisation of the programs the tests compile: off. The tests' models are tiny, so
-# compiling takes most of their time and running them little; without LLVM's passes XLA:CPU
-# compiles 2-4x faster (``benchmarks/bench_test_compile.py``). The numbers are IEEE float all
-# the same (every tolerance holds), but rounded otherwise than with the passes: the processes
-# that tests start inherit the flags (a run killed in a child and resumed in the test process
-# must be bit for bit the run the test process makes alone), except where a test compares
-# with numbers a user's run committed (``user_environment``).
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-
-
-def _set_test_flags():
-  """Adds ``TEST_XLA_FLAGS`` to ``XLA_FLAGS`` (read once, when a process starts its backend;
-  this process's has not started yet)."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  if TEST_XLA_FLAGS not in flags.split():
-    os.environ["XLA_FLAGS"] = f"{flags} {TEST_XLA_FLAGS}".strip()
-
-
-def user_environment(**changes: str) -> dict[str, str]:
-  """This process's environment without ``TEST_XLA_FLAGS``, with ``changes``: for a child
-  process that must compute what a user's run computes (e.g. the committed results)."""
-  env = dict(os.environ, **changes)
-  flags = [f for f in env.get("XLA_FLAGS", "").split() if f != TEST_XLA_FLAGS]
-  if flags:
-    env["XLA_FLAGS"] = " ".join(flags)
-  else:
-    env.pop("XLA_FLAGS", None)
-  return env
-
-
 def pytest_configure(config):
-  """Sets the tests' XLA flags (``TEST_XLA_FLAGS``), and makes one persistent
-  compilation cache for the test run, shared by its xdist workers: tests
+  """One persistent compilation cache for the test run, shared by its xdist workers: tests
   build the same programs again and again (every training builds its step anew, every study
   its evaluator), and a program compiled once, by either worker, then loads from disk. It
   lives in the run's temporary folder, so that no run reads another's programs."""
-  _set_test_flags()
   run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
   config.run_cache = os.path.join(tempfile.gettempdir(), "attn_symmetry_tests", run)
   jax.config.update("jax_compilation_cache_dir", os.path.join(config.run_cache, "jax_cache"))
