@@ -127,15 +127,17 @@ def join_processes() -> None:
   and errors only: process 0's progress lines are the run's."""
   try:
     arguments = distributed_arguments()
-    if arguments is None:
-      return
-    if "num_processes" in arguments:  # before waiting for the other processes
+    if arguments is not None and "num_processes" in arguments:  # before waiting for the others
       inputs.check_processes(FLAGS.config, arguments["num_processes"])
+  except ValueError as e:
+    sys.exit(f"FATAL {e}")
+  if arguments is None:
+    return
+  try:
     jax.distributed.initialize(**arguments)
   except (ValueError, RuntimeError) as e:  # JAX's own errors: a missing field, no coordinator
     message = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    sys.exit(f"FATAL {message}" if message.startswith("--") else
-             f"FATAL jax.distributed.initialize: {message}")
+    sys.exit(f"FATAL jax.distributed.initialize: {message}")
   if jax.process_index() != 0:
     # absl's handler passes each record to its python_handler, whose filters apply.
     logging.get_absl_handler().python_handler.addFilter(
