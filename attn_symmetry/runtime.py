@@ -22,6 +22,16 @@ deadlock. ``single_threaded_blas`` pins every BLAS library of the process to one
 thread for the duration of a block and restores the previous settings after.
 JAX dispatches asynchronously: block on the results inside the block.
 
+A second deadlock is not about BLAS threads, and ``single_threaded_blas`` does
+not prevent it: jaxlib's batched LAPACK kernels split a large batch over XLA's
+intra-op thread pool (one thread per core) and wait for the pieces. A program
+replicated over several CPU devices (arrays placed on a mesh of
+``--xla_force_host_platform_device_count`` devices) runs one copy per device on
+that pool; when every pool thread runs such a kernel, no thread is left for the
+pieces, and the process sleeps forever (2 devices on 2 cores, in the batched
+SVDs of ``matching.match_attention_exhaustive``). Run matching on arrays of one
+device (host arrays go to the default device), as ``experiments/study.py`` does.
+
 XLA's CPU buffers and numpy's arrays come from the C heap, and glibc's malloc
 keeps freed memory of up to 32 MiB per block for reuse rather than returning it
 to the system. After a large jitted program (whose temporaries are freed when it

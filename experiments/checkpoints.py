@@ -29,10 +29,10 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from attn_symmetry import spec as spec_lib
 from experiments import fingerprints
+from experiments import processes
 
 Params = dict[str, Any]
 
@@ -193,7 +193,7 @@ class RunCheckpoints:
       the new path (None on processes other than 0, which wait for the move).
     """
     self._manager.close()
-    moved = on_process_0(lambda: fingerprints.move_aside(
+    moved = processes.on_process_0(lambda: fingerprints.move_aside(
         self.step_dir(step), "corrupt", into=os.path.join(self.run_dir, "corrupt_checkpoints")),
                          f"move_aside {self.step_dir(step)}")
     self._open()
@@ -205,20 +205,6 @@ class RunCheckpoints:
 
   def close(self) -> None:
     self._manager.close()
-
-
-def barrier(name: str) -> None:
-  """Waits for every process (multi-host); nothing to do in a single process."""
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
-
-
-def on_process_0(fn, name: str):
-  """``fn()`` on process 0 only (a file operation on the shared workdir), then a barrier
-  so that every process sees its effect; returns its result on process 0, else None."""
-  result = fn() if jax.process_index() == 0 else None
-  barrier(name)
-  return result
 
 
 def check_architecture(run_dir: str, expected: dict[str, Any]) -> None:

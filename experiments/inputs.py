@@ -11,6 +11,15 @@ re-initialised run stops, ``validation_batches``: its first
 ``config.dataset.validation_examples`` examples, all for 0), and the test split
 (``eval_batches``: the evaluations that are reported, and the study's unless
 ``config.study.eval_split`` names another). No training decision reads the test split.
+
+Several processes (``jax.distributed``): the readers give each process its
+share of every global batch (``attn_symmetry.data``: concatenated in process
+order, the shares make the global batch), which ``shard_batch`` places on the
+process's devices. A subset of a split (``first_examples``) is chosen by the
+examples' places in the global batches, so that every process count evaluates
+the same examples. With ``whole=True`` every process reads the whole global
+batches instead: the study does, so that what it hashes, adds noise to and
+learns from is the same in every process and the same as in one process.
 """
 
 from __future__ import annotations
@@ -115,8 +124,29 @@ def create_model(config: ml_collections.ConfigDict) -> models.Model:
   return build(model_overrides(info, mask_token=True)) if model.task == tasks.MLM else model
 
 
-def train_batches(config: ml_collections.ConfigDict, dataset: str, *, seed: int):
-  """This process's share of the training batches of ``config.dataset.train_split``, endless.
+def _reader_processes(whole: bool) -> dict[str, int]:
+  """The ``process_index`` and ``process_count`` a reader is given: this process's share,
+  or (``whole``) the global batches, as one process reads them."""
+  if whole:
+    return {"process_index": 0, "process_count": 1}
+  return {"process_index": jax.process_index(), "process_count": jax.process_count()}
+
+
+def check_processes(config: ml_collections.ConfigDict, count: int | None = None) -> None:
+  """Raises ValueError naming the config field whose batch ``count`` processes (default
+  ``jax.process_count()``) cannot share: each reads batch_size / count examples of every
+  batch."""
+  count = jax.process_count() if count is None else count
+  for field in ("batch_size", "eval_batch_size"):
+    if config.train[field] % count:
+      raise ValueError(f"config.train.{field} {config.train[field]} is not divisible by the "
+                       f"{count} processes: each reads an equal share of every batch")
+
+
+def train_batches(config: ml_collections.ConfigDict, dataset: str, *, seed: int,
+                  whole: bool = False):
+  """This process's share of the training batches of ``config.dataset.train_split``, endless
+  (``whole``: every process the whole global batches).
 
   The iterator has grain's ``get_state`` and ``set_state``: the data position
   that checkpoints save, so that a resumed run reads the batches it would have.
@@ -125,21 +155,34 @@ def train_batches(config: ml_collections.ConfigDict, dataset: str, *, seed: int)
   if config.dataset.augment:
     options["augment"] = True
   return data.train_iterator(dataset, batch_size=config.train.batch_size, seed=seed,
-                             split=config.dataset.train_split, **options)
+                             split=config.dataset.train_split, **_reader_processes(whole),
+                             **options)
 
 
-def eval_batches(config: ml_collections.ConfigDict, dataset: str, split: str = "test"
-                 ) -> Iterable[Batch]:
-  """This process's share of one pass over ``split`` (the test split by default; the study
-  reads ``config.study.eval_split``), batches with "valid"."""
-  return data.eval_iterator(dataset, batch_size=config.train.eval_batch_size, split=split,
-                            **data_options(config))
+def _pass(config: ml_collections.ConfigDict, dataset: str, split: str, limit: int,
+          whole: bool) -> Iterator[Batch]:
+  """One pass over the first ``limit`` examples of ``split`` (all for 0): the shares of this
+  process, or (``whole``) the global batches."""
+  processes = _reader_processes(whole)
+  return first_examples(data.eval_iterator(dataset, batch_size=config.train.eval_batch_size,
+                                           split=split, **processes, **data_options(config)),
+                        limit, **processes)
 
 
-def validation_batches(config: ml_collections.ConfigDict, dataset: str) -> Iterator[Batch]:
+def eval_batches(config: ml_collections.ConfigDict, dataset: str, split: str = "test", *,
+                 limit: int = 0, whole: bool = False) -> Iterable[Batch]:
+  """This process's share of one pass over the first ``limit`` examples of ``split`` (the
+  test split by default, all of it for 0; the study reads the first
+  ``config.study.eval_examples`` of ``config.study.eval_split``), batches with "valid"
+  (``whole``: every process the whole global batches)."""
+  return _pass(config, dataset, split, limit, whole)
+
+
+def validation_batches(config: ml_collections.ConfigDict, dataset: str, *, whole: bool = False
+                       ) -> Iterator[Batch]:
   """This process's share of the first ``config.dataset.validation_examples`` examples of
   ``config.dataset.validation_split`` (all of it for 0), batches with "valid" (as
-  ``eval_batches``, through ``first_examples``).
+  ``eval_batches``; ``whole``: every process the whole global batches).
 
   Raises:
     ValueError: the config names no validation split.
@@ -148,24 +191,29 @@ def validation_batches(config: ml_collections.ConfigDict, dataset: str) -> Itera
   if not split:
     raise ValueError("config.dataset.validation_split is empty: there is no held-out split "
                      "to validate on")
-  return first_examples(data.eval_iterator(dataset, batch_size=config.train.eval_batch_size,
-                                           split=split, **data_options(config)),
-                        config.dataset.validation_examples)
+  return _pass(config, dataset, split, config.dataset.validation_examples, whole)
 
 
-def first_examples(batches: Iterable[Batch], limit: int) -> Iterator[dict[str, np.ndarray]]:
-  """The batches that hold the first ``limit`` valid examples (every batch for 0), with
-  ``valid`` False past them: a fixed subset of the split read, in its stored order
-  (this process's share of it when several processes read). Read lazily: no batch past
-  the subset is read."""
-  seen = 0
-  for batch in batches:
+def first_examples(batches: Iterable[Batch], limit: int, *, process_index: int = 0,
+                   process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+  """The batches that hold the first ``limit`` examples of a pass (every batch for 0), with
+  ``valid`` False past them: a fixed subset of the split read, in its stored order. Read
+  lazily: no batch past the subset is read.
+
+  ``batches`` are one process's shares of the global batches (``process_index`` of
+  ``process_count``; the defaults: the global batches themselves). Row i of share k holds
+  the example at place (k P + p) b + i of the pass, b rows per share (the readers' layout,
+  ``attn_symmetry.data``), and the subset is the places below ``limit``: the same examples
+  whatever the number of processes. A pass holds its valid examples first (the padding of
+  its last batch follows them), so these are its first ``limit`` valid examples.
+  """
+  for k, batch in enumerate(batches):
     valid = np.asarray(batch["valid"], bool)
     if limit:
-      valid = valid & (np.cumsum(valid) + seen <= limit)
-    seen += int(valid.sum())
+      rows = len(valid)
+      valid = valid & ((k * process_count + process_index) * rows + np.arange(rows) < limit)
     yield {**batch, "valid": valid}
-    if limit and seen >= limit:
+    if limit and (k + 1) * process_count * len(valid) >= limit:
       return
 
 
@@ -175,9 +223,15 @@ def create_mesh(devices=None) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(np.asarray(devices), ("data",))
 
 
-def shard_batch(batch: Batch, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
-  """Global arrays from this process's batch, split along the mesh's data axis."""
+def shard_batch(batch: Batch, mesh: jax.sharding.Mesh, *, whole: bool = False
+                ) -> dict[str, jax.Array]:
+  """Global arrays from this process's share of a batch (``whole``: from the whole global
+  batch, which every process holds), split along the mesh's data axis."""
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  if whole:
+    return {k: jax.make_array_from_callback(np.shape(v), sharding,
+                                            lambda index, v=np.asarray(v): v[index])
+            for k, v in batch.items()}
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
           for k, v in batch.items()}
 
@@ -185,6 +239,20 @@ def shard_batch(batch: Batch, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
 def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
   """The sharding of parameters and optimiser state: a full copy on every device."""
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """A copy of every leaf on every device of ``mesh`` (``replicated``), from host or
+  one-device arrays that every process holds the same (leaves already replicated on the
+  mesh are kept). Each process fills its own devices from its own copy, without comparing."""
+  sharding = replicated(mesh)
+
+  def put(x):
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+      return x
+    return jax.make_array_from_callback(np.shape(x), sharding,
+                                        lambda index, x=np.asarray(x): x[index])
+  return jax.tree.map(put, tree)
 
 
 def to_host(tree: Any) -> Any:

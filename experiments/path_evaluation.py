@@ -71,12 +71,15 @@ class PathEvaluator:
     self.chunk_size = chunk_size
     self.bits_per_byte = bits_per_byte
     self._evaluator = compiled(model)[0]
-    mesh = inputs.create_mesh()
-    self._put = lambda b: inputs.shard_batch(b, mesh)
+    self._mesh = inputs.create_mesh()
+    self._put = lambda b: inputs.shard_batch(b, self._mesh, whole=True)
 
   def __call__(self, params_a: Params, params_b: Params, lams: np.ndarray,
                batches: Iterable[Mapping[str, np.ndarray]] | None = None) -> dict[str, list[float]]:
-    """{"loss": [len(lams)], "accuracy": [len(lams)]} on ``batches`` (default: the fixed set)."""
+    """{"loss": [len(lams)], "accuracy": [len(lams)]} on ``batches`` (default: the fixed set):
+    global batches, which every process holds whole; the endpoints are replicated on the
+    mesh here (``inputs.replicate``) once for all batches."""
+    params_a, params_b = inputs.replicate((params_a, params_b), self._mesh)
     sums = lmc.evaluate_path(self._evaluator, params_a, params_b,
                              self.batches if batches is None else batches, lams,
                              chunk_size=self.chunk_size, put=self._put)
@@ -95,14 +98,16 @@ def curve_result(curve: Mapping[str, list[float]], lams: np.ndarray) -> dict[str
 def evaluation_examples(config: ml_collections.ConfigDict, dataset: str
                         ) -> list[dict[str, np.ndarray]]:
   """The study's evaluation set: the batches of ``dataset``'s ``config.study.eval_split``
-  that hold its first ``config.study.eval_examples`` examples (``inputs.first_examples``).
+  that hold its first ``config.study.eval_examples`` examples (``inputs.first_examples``),
+  whole in every process (``inputs.eval_batches``), so that every process hashes, adds noise
+  to and evaluates the same examples as one process does.
 
   Raises:
     ValueError: naming ``config.study.eval_split``: ``dataset`` has no such split or slice.
   """
   inputs.split_range(config, "study.eval_split", dataset)  # the error names the field
-  return list(inputs.first_examples(
-      inputs.eval_batches(config, dataset, config.study.eval_split), config.study.eval_examples))
+  return list(inputs.eval_batches(config, dataset, config.study.eval_split,
+                                  limit=config.study.eval_examples, whole=True))
 
 
 def examples_digest(batches: Iterable[Mapping[str, np.ndarray]]) -> str:

@@ -266,9 +266,10 @@ class ScopeStudy:
           "factors": [], "sites": [], "steps": 0,
           "note": f"the scope has none of study.learn_factors {list(s.learn_factors)}: the "
                   "full method's element is returned"})
-    holdout = list(itertools.islice(inputs.validation_batches(self.config, self.dataset),
+    holdout = list(itertools.islice(inputs.validation_batches(self.config, self.dataset,
+                                                              whole=True),
                                     s.learn_holdout_batches))
-    batches = inputs.train_batches(self.config, self.dataset, seed=1000 * a + b)
+    batches = inputs.train_batches(self.config, self.dataset, seed=1000 * a + b, whole=True)
     def progress(line):
       log.info("%s seed %d-%d learned: step %d/%d, train loss %.4f, held-out barrier %.4f "
                "(best %.4f), %.0f s", self.scope, a, b, line["step"], line["steps"],

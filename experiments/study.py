@@ -33,6 +33,21 @@ only when the results it is drawn from changed
 atomically (``atomic_io.py``). The study runs on finished, verified
 checkpoints only (``train.load_checkpoints``).
 
+Devices and processes. The study evaluates paths on the device mesh (the
+evaluation batches split over all devices of all processes) and matches on one
+device of every process: the endpoints are loaded as host copies, and every
+matching computation (each process runs them all, on the same data, and gets the
+same elements) runs where its inputs are, on the process's first device. A
+matching program replicated over several CPU devices can deadlock: jaxlib's
+batched LAPACK kernels (the SVDs and solves of Stage 2) split their batch over
+XLA's intra-op thread pool and wait for the pieces, and when every thread of
+that pool (one per core) is running such a kernel for one of the devices, no
+thread is left to run the pieces (seen on 2 cores with 2 devices, in the
+24-permutation ablation). Every process computes every stage; process 0 alone
+decides from the files which stages to reuse and writes the files
+(``result_cache.py``, ``processes.py``); the learned method reads the whole
+global batches in every process (``inputs.train_batches(whole=True)``).
+
 This module is the driver; the pieces live in ``scope_study.py`` (the
 per-pair measurements of one scope and its result), ``path_evaluation.py``
 (the evaluation set and the paths on it), ``input_noise.py`` (the
@@ -56,6 +71,7 @@ from experiments import config_checks
 from experiments import fingerprints
 from experiments import inputs
 from experiments import path_evaluation
+from experiments import processes
 from experiments import report
 from experiments import result_cache
 from experiments import scope_study
@@ -89,11 +105,13 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
   if not config.reinit.scopes:
     log.info("config.reinit.scopes is empty: no study to run")
     return {}
+  inputs.check_processes(config)
   model = inputs.create_model(config)
   check_scopes(config, model)
   dataset = config.reinit.dataset or config.dataset.name
   batches = path_evaluation.evaluation_examples(config, dataset)
-  checkpoints = train.load_checkpoints(config, workdir, require_complete=True)
+  # Host copies: matching runs on one device of each process (the module docstring says why).
+  checkpoints = inputs.to_host(train.load_checkpoints(config, workdir, require_complete=True))
   data_fp = fingerprints.key({"dataset": dataset,
                               "examples": path_evaluation.examples_digest(batches)})
   info = inputs.dataset_info(config, dataset)
@@ -135,4 +153,5 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
       lambda p: atomic_io.write_text(p, report.markdown_summary(title, results)))
   if reports.written:
     log.info("study reports written: %s", ", ".join(reports.written))
+  processes.barrier("study reports")  # every process returns once process 0 has written them
   return paths

@@ -60,10 +60,16 @@ decisions an uninterrupted one makes, bit for bit.
 
 Data parallelism: a ``jax.sharding.Mesh`` over all devices with one axis
 "data"; every batch is split along it and the parameters and optimiser state
-are replicated, so XLA inserts the gradient all-reduce. Multi-host: start one
-process per host, call ``jax.distributed.initialize()`` before anything else
-(``main.py --multihost``); each process reads its own shard of every batch
-(``config.train.batch_size`` is global) and only process 0 writes metrics.
+are replicated, so XLA inserts the gradient all-reduce. Several processes
+(one per host, or several on one: ``main.py --num_processes``): each process
+reads its own share of every batch (``config.train.batch_size`` is global, and
+so is the validation subset: ``inputs.first_examples``), every process takes
+every step, and process 0 alone decides from the workdir's files and writes
+them (``processes.py``): it checks and records each run's fingerprint and moves
+stale state aside while the others wait, decides whether a run is complete, and
+writes metrics and ``final_metrics.json``; orbax writes the checkpoints
+(replicated arrays once). The result is that of one process with as many
+devices, up to the float32 rounding of the cross-process sums.
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ from experiments import config_checks
 from experiments import fingerprints
 from experiments import inputs
 from experiments import metric_writers
+from experiments import processes
 from experiments import reinit
 from experiments import evaluation
 
@@ -334,11 +341,13 @@ def check_data(config: ml_collections.ConfigDict) -> None:
   The data set B of an A->B transfer must give the model the same input and
   output sizes as A. Each data set must have ``config.dataset.train_split``
   and (if set) ``validation_split``, and the two must share no record; the
-  data set the study reads must have ``config.study.eval_split``.
+  data set the study reads must have ``config.study.eval_split``. Every process must read
+  an equal share of each batch (``inputs.check_processes``).
   """
   datasets = {config.dataset.name}
   if config.reinit.scopes:
     datasets.add(config.reinit.dataset or config.dataset.name)
+  inputs.check_processes(config)
   for name in sorted(datasets):
     _check_splits(config, name)
   if config.reinit.scopes:
@@ -600,20 +609,21 @@ class Trainer:
 
     State computed from other fields, or without a readable record (a run
     from before fingerprints), is moved aside, with one log line naming the
-    changed fields.
+    changed fields. Process 0 reads, decides and moves; the others wait until it
+    has (``processes.py``), so that none of them reads the record it is writing.
     """
-    old = fingerprints.read_record(directory)
-    checkpoints.barrier(f"read {directory}")  # every process reads before any changes it
-    if old == fields:
-      return
-    if os.path.isdir(directory) and os.listdir(directory):
-      reason = (fingerprints.change_line(old, fields) if old is not None else
-                f"no readable {fingerprints.RECORD} (trained before runs recorded their config)")
-      moved = checkpoints.on_process_0(lambda: fingerprints.move_aside(directory),
-                                       f"move_aside {directory}")
-      log.info("%s: %s; retraining, old state moved to %s", run.name, reason, moved)
-    checkpoints.on_process_0(lambda: fingerprints.write_record(directory, fields),
-                             f"record {directory}")
+    def check() -> None:
+      old = fingerprints.read_record(directory)
+      if old == fields:
+        return
+      if os.path.isdir(directory) and os.listdir(directory):
+        reason = (fingerprints.change_line(old, fields) if old is not None else
+                  f"no readable {fingerprints.RECORD} (trained before runs recorded their config)")
+        moved = fingerprints.move_aside(directory)
+        log.info("%s: %s; retraining, old state moved to %s", run.name, reason, moved)
+      fingerprints.write_record(directory, fields)
+
+    processes.on_process_0(check, f"record {directory}")
 
   def _newest_intact(self, run: Run, ckpts: checkpoints.RunCheckpoints, restore):
     """(step, restore(step)) for the newest checkpoint that restores intact, or None.
@@ -673,7 +683,8 @@ class Trainer:
              ) -> dict[str, Any]:
     """``train`` with the run's checkpoints open: skip, or train to the end and record it."""
     final_path = os.path.join(directory, "final_metrics.json")
-    saved = self._result_if_complete(run, ckpts, final_path)
+    complete = self._result_if_complete(run, ckpts, final_path)
+    saved = processes.from_process_0(lambda: complete)  # every process skips, or none
     if saved is not None:
       return saved
     params, trainable, base = self._initial_params(run)
@@ -689,7 +700,7 @@ class Trainer:
         raise RuntimeError(f"{run.name}: frozen parameters changed during fine-tuning: {changed}")
     final = {**final, "steps": loop.step, "stopped": loop.how,
              **(loop.plateau.record() if loop.plateau is not None else {})}
-    checkpoints.on_process_0(lambda: atomic_io.write_json(final_path, final), f"final {directory}")
+    processes.on_process_0(lambda: atomic_io.write_json(final_path, final), f"final {directory}")
     return final
 
   def _result_if_complete(self, run: Run, ckpts: checkpoints.RunCheckpoints, final_path: str
