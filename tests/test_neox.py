@@ -23,6 +23,9 @@ from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.models import convert
 from attn_symmetry.models import safetensors_io
+# The align command's planted-pair options and its one-line refusal, as for the other families.
+from tests.test_align_checkpoints import EXACT
+from tests.test_align_checkpoints import _refusal
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -32,8 +35,6 @@ SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, interme
              vocab_size=64, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
 CASES = {"parallel-0.25": (True, 0.25), "parallel-1.0": (True, 1.0),
          "sequential-0.25": (False, 0.25), "sequential-1.0": (False, 1.0)}
-# Stage 2 at its least-squares start, exact on a noise-free pair (tests/test_align_checkpoints.py).
-EXACT = dict(init="best", steps=0)
 
 
 def _hf_model(parallel=True, rotary=0.25, seed=0, **overrides):
@@ -335,15 +336,6 @@ def test_planted_pair_is_recovered(tmp_path):
   np.testing.assert_allclose(_logits(aligned), _logits(b), atol=1e-4, rtol=0)
   np.testing.assert_allclose(_logits(str(tmp_path / "out" / "merged")), _logits(a), atol=1e-3,
                              rtol=0)
-
-
-def _refusal(capsys, *args):
-  """The one line that ``attn-symmetry align ARGS`` prints when it refuses (exit status 2)."""
-  capsys.readouterr()
-  status = align.cli(["align", *args])
-  lines = [l for l in capsys.readouterr().err.strip().splitlines() if not l.startswith("[align]")]
-  assert status == 2 and len(lines) == 1 and lines[0].startswith("attn-symmetry align: error: ")
-  return lines[0]
 
 
 def test_align_refuses_bad_neox_input_with_one_line(tmp_path, capsys):
