@@ -2,12 +2,13 @@
 over gloo) or by one process with several devices: the same results, the same reruns.
 
 The slow tests start ``experiments/main.py`` as subprocesses: the quickstart at runlocal
-size with the "first_attention" scope, as two processes and as one process with two CPU
-devices (``--xla_force_host_platform_device_count=2``).
+size with the "first_attention" scope and a smaller study (``STUDY``), as two processes and
+as one process with two CPU devices (``--xla_force_host_platform_device_count=2``).
 """
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,6 +23,12 @@ from experiments.configs import quickstart
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTING = ["--config=experiments/configs/quickstart.py:runlocal",
            "--config.reinit.scopes=('first_attention',)"]
+# The study that the process counts must agree on: the paper's full method and the learned one
+# (which trains on global batches), without the head-order ablation and the noise check, whose
+# stages add programs to compile but no new way for processes to differ (the ablation on two
+# devices has a test of its own, below).
+STUDY = ["--config.study.methods=('naive','full','learned')",
+         "--config.study.permutation_ablation=False", "--config.study.noise_levels=(0.0,)"]
 TWO_DEVICES = "--xla_force_host_platform_device_count=2"
 
 
@@ -52,7 +59,7 @@ def _run_processes(workdir: str, cache: str, count: int = 2, timeout: int = 900)
   for i, log in enumerate(logs):
     with open(log, "w") as out:  # a file, not a pipe: no process waits on a full pipe
       procs.append(subprocess.Popen(
-          [sys.executable, "experiments/main.py", *SETTING, f"--workdir={workdir}",
+          [sys.executable, "experiments/main.py", *SETTING, *STUDY, f"--workdir={workdir}",
            f"--compilation_cache={cache}", f"--coordinator_address=127.0.0.1:{port}",
            f"--num_processes={count}", f"--process_id={i}"],
           cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT))
@@ -195,7 +202,7 @@ def test_two_processes_equal_two_devices_and_rerun_nothing(tmp_path, request):
   procs = str(tmp_path / "processes")
   outputs = _run_processes(procs, cache)
   devices = str(tmp_path / "devices")
-  single = _main(*SETTING, f"--workdir={devices}", f"--compilation_cache={cache}",
+  single = _main(*SETTING, *STUDY, f"--workdir={devices}", f"--compilation_cache={cache}",
                  xla_flags=TWO_DEVICES, timeout=900)
   assert single.returncode == 0, single.stderr[-4000:]
   assert _largest_difference(_outcome(procs), _outcome(devices)) <= 1e-5
@@ -205,5 +212,7 @@ def test_two_processes_equal_two_devices_and_rerun_nothing(tmp_path, request):
   before = _stamps(procs)
   outputs = _run_processes(procs, cache)
   assert outputs[0].count("complete (step") == 3
-  assert "study of scope first_attention: 0 stage(s) computed, 9 reused" in outputs[0]
+  reused = re.search(r"study of scope first_attention: 0 stage\(s\) computed, (\d+) reused",
+                     outputs[0])
+  assert reused and int(reused.group(1)) > 0, outputs[0][-4000:]
   assert _stamps(procs) == before
