@@ -8,7 +8,6 @@ as one process with two CPU devices (``--xla_force_host_platform_device_count=2`
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -212,7 +211,6 @@ def test_two_processes_equal_two_devices_and_rerun_nothing(tmp_path, request):
   before = _stamps(procs)
   outputs = _run_processes(procs, cache)
   assert outputs[0].count("complete (step") == 3
-  reused = re.search(r"study of scope first_attention: 0 stage\(s\) computed, (\d+) reused",
-                     outputs[0])
-  assert reused and int(reused.group(1)) > 0, outputs[0][-4000:]
+  # Reused: the 3 methods' paths, the 2 Stage 1 distances' paths, the robustness check.
+  assert "study of scope first_attention: 0 stage(s) computed, 6 reused" in outputs[0]
   assert _stamps(procs) == before
