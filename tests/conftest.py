@@ -4,10 +4,10 @@ Tiers: a test that trains a model, spawns a process, executes a notebook, or tak
 15 s alone on a 2-core machine is marked ``@pytest.mark.slow``. ``pytest -m "not slow"`` runs
 the rest, the fast tier; ``pytest`` (``.ci/run``) runs every test. Both take ``-n auto --dist
 loadgroup`` (pytest-xdist): one worker per core, each test file on one worker (its module
-fixtures and the trained workdirs it asks for are made once), except the files in
-``SPREAD_OVER_WORKERS``, whose tests are long, independent and go to whichever worker is free
-(``pytest_collection_modifyitems``). The invariance,
-group-axiom and planted-recovery tests of the core stay in the fast tier whatever they take.
+fixtures and the trained workdirs it asks for are made once), except the slow tests of the
+files in ``SPREAD_OVER_WORKERS``, which are long, independent and go to whichever worker is
+free (``pytest_collection_modifyitems``). The invariance and group-axiom tests of the core,
+and a planted-recovery case of each group, stay in the fast tier whatever they take.
 
 Trained workdirs are shared: ``trained_workdir(config, dest)`` trains ``config`` (and, with
 ``study=True``, runs its study) once per test session and process, then copies the finished
@@ -28,17 +28,18 @@ from jax.experimental.compilation_cache import compilation_cache
 import pytest
 
 
-# Files whose tests each run long on their own and share no fixture that costs: spread test by
-# test over the workers, so that no worker is left with all of them at the end of the run.
+# Files whose slow tests each run long on their own and share no fixture that costs: spread test
+# by test over the workers, so that no worker is left with all of them at the end of the run.
 SPREAD_OVER_WORKERS = frozenset({"test_colabs.py", "test_learned.py"})
 
 
 def pytest_collection_modifyitems(config, items):
   """Every test's xdist group is its file (``--dist loadgroup`` keeps a file on one worker),
-  except in the files of ``SPREAD_OVER_WORKERS``."""
+  except the slow tests of the files in ``SPREAD_OVER_WORKERS``: their quick tests stay
+  together, so that only one worker compiles what they share."""
   del config
   for item in items:
-    if item.path.name not in SPREAD_OVER_WORKERS:
+    if item.path.name not in SPREAD_OVER_WORKERS or item.get_closest_marker("slow") is None:
       item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 

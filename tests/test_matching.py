@@ -227,8 +227,14 @@ def test_head_distances_equal_brute_force_circuits(x64, case):
 # ----------------------------------------------------------------------------- planted recovery
 
 
-@pytest.mark.parametrize("case", ["gl", "gl_no_bias", "gl_gqa", "rope_half_gqa",
-                                  "rope_interleaved_partial"])
+# One case of each group in the fast tier; the other cases (each compiles a matcher of its
+# own, 12-26 s) in the whole suite.
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("case", ["gl", pytest.param("gl_no_bias", marks=_SLOW),
+                                  pytest.param("gl_gqa", marks=_SLOW), "rope_half_gqa",
+                                  pytest.param("rope_interleaved_partial", marks=_SLOW)])
 def test_planted_recovery(x64, case):
   """init="best" (least-squares starts, exact on planted problems) recovers g to rounding."""
   a, b, g, site = _planted(case)
@@ -265,7 +271,7 @@ def test_init_chooses_the_start(x64):
   assert objective["full"] <= 1e-4 * objective["naive"] < 1e-2 * objective["ortho"]
 
 
-@pytest.mark.parametrize("case", ["gl", "rope_half_gqa"])
+@pytest.mark.parametrize("case", ["gl", pytest.param("rope_half_gqa", marks=_SLOW)])
 def test_noise_orders_the_methods(x64, case):
   """B = g A + noise: perm >= ortho >= full, and full well below naive."""
   a, b, _, site = _planted(case, seed=3, noise=0.2)
