@@ -3,10 +3,10 @@
 Tiers: a test that trains a model, spawns a process, executes a notebook, or takes more than
 15 s alone on a 2-core machine is marked ``@pytest.mark.slow``. ``pytest -m "not slow"`` runs
 the rest, the fast tier; ``pytest`` (``.ci/run``) runs every test. Both take ``-n auto --dist
-loadgroup`` (pytest-xdist): one worker per core, each test file on one worker (its module
-fixtures and the trained workdirs it asks for are made once), except the slow tests of the
-files in ``SPREAD_OVER_WORKERS``, which are long, independent and go to whichever worker is
-free (``pytest_collection_modifyitems``). The invariance and group-axiom tests of the core,
+loadfile`` (pytest-xdist): one worker per core, each test file on one worker (its module
+fixtures and the trained workdirs it asks for are made once), except the tests of the files in
+``SPREAD_OVER_WORKERS``, which are long, independent and go to whichever worker is free
+(``pytest_xdist_make_scheduler``). The invariance and group-axiom tests of the core,
 and a planted-recovery case of each group, stay in the fast tier whatever they take.
 
 Trained workdirs are shared: ``trained_workdir(config, dest)`` trains ``config`` (and, with
@@ -28,19 +28,46 @@ from jax.experimental.compilation_cache import compilation_cache
 import pytest
 
 
-# Files whose slow tests each run long on their own and share no fixture that costs: spread test
-# by test over the workers, so that no worker is left with all of them at the end of the run.
+# Files whose tests each run long on their own and share no fixture that costs: spread test by
+# test over the workers, so that no worker is left with all of them at the end of the run.
 SPREAD_OVER_WORKERS = frozenset({"test_colabs.py", "test_learned.py"})
+# Files that hold a test of several minutes: handed out first, so that the run does not end with
+# one worker on such a test and the other idle (xdist hands out the files with the most tests
+# first, these hold few).
+RUN_FIRST = ("test_processes.py", "test_reproduce.py")
 
 
-def pytest_collection_modifyitems(config, items):
-  """Every test's xdist group is its file (``--dist loadgroup`` keeps a file on one worker),
-  except the slow tests of the files in ``SPREAD_OVER_WORKERS``: their quick tests stay
-  together, so that only one worker compiles what they share."""
-  del config
-  for item in items:
-    if item.path.name not in SPREAD_OVER_WORKERS or item.get_closest_marker("slow") is None:
-      item.add_marker(pytest.mark.xdist_group(item.path.name))
+def xdist_scope(nodeid: str) -> str:
+  """The unit of work a test goes to a worker in: its file, or the test itself in the files
+  of ``SPREAD_OVER_WORKERS``."""
+  path = nodeid.split("::", 1)[0]
+  return nodeid if os.path.basename(path) in SPREAD_OVER_WORKERS else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+  """``--dist loadfile`` with the files of ``SPREAD_OVER_WORKERS`` spread test by test.
+
+  xdist's own ``--dist loadgroup`` (an ``xdist_group`` mark per file) no longer groups under
+  pytest 9, where a test's node id cannot be renamed: every test went to whichever worker was
+  free, and both workers set up (and trained) the module fixtures of most files. The scheduler
+  groups node ids itself (``xdist_scope``), and hands out the files of ``RUN_FIRST`` first;
+  tests/test_tiers.py checks that it groups."""
+  if config.getvalue("dist") != "loadfile":
+    return None
+  from xdist.scheduler import LoadFileScheduling  # pylint: disable=import-outside-toplevel
+
+  class FileScheduling(LoadFileScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      return xdist_scope(nodeid)
+
+    def _assign_work_unit(self, node) -> None:
+      for scope in self.workqueue:
+        if os.path.basename(scope) in RUN_FIRST:
+          self.workqueue.move_to_end(scope, last=False)
+          break
+      super()._assign_work_unit(node)
+
+  return FileScheduling(config, log)
 
 
 @pytest.fixture
