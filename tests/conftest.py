@@ -48,7 +48,7 @@ def pytest_xdist_make_scheduler(config, log):
   """``--dist loadfile`` with the files of ``SPREAD_OVER_WORKERS`` spread test by test.
 
   xdist's own ``--dist loadgroup`` (an ``xdist_group`` mark per file) no longer groups under
-  pytest 9, where a test's node id cannot be renamed: every test went to whichever worker was
+  pytest 9.2, where a test's node id cannot be renamed: every test went to whichever worker was
   free, and both workers set up (and trained) the module fixtures of most files. The scheduler
   groups node ids itself (``xdist_scope``), and hands out the files of ``RUN_FIRST`` first;
   tests/test_tiers.py checks that it groups."""

@@ -2,7 +2,7 @@
 
 Each test file runs on one worker, so that its module fixtures (trained workdirs among them) are
 made once; the files of ``SPREAD_OVER_WORKERS`` go test by test; ``RUN_FIRST`` goes first.
-xdist's ``--dist loadgroup`` stopped grouping silently under pytest 9 (every module fixture was
+xdist's ``--dist loadgroup`` stopped grouping silently under pytest 9.2 (every module fixture was
 then made on both workers), so the grouping is checked here on a run of its own.
 """
 
