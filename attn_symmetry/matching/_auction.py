@@ -32,7 +32,9 @@ Four steps, each in ``jax.lax`` loops (jittable, vmappable):
    phase's start and prices kept, down to eps of about 1e-6 of that scale (never below a few ulps
    of the largest price, so that every bid raises a price). The auction's assignment is then
    within n * eps of the optimum of the candidate problem, but not, in general, optimal.
-4. Exactness (shortest augmenting paths, Jonker-Volgenant style, on the dense C'): with
+4. Exactness. First ``tighten``: four Bellman-Ford rounds that lower each non-tight row's column
+   price by its violation (below), which leaves fewer rows non-tight. Then shortest augmenting
+   paths (Jonker-Volgenant style, on the dense C'): with
    u_i = min_j (C'[i, j] + p_j) over all columns, a row whose auctioned column attains u_i
    ("tight") keeps it; the others are freed. For each free row i0, Dijkstra over the columns with
    the reduced costs r[i, j] = C'[i, j] + p_j - u_i >= 0 (assigned rows are tight, so the edge to
@@ -42,8 +44,8 @@ Four steps, each in ``jax.lax`` loops (jittable, vmappable):
    more row assigned). This is the Hungarian method's invariant (dual feasibility and
    complementary slackness of the assigned rows), so when no row is free the assignment is
    optimal: gap = 0. The auction's prices are nearly optimal duals, so the paths are short, and
-   only the rows that the auction left non-tight are repaired (about half of the rows on random
-   costs, each path one to a few columns), not n as in the Hungarian method.
+   only the rows left non-tight are repaired (on random float32 costs at n = 4096, about a
+   quarter of the rows, about 8 Dijkstra steps each), not n as in the Hungarian method.
 
 Which of several optimal assignments is returned depends on the steps above (ties are not
 broken as scipy breaks them). Rounding: C' + p is evaluated in the costs' dtype; in float32,
