@@ -229,6 +229,7 @@ def reduced(config: ml_collections.ConfigDict) -> None:
   r.seeds = (1, 2, 3)
   s = config.study
   s.num_lambdas, s.match_steps, s.learn_steps, s.learn_holdout_batches = 5, 50, 20, 1
+  s.permutation_ablation_seeds = ()  # the ablation on every pair of the three seeds
   s.eval_examples = min(s.eval_examples or 128, 128)
 
 
