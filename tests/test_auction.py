@@ -43,7 +43,8 @@ def test_optimal_in_float64_with_a_zero_gap(x64, n, kind):
   assert abs(float(solution.gap)) <= 1e-12 * n
 
 
-@pytest.mark.parametrize("kind", ["random", "near_permutation"])
+@pytest.mark.parametrize("kind", ["random",
+                                  pytest.param("near_permutation", marks=pytest.mark.slow)])
 def test_optimal_in_float32_within_1e6(kind):
   """512 rows in float32, and 1024 (where the candidates come from block minima)."""
   for n in (512, 1024):
@@ -104,6 +105,7 @@ def test_a_batch_under_vmap(x64):
     _assert_optimal(c, p, rtol=1e-12)
 
 
+@pytest.mark.slow  # 9 s: a program of its own for the accelerators' bidding block
 def test_an_accelerator_block_on_cpu(x64):
   """The block of rows bidding at once (ACCELERATOR_BLOCK off CPU) changes nothing but speed."""
   cost = _random(200, 8)
