@@ -23,7 +23,7 @@ Five re-initialisation seeds give ten pairs per scope; the Table 1 ViT
 settings move to ten (45 pairs) as they are rerun (``TEN_SEEDS``), since
 five cannot tell their methods apart from the paper's ranges at the seed
 level; their 24-permutation ablation runs on the ten pairs of seeds 1-5
-(it took ~110 s a pair on one core, two thirds of a pair's study). The
+(108-140 s a pair on one shared core, two thirds of a pair's study). The
 "full" method
 refines as the paper does, with 200 Adam steps from the Procrustes solution
 (``study.match_solver = "adam"``; the library's default is Gauss-Newton).
