@@ -26,7 +26,7 @@ def test_each_file_is_one_unit_but_the_spread_ones():
   assert conftest.xdist_scope("tests/test_study.py::Case::test_b") == "tests/test_study.py"
   spread = f"tests/{sorted(conftest.SPREAD_OVER_WORKERS)[0]}::test_c[p]"
   assert conftest.xdist_scope(spread) == spread
-  assert set(conftest.RUN_FIRST) <= {f for f in os.listdir(os.path.join(ROOT, "tests"))}
+  assert set(conftest.RUN_FIRST) <= set(os.listdir(os.path.join(ROOT, "tests")))
 
 
 def test_the_commands_use_the_suites_scheduler():
