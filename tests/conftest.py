@@ -20,6 +20,8 @@ import copy
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -77,11 +79,70 @@ def x64():
     yield
 
 
+# XLA:CPU options for the test run, which spends most of its time compiling small programs
+# (every eager float64 op, every test's own shapes) rather than running them: LLVM at -O0, and
+# XLA's element-wise code generator instead of its fusion emitters. Measured on one core,
+# side by side: tests/test_matching.py 417 s -> 126 s, tests/test_group_action.py 144 s ->
+# 48 s, a training file pair (test_stopping, test_mlm) 115 s -> 84 s. The programs compute the
+# same functions; float32 sums may round in another order, which no test's tolerance depends
+# on. Tests that compare with committed numbers run their process without them
+# (``compile_options_removed``).
+FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0",
+                          "--xla_cpu_use_fusion_emitters=false")
+
+
+def with_fast_compile(flags: str) -> str:
+  """``flags`` (an ``XLA_FLAGS`` value) with the options of ``FAST_COMPILE_XLA_FLAGS`` it does
+  not set yet appended."""
+  names = {f.split("=", 1)[0] for f in flags.split()}
+  return " ".join([*flags.split(), *(f for f in FAST_COMPILE_XLA_FLAGS
+                                     if f.split("=", 1)[0] not in names)])
+
+
+def compile_options_removed(env: dict[str, str]) -> dict[str, str]:
+  """``env`` with ``XLA_FLAGS`` as it was before the test run added its compile options: for a
+  process whose numbers are compared with numbers computed without them."""
+  env = dict(env)
+  flags = env.pop("ATTN_SYMMETRY_XLA_FLAGS_BEFORE_TESTS", None)
+  env.pop("XLA_FLAGS", None)
+  if flags:
+    env["XLA_FLAGS"] = flags
+  return env
+
+
+def _xla_accepts(flags: str) -> bool:
+  """Whether a JAX process starts with ``XLA_FLAGS=flags``: XLA aborts on a flag it does not
+  know, and a later jaxlib may drop one of these."""
+  probe = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
+                         env=dict(os.environ, XLA_FLAGS=flags), capture_output=True, timeout=120)
+  return probe.returncode == 0
+
+
+def _use_fast_compile(config) -> None:
+  """Sets ``XLA_FLAGS`` for this run (in the controlling process, before xdist starts its
+  workers, which inherit it, as do the processes that tests start)."""
+  if "PYTEST_XDIST_WORKER" in os.environ or "ATTN_SYMMETRY_XLA_FLAGS_BEFORE_TESTS" in os.environ:
+    return
+  before = os.environ.get("XLA_FLAGS", "")
+  os.environ["ATTN_SYMMETRY_XLA_FLAGS_BEFORE_TESTS"] = before
+  flags = with_fast_compile(before)
+  if flags == before:
+    return
+  if not _xla_accepts(flags):  # tests/test_tiers.py then fails: the options need updating
+    config.issue_config_time_warning(pytest.PytestConfigWarning(
+        f"this jaxlib refuses XLA_FLAGS={flags!r}: the tests compile at XLA's defaults "
+        "(slower)"), stacklevel=2)
+    return
+  os.environ["XLA_FLAGS"] = flags
+
+
 def pytest_configure(config):
   """One persistent compilation cache for the test run, shared by its xdist workers: tests
   build the same programs again and again (every training builds its step anew, every study
   its evaluator), and a program compiled once, by either worker, then loads from disk. It
-  lives in the run's temporary folder, so that no run reads another's programs."""
+  lives in the run's temporary folder, so that no run reads another's programs. And the
+  run's XLA compile options (``FAST_COMPILE_XLA_FLAGS``)."""
+  _use_fast_compile(config)
   run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
   config.run_cache = os.path.join(tempfile.gettempdir(), "attn_symmetry_tests", run)
   jax.config.update("jax_compilation_cache_dir", os.path.join(config.run_cache, "jax_cache"))

@@ -40,11 +40,10 @@ def _free_port() -> int:
 
 
 def _env(xla_flags: str = "") -> dict[str, str]:
-  env = dict(os.environ, PYTHONPATH=REPO)
-  env.pop("XLA_FLAGS", None)
-  if xla_flags:
-    env["XLA_FLAGS"] = xla_flags
-  return env
+  """The test's environment with ``xla_flags`` added to its ``XLA_FLAGS`` (the test run's
+  compile options, tests/conftest.py)."""
+  return dict(os.environ, PYTHONPATH=REPO,
+              XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS"), xla_flags])))
 
 
 def _main(*args: str, xla_flags: str = "", timeout: int = 60) -> subprocess.CompletedProcess:

@@ -83,3 +83,23 @@ def test_a_file_stays_on_one_worker_and_sets_up_its_fixtures_once(tmp_path):
   assert all(len(setups[name]) == 1 and len(workers[name]) == 1 for name in names[:-1]), setups
   assert len(workers[spread]) == 2, workers
   assert names[3] in first.values(), first  # a file of RUN_FIRST is some worker's first
+
+
+def test_the_run_compiles_with_its_options_and_a_committed_rerun_without_them():
+  """This process (and those it starts) compile with the run's XLA options; a process whose
+  numbers meet committed ones gets the flags the run started with."""
+  flags = os.environ["XLA_FLAGS"].split()
+  assert set(conftest.FAST_COMPILE_XLA_FLAGS) <= set(flags)
+  before = os.environ["ATTN_SYMMETRY_XLA_FLAGS_BEFORE_TESTS"]
+  rerun = conftest.compile_options_removed(os.environ)
+  assert rerun.get("XLA_FLAGS", "") == before
+  assert "ATTN_SYMMETRY_XLA_FLAGS_BEFORE_TESTS" not in rerun
+
+
+def test_the_compile_options_join_a_users_flags_without_overriding_them():
+  own = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=2"
+  joined = conftest.with_fast_compile(own).split()
+  assert joined[:2] == own.split()  # the user's level stays
+  assert joined[2:] == ["--xla_cpu_use_fusion_emitters=false"]
+  assert conftest.with_fast_compile("") == " ".join(conftest.FAST_COMPILE_XLA_FLAGS)
+  assert conftest.compile_options_removed({"XLA_FLAGS": "x", "PATH": "p"}) == {"PATH": "p"}
