@@ -18,6 +18,8 @@ import nbclient  # in the [test] extra: a missing runner fails the run, it does 
 import nbformat
 import pytest
 
+from tests import conftest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "colabs", "*.ipynb")))
 # Notebooks held to the structure below: every notebook of colabs/ (a test checks that).
@@ -52,11 +54,13 @@ def test_there_are_notebooks():
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path, tmp_path, monkeypatch):
-  """Executes every cell in a fresh kernel, in an empty folder, with matplotlib's Agg backend;
-  any exception (a failed assert included) fails the test with the cell's traceback."""
+  """Executes every cell in a fresh kernel, in an empty folder, with matplotlib's Agg backend
+  and the compile options of a workload (tests/conftest.py); any exception (a failed assert
+  included) fails the test with the cell's traceback."""
   nb = _read(path)
   assert not any("!pip" in c.source for c in _code_cells(nb))  # the install cell is Python
   monkeypatch.setenv("MPLBACKEND", "Agg")
+  monkeypatch.setenv("XLA_FLAGS", conftest.workload_env(os.environ)["XLA_FLAGS"])
   # experiments/ is not installed: a notebook imports it from the checkout, as in Colab.
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
   client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",

@@ -103,3 +103,7 @@ def test_the_compile_options_join_a_users_flags_without_overriding_them():
   assert joined[2:] == ["--xla_cpu_use_fusion_emitters=false"]
   assert conftest.with_fast_compile("") == " ".join(conftest.FAST_COMPILE_XLA_FLAGS)
   assert conftest.compile_options_removed({"XLA_FLAGS": "x", "PATH": "p"}) == {"PATH": "p"}
+  kernel = conftest.workload_env({"XLA_FLAGS": "x --xla_backend_optimization_level=0",
+                                  "ATTN_SYMMETRY_XLA_FLAGS_BEFORE_TESTS": "x"})
+  assert kernel == {"XLA_FLAGS": "x --xla_backend_optimization_level=1 "
+                                 "--xla_cpu_use_fusion_emitters=false"}
