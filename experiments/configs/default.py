@@ -73,7 +73,6 @@ def runlocal(config: ml_collections.ConfigDict) -> None:
   if config.dataset.seq_len:
     config.dataset.seq_len = min(config.dataset.seq_len, 32)
   config.dataset.num_workers = 0
-  config.dataset.validation_examples = 256  # the stopping rule's evaluations: a few batches
   train = config.train
   train.num_steps = 8
   train.batch_size = 8
