@@ -126,8 +126,9 @@ def compile_options_removed(env: dict[str, str]) -> dict[str, str]:
 def _xla_accepts(flags: str) -> bool:
   """Whether a JAX process starts with ``XLA_FLAGS=flags``: XLA aborts on a flag it does not
   know, and a later jaxlib may drop one of these."""
-  probe = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
-                         env=dict(os.environ, XLA_FLAGS=flags), capture_output=True, timeout=120)
+  code = "import jax; jax.numpy.zeros(1).block_until_ready()"
+  probe = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, XLA_FLAGS=flags),
+                         capture_output=True, timeout=120)
   return probe.returncode == 0
 
 
