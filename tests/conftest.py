@@ -87,8 +87,13 @@ def x64():
 # same functions; float32 sums may round in another order, which no test's tolerance depends
 # on. Tests that compare with committed numbers run their process without them
 # (``compile_options_removed``).
-FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0",
-                          "--xla_cpu_use_fusion_emitters=false")
+def fast_compile_flags(optimization_level: int = 0) -> tuple[str, ...]:
+  """The compile options, LLVM at ``optimization_level``."""
+  return (f"--xla_backend_optimization_level={optimization_level}",
+          "--xla_cpu_use_fusion_emitters=false")
+
+
+FAST_COMPILE_XLA_FLAGS = fast_compile_flags(0)
 # A notebook's kernel runs whole trainings and path evaluations, where -O0's slower code costs
 # more than its faster compiling saves: LLVM at -O1 there. One core, colabs/03 (training, then
 # 28 paths of 13 points): 95 s at XLA's defaults, 148 s at -O0, 59 s at -O1; colabs/02 87 s at
@@ -97,11 +102,16 @@ WORKLOAD_OPTIMIZATION_LEVEL = 1
 
 
 def with_fast_compile(flags: str, optimization_level: int = 0) -> str:
-  """``flags`` (an ``XLA_FLAGS`` value) with the options of ``FAST_COMPILE_XLA_FLAGS`` that it
-  does not set yet appended, LLVM's level set to ``optimization_level``."""
+  """``flags`` (an ``XLA_FLAGS`` value) with the options of ``fast_compile_flags`` that it
+  does not set yet appended."""
   own = {f.split("=", 1)[0] for f in flags.split()}
-  ours = [f.replace("level=0", f"level={optimization_level}") for f in FAST_COMPILE_XLA_FLAGS]
-  return " ".join([*flags.split(), *(f for f in ours if f.split("=", 1)[0] not in own)])
+  return with_xla_flags(flags, *(f for f in fast_compile_flags(optimization_level)
+                                 if f.split("=", 1)[0] not in own))
+
+
+def with_xla_flags(flags: str | None, *more: str) -> str:
+  """``flags`` (an ``XLA_FLAGS`` value, or None) with ``more`` appended."""
+  return " ".join([*(flags or "").split(), *more])
 
 
 def workload_env(env: dict[str, str]) -> dict[str, str]:

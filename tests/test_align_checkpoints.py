@@ -378,7 +378,8 @@ def test_planted_pair_is_recovered(family, tmp_path):
   if images:  # lambda 0.25 is no point of the 5-point curve: evaluated on its own. B' is A
     # (planted exactly), so the merged model is A's.
     merged = report["merged"]
-    assert merged["lambda"] == 0.25 and merged["a"]["loss"] == _interpolation(out)["after"]["loss"][0]
+    assert merged["lambda"] == 0.25
+    assert merged["a"]["loss"] == _interpolation(out)["after"]["loss"][0]
     np.testing.assert_allclose([merged["loss"], merged["b"]["loss"]], merged["a"]["loss"],
                                rtol=1e-4)
   else:

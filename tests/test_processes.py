@@ -20,6 +20,7 @@ from attn_symmetry import data
 from experiments import inputs
 from experiments import main
 from experiments.configs import quickstart
+from tests import conftest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTING = ["--config=experiments/configs/quickstart.py:runlocal",
@@ -43,7 +44,7 @@ def _env(xla_flags: str = "") -> dict[str, str]:
   """The test's environment with ``xla_flags`` added to its ``XLA_FLAGS`` (the test run's
   compile options, tests/conftest.py)."""
   return dict(os.environ, PYTHONPATH=REPO,
-              XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS"), xla_flags])))
+              XLA_FLAGS=conftest.with_xla_flags(os.environ.get("XLA_FLAGS"), *xla_flags.split()))
 
 
 def _main(*args: str, xla_flags: str = "", timeout: int = 60) -> subprocess.CompletedProcess:
