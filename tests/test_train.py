@@ -275,6 +275,7 @@ def test_transfer_fine_tunes_on_the_second_data_set(tmp_path, monkeypatch):
   """A->B: the base model learns MNIST digits, the re-initialised scope Fashion-MNIST."""
   config = vit_mnist_to_fashion.get_config("runlocal")
   config.reinit.scopes, config.reinit.seeds = ("first_attention",), (1, 2)
+  config.dataset.validation_examples = 256  # the stopping rule's checks: not under test here
   read = []
   for reader in ("train_batches", "eval_batches"):
     _record_reads(monkeypatch, reader, read)
