@@ -97,7 +97,8 @@ FAST_COMPILE_XLA_FLAGS = fast_compile_flags(0)
 # A notebook's kernel runs whole trainings and path evaluations, where -O0's slower code costs
 # more than its faster compiling saves: LLVM at -O1 there. One core, colabs/03 (training, then
 # 28 paths of 13 points): 95 s at XLA's defaults, 148 s at -O0, 59 s at -O1; colabs/02 87 s at
-# -O0, 74 s at -O1; colabs/01 (small programs) 23 s at -O0, 30 s at -O1.
+# -O0, 74 s at -O1; colabs/01 (small programs) 23 s at -O0, 30 s at -O1, so it keeps -O0
+# (tests/test_colabs.py, COMPILE_BOUND).
 WORKLOAD_OPTIMIZATION_LEVEL = 1
 
 
