@@ -179,7 +179,8 @@ def _bert_mlm(config: ml_collections.ConfigDict, pos: str) -> None:
 
 # The Table 1 settings rerun with ten re-initialisation seeds (45 pairs; module docstring). A
 # setting joins when its ten-seed run is committed: the committed runs keep their config.
-TEN_SEEDS = frozenset({"table1_vit_mnist_ape", "table1_vit_fashion_ape", "table1_vit_mnist_rope"})
+TEN_SEEDS = frozenset({"table1_vit_mnist_ape", "table1_vit_fashion_ape", "table1_vit_mnist_rope",
+                       "table1_vit_fashion_rope"})
 
 
 def _table1_vit(config: ml_collections.ConfigDict, name: str, pos: str, dataset: str) -> None:
