@@ -149,8 +149,9 @@ def _define_flags() -> None:
                        "--setting), each in a process of its own; with --setting, recorded in "
                        "run.json as the number of settings that shared the machine.")
   flags.DEFINE_bool("list", False, "List the settings and exit.")
-  flags.DEFINE_bool("table", False, "Rewrite the table of results/README.md from the committed "
-                    "results and exit.")
+  flags.DEFINE_bool("table", False, "Rewrite the table and the verdicts of results/README.md "
+                    "from the committed results, after restating each run's statistics from its "
+                    "measured pairs (results.json, summary.md), and exit.")
   flags.DEFINE_bool("reduced", False, "The reduced form of the setting (about a minute).")
   flags.DEFINE_string("workdir_root", os.path.join(tempfile.gettempdir(), "attn_symmetry",
                                                    "reproduce"),

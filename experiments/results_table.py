@@ -6,6 +6,10 @@ and scope, the barriers as shares of naive, Stage 1's rank and L-hat, the wall
 time, the commit and the command, all read from ``results/<setting>/run.json``,
 ``config.json`` and ``<scope>/results.json``; nothing is typed in. It also
 writes the verdict on each of the paper's claims (``claims.verdict_table``).
+Before that it restates each committed run (``restate``): what its reports derive
+from its measured pairs (the statistics, the seed-level intervals, summary.md)
+is rewritten as the current code derives it, so that runs stored before a
+statistic was added carry it too.
 """
 
 from __future__ import annotations
@@ -125,10 +129,61 @@ def _replace_between(text: str, begin: str, end: str, body: str, path: str) -> s
   return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
 
 
+def restate(setting_dir: str) -> list[str]:
+  """Rewrites what a committed setting's reports derive from its measured pairs, as the
+  current code derives it: each scope's ``results.json`` "methods" and "differences"
+  (``report.summarise_methods``, ``report.paired_differences``: the seed-level intervals of
+  reports stored before them) and the setting's ``summary.md``, as the study writes them.
+  The pairs, curves, endpoints and ablations stay as measured (the distance ablation's
+  summaries too: its pairs are not stored). Returns the paths whose bytes changed."""
+  with open(os.path.join(setting_dir, "config.json")) as f:
+    config = json.load(f)
+  title = f"LMC study: {config['model']['family']} on {config['dataset']['name']}"
+  results, changed = {}, []
+  for scope in config["reinit"]["scopes"]:
+    path = os.path.join(setting_dir, scope, "results.json")
+    with open(path) as f:
+      stored = json.load(f)
+    res = {}
+    for key, value in stored.items():
+      if key == "differences":
+        continue
+      res[key] = value
+      if key == "methods":
+        res["methods"] = report.summarise_methods(stored["pairs"])
+        res["differences"] = report.paired_differences(stored["pairs"])
+    results[scope] = res
+    changed += _write_if_changed(path, json.dumps(res, indent=1))
+  summary = os.path.join(setting_dir, "summary.md")
+  return changed + _write_if_changed(summary, report.markdown_summary(title, results))
+
+
+def _write_if_changed(path: str, text: str) -> list[str]:
+  with open(path) as f:
+    if f.read() == text:
+      return []
+  atomic_io.write_text(path, text)
+  return [path]
+
+
+def setting_dirs(results_root: str) -> list[str]:
+  """Every committed run's folder under ``results_root``: each setting's, and its reduced
+  form's (``<setting>/reduced``) where committed."""
+  dirs = []
+  for setting in sorted(os.listdir(results_root)):
+    for d in (os.path.join(results_root, setting), os.path.join(results_root, setting, "reduced")):
+      if os.path.exists(os.path.join(d, "run.json")) and os.path.exists(os.path.join(d, "config.json")):
+        dirs.append(d)
+  return dirs
+
+
 def write(results_root: str) -> str:
-  """Replaces the generated blocks of ``results_root/README.md``: the table (between
-  ``MARK_BEGIN`` and ``MARK_END``) and the verdicts on the paper's claims
-  (``claims.verdict_table``, between ``VERDICTS_BEGIN`` and ``VERDICTS_END``)."""
+  """Restates every committed run (``restate``), then replaces the generated blocks of
+  ``results_root/README.md``: the table (between ``MARK_BEGIN`` and ``MARK_END``) and the
+  verdicts on the paper's claims (``claims.verdict_table``, between ``VERDICTS_BEGIN`` and
+  ``VERDICTS_END``)."""
+  for d in setting_dirs(results_root):
+    restate(d)
   path = os.path.join(results_root, "README.md")
   with open(path) as f:
     text = f.read()

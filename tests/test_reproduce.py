@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from experiments import config_checks
+from experiments import report
 from experiments import results_table
 from experiments import runner
 from experiments import scheduler
@@ -81,6 +82,43 @@ def test_reduced_rerun_gives_the_committed_numbers(tmp_path):
   with open(os.path.join(COMMITTED, "summary.md")) as f:
     committed_summary = f.read()
   assert "## Re-initialisation scope: first_attention" in committed_summary
+
+
+def test_committed_reports_are_restated_by_the_current_code(tmp_path):
+  """Every committed run's results.json statistics (seed-level intervals included) and
+  summary.md are what the current code derives from its stored pairs: restating a copy
+  changes no byte."""
+  root = tmp_path / "results"
+  shutil.copytree(os.path.join(REPO, "results"), root, ignore=shutil.ignore_patterns("*.png"))
+  dirs = results_table.setting_dirs(str(root))
+  assert len(dirs) > 1 and str(root / SMALLEST / "reduced") in dirs
+  changed = [p for d in dirs for p in results_table.restate(d)]
+  assert not changed, f"run reproduce.py --table: {changed}"
+  for d in dirs:
+    with open(os.path.join(d, "config.json")) as f:
+      scopes = json.load(f)["reinit"]["scopes"]
+    for scope in scopes:
+      with open(os.path.join(d, scope, "results.json")) as f:
+        methods = json.load(f)["methods"]
+      assert all("loss_barrier_ratio_pct_seed_ci" in row and
+                 "accuracy_barrier_ratio_pct_seed_ci" in row for row in methods.values())
+
+
+def test_restate_derives_the_statistics_from_the_pairs(tmp_path):
+  """A results.json stored with stale statistics gets the current ones, from its pairs."""
+  setting = tmp_path / SMALLEST
+  shutil.copytree(COMMITTED, setting, ignore=shutil.ignore_patterns("*.png"))
+  path = setting / "first_attention" / "results.json"
+  res = json.loads(path.read_text())
+  res["methods"] = {m: {"loss_barrier_mean": 0.0} for m in res["methods"]}
+  del res["differences"]
+  path.write_text(json.dumps(res, indent=1))
+  assert results_table.restate(str(setting)) == [str(path)]  # summary.md: from the pairs too
+  restated = json.loads(path.read_text())
+  assert restated["methods"] == report.summarise_methods(res["pairs"])
+  assert restated["differences"] == report.paired_differences(res["pairs"])
+  assert list(restated) == list(_load(COMMITTED))  # the study's order of keys
+  assert results_table.restate(str(setting)) == []
 
 
 def test_commit_column_marks_edited_code_but_not_reports_of_other_settings():
