@@ -172,7 +172,7 @@ def setting_dirs(results_root: str) -> list[str]:
   dirs = []
   for setting in sorted(os.listdir(results_root)):
     for d in (os.path.join(results_root, setting), os.path.join(results_root, setting, "reduced")):
-      if os.path.exists(os.path.join(d, "run.json")) and os.path.exists(os.path.join(d, "config.json")):
+      if all(os.path.exists(os.path.join(d, name)) for name in ("run.json", "config.json")):
         dirs.append(d)
   return dirs
 
