@@ -262,6 +262,14 @@ def _overlap_note(overlap: Mapping[str, str]) -> str:
           "no data).")
 
 
+def study_title(config: Mapping[str, Any]) -> str:
+  """summary.md's title: the model family and the data set the study evaluates on (the
+  re-initialised runs' own, where they fine-tune on another); ``config`` is a run's config
+  (a ConfigDict, or its config.json)."""
+  dataset = config["reinit"]["dataset"] or config["dataset"]["name"]
+  return f"LMC study: {config['model']['family']} on {dataset}"
+
+
 def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any]]) -> str:
   """``summary.md``: per scope, the barrier table and the Table 1 ablations."""
   lines = [f"# {title}", ""]

@@ -138,7 +138,7 @@ def restate(setting_dir: str) -> list[str]:
   summaries too: its pairs are not stored). Returns the paths whose bytes changed."""
   with open(os.path.join(setting_dir, "config.json")) as f:
     config = json.load(f)
-  title = f"LMC study: {config['model']['family']} on {config['dataset']['name']}"
+  title = report.study_title(config)
   results, changed = {}, []
   for scope in config["reinit"]["scopes"]:
     path = os.path.join(setting_dir, scope, "results.json")

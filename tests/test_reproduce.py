@@ -104,6 +104,18 @@ def test_committed_reports_are_restated_by_the_current_code(tmp_path):
                  "accuracy_barrier_ratio_pct_seed_ci" in row for row in methods.values())
 
 
+def test_summary_title_names_the_data_set_the_study_evaluates_on():
+  """A transfer setting's study evaluates on the data set its re-initialised runs fine-tune on,
+  and its summary says so (restate writes the title the study wrote)."""
+  with open(os.path.join(REPO, "results", "scopes_vit_mnist_to_fashion_attention",
+                         "config.json")) as f:
+    config = json.load(f)
+  assert config["dataset"]["name"] == "mnist5k"
+  assert report.study_title(config) == "LMC study: vit on fashion_mnist_deb"
+  assert report.study_title(cpu_paper.get_config("table1_vit_mnist_ape")) == (
+      "LMC study: vit on mnist5k")
+
+
 def test_restate_derives_the_statistics_from_the_pairs(tmp_path):
   """A results.json stored with stale statistics gets the current ones, from its pairs."""
   setting = tmp_path / SMALLEST
