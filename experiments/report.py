@@ -139,6 +139,12 @@ def summarise_methods(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str,
   return out
 
 
+def pair_statistics(pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  """What a study's results.json derives from its pairs: {"methods": ``summarise_methods``,
+  "differences": ``paired_differences``} (``results_table.restate`` rewrites these)."""
+  return {"methods": summarise_methods(pairs), "differences": paired_differences(pairs)}
+
+
 def paired_differences(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
   """Pair by pair differences of loss-barrier ratios between the methods of
   ``DIFFERENCES`` that the pairs hold ("full - ortho": full's ratio minus Variant 2's, in

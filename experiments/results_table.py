@@ -132,8 +132,7 @@ def _replace_between(text: str, begin: str, end: str, body: str, path: str) -> s
 def restate(setting_dir: str) -> list[str]:
   """Rewrites what a committed setting's reports derive from its measured pairs, as the
   current code derives it: each scope's ``results.json`` "methods" and "differences"
-  (``report.summarise_methods``, ``report.paired_differences``: the seed-level intervals of
-  reports stored before them) and the setting's ``summary.md``, as the study writes them.
+  (``report.pair_statistics``: the seed-level intervals of reports stored before them) and the setting's ``summary.md``, as the study writes them.
   The pairs, curves, endpoints and ablations stay as measured (the distance ablation's
   summaries too: its pairs are not stored). Returns the paths whose bytes changed."""
   with open(os.path.join(setting_dir, "config.json")) as f:
@@ -144,14 +143,10 @@ def restate(setting_dir: str) -> list[str]:
     path = os.path.join(setting_dir, scope, "results.json")
     with open(path) as f:
       stored = json.load(f)
-    res = {}
-    for key, value in stored.items():
-      if key == "differences":
-        continue
-      res[key] = value
-      if key == "methods":
-        res["methods"] = report.summarise_methods(stored["pairs"])
-        res["differences"] = report.paired_differences(stored["pairs"])
+    derived = report.pair_statistics(stored["pairs"])
+    kept = [k for k in stored if k not in derived]
+    at = kept.index("ablation") if "ablation" in kept else len(kept)  # the study's order
+    res = {**{k: stored[k] for k in kept[:at]}, **derived, **{k: stored[k] for k in kept[at:]}}
     results[scope] = res
     changed += _write_if_changed(path, json.dumps(res, indent=1))
   summary = os.path.join(setting_dir, "summary.md")
