@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from experiments import claims
 from experiments import config_checks
 from experiments import report
 from experiments import results_table
@@ -196,6 +197,51 @@ def test_committed_runs_are_the_settings_of_the_committed_config(setting):
   now = dict(_leaves(json.loads(cpu_paper.get_config(setting).to_json())))
   changed = {k: (v, now.get(k)) for k, v in recorded.items() if now.get(k) != v}
   assert not changed, f"{setting}: fields changed since its run (recorded, now): {changed}"
+
+
+def test_a_run_on_every_core_reports_beside_the_one_core_run():
+  """--noone_core follows another float32 trajectory: its reports go to every_core/, never over
+  the committed one-core run's, and its command says how it ran."""
+  assert runner.results_dir("r", "s", reduced=False, one_core=True) == os.path.join("r", "s")
+  assert runner.results_dir("r", "s", reduced=False, one_core=False) == os.path.join(
+      "r", "s", "every_core")
+  assert runner.results_dir("r", "s", reduced=True, one_core=True) == os.path.join(
+      "r", "s", "reduced")
+  assert runner.command("s", False, one_core=False) == (
+      "python experiments/reproduce.py --setting=s --noone_core")
+
+
+def test_trajectory_table_says_where_each_mean_of_the_every_core_run_falls(tmp_path):
+  """Each method's every-core mean is set against the one-core run's interval over seeds:
+  unchanged pairs fall inside it; full's barriers made ten times larger, above it. The
+  every-core run is restated with the others and judged by no claim."""
+  setting = tmp_path / "s"
+  shutil.copytree(COMMITTED, setting, ignore=shutil.ignore_patterns("*.png"))
+  shutil.copytree(COMMITTED, setting / "every_core", ignore=shutil.ignore_patterns("*.png"))
+  path = setting / "every_core" / "first_attention" / "results.json"
+  res = json.loads(path.read_text())
+  for pair in res["pairs"]:
+    pair["methods"]["full"]["loss_barrier"] *= 10
+  path.write_text(json.dumps(res))
+  run = json.loads((setting / "every_core" / "run.json").read_text())
+  run["machine"]["cores_used"], run["command"] = 2, runner.command("s", True, one_core=False)
+  (setting / "every_core" / "run.json").write_text(json.dumps(run))
+  table = results_table.trajectory_table(str(tmp_path))
+  rows = {line.split(" | ")[2].split(" (")[0]: line for line in table.splitlines()
+          if line.startswith("| s |")}
+  assert list(rows) == ["naive", "Variant 1", "Variant 2", "full", "learned"]
+  full = report.summarise_methods(res["pairs"])["full"]["loss_barrier_ratio_pct"]
+  low, high = json.loads((setting / "first_attention" / "results.json").read_text())[
+      "methods"]["full"]["loss_barrier_ratio_pct_seed_ci"]
+  assert full > high and rows["full"].endswith("| above |")
+  assert all(rows[m].endswith("| inside |") for m in ("naive", "Variant 1", "Variant 2",
+                                                      "learned"))
+  assert "on 2 cores" in table and "--noone_core" in table
+  assert str(setting / "every_core") in results_table.setting_dirs(str(tmp_path))
+  assert results_table.restate(str(setting / "every_core")) == [  # its stale statistics
+      str(path), str(setting / "every_core" / "summary.md")]
+  assert {(r.setting, r.scope) for r in claims.verdict_rows(str(tmp_path))} == {
+      ("s", "first_attention")}
 
 
 def test_table_says_when_a_ratio_leaves_out_pairs(tmp_path):
