@@ -581,7 +581,8 @@ def test_a_broken_alignment_is_refused_before_anything_is_written(tmp_path, caps
 
   def broken(spec, params, element, *, consume):
     out = apply_by_group(spec, params, element, consume=consume)
-    out["layers_1"]["attention"]["out"]["kernel"] *= 1.5
+    if "layers_1" in out:  # the streamed alignment applies g one group at a time
+      out["layers_1"]["attention"]["out"]["kernel"] *= 1.5
     return out
 
   monkeypatch.setattr(align, "_apply_by_group", broken)

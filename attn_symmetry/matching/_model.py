@@ -575,12 +575,18 @@ def _check_model_pair(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: P
   _attention.check_finite(flat_b, "params_b")
 
 
+def _needs_folding(spec: spec_lib.SymmetrySpec, names: Sequence[str]) -> bool:
+  """Whether an orthogonal factor among ``names`` meets norm scales, which are then folded
+  (``group_action.fold_norm_scales``) before the descent."""
+  return any(spec.factors[f].kind == "orthogonal" for f in spec.factors
+             if f in names and any(f in spec.axes[p] for p in spec.norm_scales))
+
+
 def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps, learning_rate,
                      max_rounds, init=_attention.INITS[0], refine=REFINES[0],
                      solver=_attention.SOLVERS[0]):
   params_a, params_b = _attention.upcast(params_a), _attention.upcast(params_b)
-  needs_folding = any(spec.factors[f].kind == "orthogonal" for f in spec.factors
-                      if f in names and any(f in spec.axes[p] for p in spec.norm_scales))
+  needs_folding = _needs_folding(spec, names)
   if needs_folding:
     params_a = group_action.fold_norm_scales(spec, params_a)
     params_b = group_action.fold_norm_scales(spec, params_b)
