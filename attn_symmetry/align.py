@@ -53,7 +53,24 @@ merged; aligned_a/ holds A'. Otherwise A' is A itself, and aligned_b/ lies
 close to MODEL_A. report.json's "compare" names the two folders: ["aligned_a",
 "aligned_b"] or ["MODEL_A", "aligned_b"].
 
-Memory and time. Peak memory stays within 3x the two checkpoints' size
+Streaming. Every method but "learned", without an evaluation file, streams:
+the check stage is followed by "align" (``matching.align_model_streamed``: the
+descent reads both models one group of tensors at a time, a ``layers_i`` or the
+embeddings or the final norm with the head, kept in their stored dtype and
+computed in float32; a round is a pass over the layers plus the residual's
+reduction) and "apply" (a last pass: each group of B' = g . B computed, rounded
+and written tensor by tensor into the output folders, ``safetensors_io.FolderWriter``,
+with the distances summed). Memory then holds a group of each model, not the
+models, and does not grow with depth. The function check, ``Alignment.params``
+and ``params_a`` need A, B and their aligned copies whole in float32: they are
+computed only where four float32 models fit the memory budget
+(``memory_budget``, ``--memory-budget``; default the machine's memory), and
+otherwise the report's "function_check" says why it was skipped. "learned" trains
+on the interpolated model's loss and an evaluation runs whole models: both load
+the models whole (the stages below), and are refused before any work where that
+does not fit the budget; so is a streamed alignment whose largest group does not.
+
+Memory and time (whole models: "learned" or an evaluation). Peak memory stays within 3x the two checkpoints' size
 (``benchmarks/bench_align_checkpoints.py``, GPT-2 small in float32): the
 models are read one tensor at a time, B' is computed one top-level group of
 leaves at a time with B's group released after it (B is kept only for an
@@ -132,9 +149,10 @@ class Alignment(NamedTuple):
   Attributes:
     model: the zoo ``Model`` of both checkpoints (``model.apply(params, inputs)``).
     params_a: A's float32 parameters, or A' (norm scales folded, values rounded to
-      the written dtypes: what DIR/aligned_a holds) if report["folded_norm_scales"].
+      the written dtypes: what DIR/aligned_a holds) if report["folded_norm_scales"];
+      None for a streamed alignment whose four float32 models do not fit the memory budget.
     params: B' = g . B in float32, in the same parametrisation, values rounded to
-      the written dtypes: what DIR/aligned_b holds.
+      the written dtypes: what DIR/aligned_b holds; None where ``params_a`` is.
     element: g, for ``group_action.apply_model(model.spec, params_b, g)``.
     report: the report, as written to DIR/report.json.
   """
