@@ -341,13 +341,33 @@ def _writers(inputs: _Inputs, options: _Options, folded: bool, tmp: str | None
                                             dtype=options.dtype) for name, ckpt in like.items()}
 
 
+def _leaf_units(spec: spec_lib.SymmetrySpec, paths: Sequence[str]
+                ) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+  """The leaves ``paths`` of one group (``matching.stream_groups``) in the units that
+  ``_apply_streamed`` computes one at a time: (leaves read, leaves written) with the leaves of
+  each attention site written together (its element acts on them jointly) and every other leaf
+  alone; the leaves read add the norm scales that a written leaf reads, to fold them in. A
+  scale is written by its own unit (folded, it is ones)."""
+  sites = [[p for p in paths if p.startswith(s + "/")] for s in spec.attention]
+  units = [u for u in sites if u]
+  inside = {p for u in units for p in u}
+  units += [[p] for p in paths if p not in inside]
+  scales = {}
+  for scale, readers in spec.norm_scales.items():
+    for reader in readers:
+      scales.setdefault(reader, []).append(scale)
+  return [(tuple(dict.fromkeys([*u, *(s for p in u for s in scales.get(p, ()))])), tuple(u))
+          for u in units]
+
+
 def _apply_streamed(inputs: _Inputs, options: _Options, element: dict[str, Any],
                     info: dict[str, Any], tmp: str | None, stage: _Stage) -> _Aligned:
-  """A pass over the groups of leaves (``matching.stream_groups``): each group of A and B
-  read, folded where g needs it, B' = g . B, both rounded to the dtypes they are written in,
-  the distances before and after summed, and the group written to the folders of ``_writers``
-  in ``tmp``. A' and B' are kept whole only where four float32 models fit the memory budget
-  (``_keeps_models``): then the function check (``_function_check``) runs on them, and
+  """A pass over the groups of leaves (``matching.stream_groups``), one unit of leaves at a
+  time (``_leaf_units``: an attention site's leaves, or one leaf): the unit of A and B read,
+  folded where g needs it, B' = g . B, both rounded to the dtypes they are written in, the
+  distances before and after summed, and the unit written to the folders of ``_writers`` in
+  ``tmp``; so this pass holds a few leaves of each model, not a group. A' and B' are kept
+  whole only where four float32 models fit the memory budget (``_keeps_models``): then the function check (``_function_check``) runs on them, and
   otherwise it is skipped, which the report says.
 
   Raises:
@@ -368,26 +388,34 @@ def _apply_streamed(inputs: _Inputs, options: _Options, element: dict[str, Any],
   read, kept_a, kept_b = _reader(inputs), {}, {}
   squares = {"before": ({}, 0.0), "after": ({}, 0.0)}
   for paths in matching.stream_groups(spec):
-    a, b = ({p: jnp.asarray(x, jnp.float32) for p, x in flat.items()} for flat in read(paths))
-    if folded:
-      part = spec.part(paths)
-      a, b = (spec_lib.flatten(group_action.fold_norm_scales(part, spec_lib.unflatten(x)))
-              for x in (a, b))
-    aligned = spec_lib.flatten(_apply_by_group(spec, spec_lib.unflatten(b), element, consume=True))
-    for when, other in (("before", b), ("after", aligned)):
-      groups, norm = _squares(a, other)
-      squares[when] = (squares[when][0] | groups, squares[when][1] + norm)
-    del b
-    aligned = {p: _rounded(x, dtypes["aligned_b"][p]) for p, x in aligned.items()}
-    if folded:
-      a = {p: _rounded(x, dtypes["aligned_a"][p]) for p, x in a.items()}
-    written = {"aligned_b": aligned, "aligned_a": a, "merged": {
-        p: _interpolate(a[p], aligned[p], options.merge) for p in a} if "merged" in writers else {}}
-    for name, writer in writers.items():
-      writer.put(written[name])
-    if keep:
-      kept_a.update(a)
-      kept_b.update(aligned)
+    for computed, emitted in _leaf_units(spec, paths):
+      a, b = ({p: jnp.asarray(x, jnp.float32) for p, x in flat.items()} for flat in read(computed))
+      part = spec.part(computed)
+      if folded:
+        a, b = (spec_lib.flatten(group_action.fold_norm_scales(part, spec_lib.unflatten(x)))
+                for x in (a, b))
+      names = set(part.factors) | set(part.attention)
+      aligned = spec_lib.flatten(group_action.apply_model(
+          part, spec_lib.unflatten(b), {k: v for k, v in element.items() if k in names}))
+      a, b, aligned = ({p: x[p] for p in emitted} for x in (a, b, aligned))
+      for when, other in (("before", b), ("after", aligned)):
+        groups, norm = _squares(a, other)
+        total = squares[when][0]
+        squares[when] = ({g: total.get(g, 0.0) + groups.get(g, 0.0) for g in {*total, *groups}},
+                         squares[when][1] + norm)
+      del b
+      aligned = {p: _rounded(x, dtypes["aligned_b"][p]) for p, x in aligned.items()}
+      if folded:
+        a = {p: _rounded(x, dtypes["aligned_a"][p]) for p, x in a.items()}
+      written = {"aligned_b": aligned, "aligned_a": a, "merged": {
+          p: _interpolate(a[p], aligned[p], options.merge) for p in a} if "merged" in writers else {}}
+      for name, writer in writers.items():
+        writer.put(written[name])
+      del written
+      if keep:
+        kept_a.update(a)
+        kept_b.update(aligned)
+      del a, aligned
   for writer in writers.values():
     writer.close()
   params_a, params = (spec_lib.unflatten(x) if keep else None for x in (kept_a, kept_b))
@@ -1181,28 +1209,43 @@ def _replace_outputs(out: str, overwrite: bool, writers: dict[str, Callable[[str
 def _staging(out: str, overwrite: bool) -> Iterator[str]:
   """A temporary folder inside ``out`` to write the outputs in; when the block ends without
   an error, its entries are moved to ``out`` (with ``overwrite``, every earlier ``OUTPUTS``
-  removed first). On an error nothing is left: not the folder, nor ``out`` if it was made
-  for them."""
+  moved aside first and removed once the new ones are in place).
+
+  Nothing a user had is ever removed by an error: the temporary folders go, earlier outputs
+  moved aside come back, and ``out`` itself is removed only if this call made it and it is
+  empty again (``os.rmdir``)."""
   made = not os.path.exists(out)
   os.makedirs(out, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".attn-symmetry-", dir=out)
+  aside, done = None, False
   try:
     yield tmp
-    for name in OUTPUTS if overwrite else ():
-      target = os.path.join(out, name)
-      if os.path.isdir(target) and not os.path.islink(target):
-        shutil.rmtree(target)
-      elif os.path.lexists(target):
-        os.remove(target)
-    for name in os.listdir(tmp):
-      os.replace(os.path.join(tmp, name), os.path.join(out, name))
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    if made:
-      shutil.rmtree(out, ignore_errors=True)
-    raise
+    aside = tempfile.mkdtemp(prefix=".attn-symmetry-old-", dir=out)
+    kept = [name for name in (OUTPUTS if overwrite else ())
+            if os.path.lexists(os.path.join(out, name))]
+    placed: list[str] = []
+    try:
+      for name in kept:
+        os.replace(os.path.join(out, name), os.path.join(aside, name))
+      for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(out, name))
+        placed.append(name)
+    except BaseException:
+      for name in placed:
+        os.replace(os.path.join(out, name), os.path.join(tmp, name))
+      for name in os.listdir(aside):
+        os.replace(os.path.join(aside, name), os.path.join(out, name))
+      raise
+    done = True
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+    if aside is not None and done:  # the earlier outputs, replaced
+      shutil.rmtree(aside, ignore_errors=True)
+    elif aside is not None:  # emptied by the restore above; kept if anything is left in it
+      with contextlib.suppress(OSError):
+        os.rmdir(aside)
+    if made and not os.listdir(out):  # an error before anything was placed
+      os.rmdir(out)
 
 
 def _write_json(value: Any) -> Callable[[str], None]:

@@ -1,6 +1,7 @@
 r"""The streamed ``attn-symmetry align`` on a planted Mistral-7B-shaped bfloat16 pair.
 
-    python benchmarks/bench_streamed_alignment.py [--layers=32] [--method=perm] [--workdir=DIR]
+    python benchmarks/bench_streamed_alignment.py [--layers=32] [--method=perm] [--max-rounds=N]
+                                                  [--workdir=DIR]
 
 Writes A (random, Mistral-7B's shapes: width 4096, FFN 14336, 32 heads in 8 kv groups of head
 dim 128, vocabulary 32000, ``--layers`` layers; norm gains one) and B = g . A (heads permuted
@@ -29,6 +30,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
   parser.add_argument("--layers", type=int, default=32)
   parser.add_argument("--method", default="perm")
+  parser.add_argument("--max-rounds", type=int, default=None,
+                      help="most rounds of the descent (default: until it converges)")
   parser.add_argument("--workdir", default=None)
   args = parser.parse_args()
   work = args.workdir or tempfile.mkdtemp(prefix="bench_streamed_")
@@ -41,14 +44,17 @@ def main() -> None:
   print(f"wrote the pair ({args.layers} layers, {size / GIB:.2f} GiB) in "
         f"{time.perf_counter() - start:.0f} s", flush=True)
   start = time.perf_counter()
-  status, peak, err = helpers._align_in_child(a, b, "--out", out, "--method", args.method)  # pylint: disable=protected-access
+  rounds = [] if args.max_rounds is None else ["--max-rounds", str(args.max_rounds)]
+  status, peak, err = helpers._align_in_child(a, b, "--out", out, "--method", args.method,  # pylint: disable=protected-access
+                                              *rounds)
   wall = time.perf_counter() - start
   if status:
     raise SystemExit(err)
   with open(os.path.join(out, "report.json"), encoding="utf-8") as f:
     report = json.load(f)
   stages = ", ".join(f"{k} {v:.0f} s" for k, v in report["time_s"].items())
-  print(f"{args.layers} layers, method {args.method}: {wall:.0f} s ({stages}); peak RSS "
+  print(f"{args.layers} layers, method {args.method}, {report['rounds']} rounds: "
+        f"{wall:.0f} s ({stages}); peak RSS "
         f"{peak / GIB:.2f} GiB, checkpoints {size / GIB:.2f} GiB; relative distance "
         f"{report['distance']['before']['relative']:.3g} -> "
         f"{report['distance']['after']['relative']:.3g}")
