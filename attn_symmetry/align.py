@@ -948,15 +948,19 @@ def _natural(name: str) -> list[Any]:
 
 
 @jax.jit
-def _leaf_squares(flat_a: Params, flat_b: Params) -> tuple[Params, jax.Array]:
-  """({path: ||a - b||^2}, ||A||^2), in one program."""
-  gaps = {p: jnp.sum(jnp.square(a - flat_b[p])) for p, a in flat_a.items()}
-  return gaps, sum(jnp.sum(jnp.square(a)) for a in flat_a.values())
+def _leaf_squares(leaves_a: Sequence[jax.Array], leaves_b: Sequence[jax.Array]
+                  ) -> tuple[list[jax.Array], jax.Array]:
+  """([||a - b||^2 per leaf pair], ||A||^2), in one program; leaves passed as sequences, so
+  that the program is compiled once per shapes, not once per set of paths."""
+  gaps = [jnp.sum(jnp.square(a - b)) for a, b in zip(leaves_a, leaves_b)]
+  return gaps, sum(jnp.sum(jnp.square(a)) for a in leaves_a)
 
 
 def _squares(flat_a: Params, flat_b: Params) -> tuple[dict[str, float], float]:
   """({top-level group: ||a - b||^2 over its leaves}, ||A||^2) of flat leaves."""
-  gaps, norm = _leaf_squares(flat_a, flat_b)
+  paths = list(flat_a)
+  gaps, norm = _leaf_squares([flat_a[p] for p in paths], [flat_b[p] for p in paths])
+  gaps = dict(zip(paths, gaps))
   squares: dict[str, float] = {}
   for path, gap in gaps.items():
     group = path.split("/")[0]
