@@ -37,7 +37,8 @@ each announced by one progress line and timed in the report (``_Clock``):
    and nothing is written;
 4. ``_evaluate`` (with an evaluation file, ``_eval_files``): loss and accuracy
    along (1 - lambda) A + lambda B ("before") and (1 - lambda) A' + lambda B'
-   ("after"), and their barriers (``lmc``);
+   ("after"), and their barriers (``lmc``); with ``merge``, the merged
+   model's loss and accuracy beside A's and B's (``_merged``; report "merged");
 5. ``_save``: DIR/aligned_b/ (B' as safetensors in B's tensor names, shards
    and dtypes, with B's config and tokenizer files), DIR/aligned_a/ when A is
    re-parametrised (A' likewise, in A's), DIR/merged/ with ``merge``
@@ -1103,22 +1104,57 @@ def _evaluate(inputs: _Inputs, options: _Options, aligned: _Aligned, loaded: _Lo
   """The evaluate stage: the curves of A to B ("before") and A to B' ("after") on the
   evaluation batches (``_curves``). A and B are taken out of ``loaded``: released after it."""
   paths = {"before": loaded.take(), "after": (aligned.params_a, aligned.params)}
-  return _curves(inputs.model, inputs.batches, paths, options.num_lambdas)
+  return _curves(inputs.model, inputs.batches, paths, options.num_lambdas, options.merge)
 
 
-def _curves(model: Model, batches, paths: dict[str, tuple[Params, Params]], num_lambdas: int
-            ) -> dict[str, Any]:
-  """Loss and accuracy along each path, and the path's barriers."""
+def _curves(model: Model, batches, paths: dict[str, tuple[Params, Params]], num_lambdas: int,
+            merge: float | None = None) -> dict[str, Any]:
+  """Loss and accuracy along each path, and the path's barriers; with ``merge``, the merged
+  model's (``_merged``)."""
   evaluator = lmc.path_evaluator(_eval_files.metric_fn(model))
+  metrics = lambda path, lams: _path_metrics(evaluator, *paths[path], batches, lams)
   lams = lmc.lambdas(num_lambdas)
   out: dict[str, Any] = {"lambdas": lams.tolist()}
-  for name, (params_a, params_b) in paths.items():
-    sums = lmc.evaluate_path(evaluator, params_a, params_b, batches, lams, chunk_size=1)
-    loss, accuracy = sums["loss"] / sums["count"], sums["correct"] / sums["count"]
+  for name in paths:
+    loss, accuracy = metrics(name, lams)
     out[name] = {"loss": loss.tolist(), "accuracy": accuracy.tolist(),
                  "barrier": {"loss": lmc.barrier(lams, loss),
                              "accuracy": lmc.barrier(lams, accuracy, higher_is_better=True)}}
+  if merge is not None:
+    out["merged"] = _merged(out, merge, lambda lam: metrics("after", np.array([lam])))
   return out
+
+
+def _merged_line(curves: dict[str, Any]) -> str:
+  """"; merged model (lambda 0.5): loss 2.31 (A 2.25, B 2.27), accuracy ..." or "" when
+  nothing is merged."""
+  if "merged" not in curves:
+    return ""
+  m = curves["merged"]
+  loss, accuracy = (f"{k} {m[k]:.4g} (A {m['a'][k]:.4g}, B {m['b'][k]:.4g})"
+                    for k in ("loss", "accuracy"))
+  return f"; merged model (lambda {m['lambda']:g}): {loss}, {accuracy}"
+
+
+def _path_metrics(evaluator, params_a: Params, params_b: Params, batches, lams: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+  """([P] loss, [P] accuracy) of (1 - lam) A + lam B at each of ``lams``, over ``batches``."""
+  sums = lmc.evaluate_path(evaluator, params_a, params_b, batches, lams, chunk_size=1)
+  return sums["loss"] / sums["count"], sums["correct"] / sums["count"]
+
+
+def _merged(curves: dict[str, Any], merge: float,
+            evaluate: Callable[[float], tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+  """The merged model (1 - merge) A' + merge B' (what out/merged holds) beside its endpoints:
+  {"lambda", "loss", "accuracy", "a": {"loss", "accuracy"}, "b": {...}} on the evaluation
+  batches. Read off the "after" curve when ``merge`` is one of its lambdas, else evaluated
+  (``evaluate(merge)``); the endpoints are the curve's ends (A' computes A's function, B' B's)."""
+  after, lams = curves["after"], np.asarray(curves["lambdas"])
+  at = lambda i: {"loss": after["loss"][i], "accuracy": after["accuracy"][i]}
+  hit = np.flatnonzero(np.abs(lams - merge) <= 1e-12)
+  point = at(hit[0]) if hit.size else dict(zip(("loss", "accuracy"),
+                                               (float(x[0]) for x in evaluate(merge))))
+  return {"lambda": merge, **point, "a": at(0), "b": at(-1)}
 
 
 def _plot(curves: dict[str, Any], path: str) -> None:
@@ -1159,6 +1195,8 @@ def _report(inputs: _Inputs, options: _Options, aligned: _Aligned, curves: dict[
     report["learned"] = runtime.jsonable(info["learned"])
   if curves is not None:
     report["barrier"] = {name: curves[name]["barrier"] for name in ("before", "after")}
+    if "merged" in curves:
+      report["merged"] = curves["merged"]
     report["eval"] = {"text": options.eval_text or None, "images": options.eval_images or None,
                       "batches": len(inputs.batches), "batch_size": options.batch_size,
                       "predictions": float(sum(np.sum(x["weights"]) for x in inputs.batches))}
@@ -1349,7 +1387,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
       curves = _evaluate(inputs, opts, aligned, loaded)
       stage.summary = (f"{num_lambdas} lambdas x 2 paths on {len(inputs.batches)} batches, loss "
                        f"barrier {curves['before']['barrier']['loss']:.4g} -> "
-                       f"{curves['after']['barrier']['loss']:.4g}")
+                       f"{curves['after']['barrier']['loss']:.4g}" + _merged_line(curves))
   report = _report(inputs, opts, aligned, curves, clock.seconds)
   if opts.out is not None:
     with clock.stage("save") as stage:

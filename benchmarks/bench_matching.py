@@ -22,15 +22,15 @@ took are printed), or "adam", the reference's own 200 Adam steps. The
 squared distances reached are printed side by side.
 Both are timed in this process, one after the other. Then the jitted attention
 matching alone is timed for a range of N, H and L. Last, ``linear_assignment``
-(jitted: distinct row minima answer at once, else on CPU it calls scipy on the
-host, on accelerators it runs optax's Hungarian algorithm) and optax's
+(jitted: distinct row minima answer at once, else the auction of
+``matching._auction``, or optax's Hungarian below 512 rows on CPU) and optax's
 Hungarian algorithm forced on CPU are timed against
 ``scipy.optimize.linear_sum_assignment`` on random and on near-permutation
 n x n costs (the kind Weight Matching meets between a model and a fine-tuned
 or planted copy of it; their row minima are distinct, so linear_assignment
 answers them without a solver, as it does every assignment of the GPT-2 pair
-above), beside the cost of the host path's trip alone (a callback that reads
-the costs and solves nothing): the floor of any scipy-behind-a-callback solver.
+above). ``benchmarks/bench_assignment.py`` times the auction alone against
+scipy.
 
 On CPU, jaxlib's LAPACK kernels (the batched 64 x 64 solves and SVDs of Stage 2)
 run on scipy's OpenBLAS. With its threads on, XLA's concurrent custom calls into
@@ -407,22 +407,19 @@ def assignment_vs_scipy(n: int, *, rounds: int = 3, min_seconds: float = 2.0):
   """linear_assignment and optax's device solver against scipy, side by side, per cost type;
   the solvers' timings interleaved over ``rounds``, so that drift hits each alike."""
   ours = jax.jit(matching.linear_assignment)
-  device = jax.jit(_assignment._device_assignment)  # pylint: disable=protected-access
-  transfer = jax.jit(_host_transfer)
+  device = jax.jit(_assignment._hungarian)  # pylint: disable=protected-access
   print(f"LAP on {n} x {n} costs (best of {rounds} interleaved rounds, each of one call or of "
         f"{min_seconds / rounds:.2g} s of calls; scipy = linear_sum_assignment on numpy):")
   for kind, cost in _lap_costs(n).items():
     cost32 = jnp.asarray(cost, jnp.float32)
-    jax.block_until_ready((ours(cost32), device(cost32), transfer(cost32)))  # compiled before
+    jax.block_until_ready((ours(cost32), device(cost32)))  # compiled before
     solvers = {"scipy": lambda: scipy.optimize.linear_sum_assignment(np.asarray(cost32)),
-               "ours": lambda: ours(cost32), "device": lambda: device(cost32),
-               "transfer": lambda: transfer(cost32)}
+               "ours": lambda: ours(cost32), "device": lambda: device(cost32)}
     best = {name: float("inf") for name in solvers}
     for _ in range(rounds):
       for name, fn in solvers.items():
         best[name] = min(best[name], _best_time(fn, min_seconds=min_seconds / rounds))
-    t_scipy, t_ours, t_device, t_transfer = (best[k] for k in ("scipy", "ours", "device",
-                                                               "transfer"))
+    t_scipy, t_ours, t_device = (best[k] for k in ("scipy", "ours", "device"))
     same = np.array_equal(np.asarray(ours(cost32)),
                           scipy.optimize.linear_sum_assignment(np.asarray(cost32))[1])
     # pylint: disable-next=protected-access
@@ -431,19 +428,6 @@ def assignment_vs_scipy(n: int, *, rounds: int = 3, min_seconds: float = 2.0):
           f"({t_ours / t_scipy:.2f}x scipy, same permutation: {same}, row minima distinct: "
           f"{distinct}) | optax Hungarian "
           f"{t_device:.3f} s ({t_device / t_scipy:.2f}x scipy)")
-    print(f"  {'':>16}  the costs' trip to the host alone (a callback that reads them and "
-          f"solves nothing): {t_transfer:.3f} s, so scipy behind a callback is at least "
-          f"{(t_scipy + t_transfer) / t_scipy:.2f}x scipy")
-
-
-def _host_transfer(cost: jax.Array) -> jax.Array:
-  """What ``linear_assignment``'s host path pays besides scipy: ``jax.pure_callback`` hands the
-  costs to the host as a fresh array (``jax.device_put``), which the callback then reads."""
-  def read(c):
-    np.asarray(c)  # waits for the copy, as scipy's read of it does
-    return np.zeros(c.shape[:-1], np.int32)
-  return jax.pure_callback(read, jax.ShapeDtypeStruct(cost.shape[:-1], jnp.int32), cost,
-                           vmap_method="expand_dims")
 
 
 def _blas(library: str) -> threadpoolctl.ThreadpoolController:

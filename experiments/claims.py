@@ -121,7 +121,9 @@ class _Scope:
     per_pair = self.res.get("ablation", {}).get("permutations", {}).get("per_pair")
     if not per_pair:
       return None
-    return ss.jackknife([(p["a"], p["b"], q.get(key)) for p, q in zip(self.pairs, per_pair)])
+    # Each entry names its pair (runs before the seed subset of the ablation: in pair order).
+    return ss.jackknife([(q.get("a", p["a"]), q.get("b", p["b"]), q.get(key))
+                         for p, q in zip(self.pairs, per_pair)])
 
 
 Judge = Callable[[_Scope], tuple[str, str] | None]  # (estimate, verdict); None: not applicable

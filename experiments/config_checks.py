@@ -68,6 +68,10 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
   if config.reinit.scopes and len(seeds) < 2:
     _fail("reinit.seeds", "needs at least 2 seeds when reinit.scopes is set (the study "
           f"compares pairs of seeds), got {seeds}")
+  subset = tuple(config.study.permutation_ablation_seeds)
+  if subset and (len(subset) < 2 or not set(subset) <= set(seeds)):
+    _fail("study.permutation_ablation_seeds", f"must be at least 2 of reinit.seeds {seeds} "
+          f"(the ablation's pairs), got {subset}")
   if "naive" not in config.study.methods:
     _fail("study.methods", "must include 'naive' (the baseline of every comparison), "
           f"got {tuple(config.study.methods)}")

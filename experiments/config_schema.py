@@ -372,6 +372,9 @@ FIELDS: tuple[Field, ...] = (
           _distinct(_DISTANCE), Role.NOT_KEYED, "the Stage 1 distances of the ablation"),
     Field("study.permutation_ablation", True, _BOOLEAN, Role.NOT_KEYED,
           "the first attention scope's ablation over every head order"),
+    Field("study.permutation_ablation_seeds", (), _distinct(_AT_LEAST_0), Role.NOT_KEYED,
+          "the head-order ablation runs on the pairs of these re-initialisation seeds only "
+          "(a fixed subset of reinit.seeds, at least 2; empty: every pair)"),
     Field("study.max_exhaustive_heads", 6, _AT_LEAST_1, Role.NOT_KEYED,
           "the head-order ablation runs on layers of at most this many heads"),
     Field("study.noise_levels", (0.0, 0.5, 1.0), _distinct(_NON_NEGATIVE), Role.STUDY,

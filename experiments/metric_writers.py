@@ -25,7 +25,6 @@ import os
 import time
 from typing import Mapping
 
-import tensorboardX
 import tqdm
 
 from experiments import atomic_io
@@ -56,6 +55,9 @@ class MetricWriter:
     if os.path.exists(self.json_path):
       kept = [e for e in read_jsonl(self.json_path) if e["step"] <= resume_step]
       atomic_io.write_text(self.json_path, "".join(json.dumps(e) + "\n" for e in kept))
+    # Imported here, by the runs that write: tensorboardX imports torch when it is installed
+    # (2 s), which no other command of the experiments needs.
+    import tensorboardX  # pylint: disable=import-outside-toplevel
     # The suffix keeps the file name unique: tensorboardX names files by the second, and
     # opens them truncating.
     self._events = tensorboardX.SummaryWriter(

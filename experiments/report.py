@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import scipy.stats
 from matplotlib import figure  # bare Figures, no pyplot: the caller's backend stays as it is
 
 from experiments import atomic_io
@@ -54,7 +53,7 @@ def ci95(values: Sequence[float | None]) -> float | None:
   v = _finite(values)
   if len(v) < 2:
     return None
-  return float(scipy.stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v)))
+  return seed_statistics.t_quantile(0.975, len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
 
 
 def ratio_pct(value: float, naive: float, eps: float = 1e-12) -> float | None:

@@ -298,9 +298,12 @@ class ScopeStudy:
     """Every head permutation + Stage 2 on the first attention layer (the paper's Table 1).
 
     Runs for the "first_attention" scope, whose only symmetry is that layer's,
-    when it has at most ``study.max_exhaustive_heads`` heads.
+    when it has at most ``study.max_exhaustive_heads`` heads, on the pairs of
+    ``study.permutation_ablation_seeds`` (every pair when empty).
     """
-    if self.scope != "first_attention" or not self.config.study.permutation_ablation:
+    subset = set(self.config.study.permutation_ablation_seeds)
+    if (self.scope != "first_attention" or not self.config.study.permutation_ablation
+        or (subset and not {a, b} <= subset)):
       return None
     (site,) = self.scope_paths  # the model's first attention site
     if self.model.spec.attention[site].num_heads > self.config.study.max_exhaustive_heads:
@@ -387,7 +390,7 @@ class ScopeStudy:
         endpoints[f"seed_{seed}"] = {"loss": naive["loss"][i], "accuracy": naive["accuracy"][i]}
       abl = self.permutation_ablation(a, b, entry["methods"]["naive"])
       if abl is not None:
-        ablations.append(abl)
+        ablations.append({"a": entry["a"], "b": entry["b"], **abl})
       for d, res in self.distance_ablation(a, b).items():
         distances[d].append({"a": entry["a"], "b": entry["b"],
                              "methods": {"naive": entry["methods"]["naive"], "full": res}})

@@ -138,7 +138,8 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
             p, title, res["lambdas"], res["pairs"], loss_name=loss_name))
     if "permutations" in res["ablation"]:
       per_pair = res["ablation"]["permutations"]["per_pair"]
-      naive = [p["methods"]["naive"]["loss"] for p in res["pairs"]]
+      naive_of = {(p["a"], p["b"]): p["methods"]["naive"]["loss"] for p in res["pairs"]}
+      naive = [naive_of[q["a"], q["b"]] for q in per_pair]
       perm_title = (f"{title}: the path after each of the "
                     f"{per_pair[0]['num_permutations']} head permutations + Stage 2")
       paths[f"{scope}/ablation_permutations.png"] = reports.write(

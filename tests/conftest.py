@@ -3,11 +3,11 @@
 Tiers: a test that trains a model, spawns a process, executes a notebook, or takes more than
 15 s alone on a 2-core machine is marked ``@pytest.mark.slow``. ``pytest -m "not slow"`` runs
 the rest, the fast tier; ``pytest`` (``.ci/run``) runs every test. Both take ``-n auto --dist
-loadgroup`` (pytest-xdist): one worker per core, each test file on one worker (its module
-fixtures and the trained workdirs it asks for are made once), except the files in
-``SPREAD_OVER_WORKERS``, whose tests are long, independent and go to whichever worker is free
-(``pytest_collection_modifyitems``). The invariance,
-group-axiom and planted-recovery tests of the core stay in the fast tier whatever they take.
+loadfile`` (pytest-xdist): one worker per core, each test file on one worker (its module
+fixtures and the trained workdirs it asks for are made once), except the tests of the files in
+``SPREAD_OVER_WORKERS``, which are long, independent and go to whichever worker is free
+(``pytest_xdist_make_scheduler``). The invariance and group-axiom tests of the core,
+and a planted-recovery case of each group, stay in the fast tier whatever they take.
 
 Trained workdirs are shared: ``trained_workdir(config, dest)`` trains ``config`` (and, with
 ``study=True``, runs its study) once per test session and process, then copies the finished
@@ -20,6 +20,8 @@ import copy
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -31,15 +33,43 @@ import pytest
 # Files whose tests each run long on their own and share no fixture that costs: spread test by
 # test over the workers, so that no worker is left with all of them at the end of the run.
 SPREAD_OVER_WORKERS = frozenset({"test_colabs.py", "test_learned.py"})
+# Files that hold a test of several minutes: handed out first, so that the run does not end with
+# one worker on such a test and the other idle (xdist hands out the files with the most tests
+# first, these hold few).
+RUN_FIRST = ("test_processes.py", "test_reproduce.py")
 
 
-def pytest_collection_modifyitems(config, items):
-  """Every test's xdist group is its file (``--dist loadgroup`` keeps a file on one worker),
-  except in the files of ``SPREAD_OVER_WORKERS``."""
-  del config
-  for item in items:
-    if item.path.name not in SPREAD_OVER_WORKERS:
-      item.add_marker(pytest.mark.xdist_group(item.path.name))
+def xdist_scope(nodeid: str) -> str:
+  """The unit of work a test goes to a worker in: its file, or the test itself in the files
+  of ``SPREAD_OVER_WORKERS``."""
+  path = nodeid.split("::", 1)[0]
+  return nodeid if os.path.basename(path) in SPREAD_OVER_WORKERS else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+  """``--dist loadfile`` with the files of ``SPREAD_OVER_WORKERS`` spread test by test.
+
+  xdist's own ``--dist loadgroup`` (an ``xdist_group`` mark per file) no longer groups under
+  pytest 9.2, where a test's node id cannot be renamed: every test went to whichever worker was
+  free, and both workers set up (and trained) the module fixtures of most files. The scheduler
+  groups node ids itself (``xdist_scope``), and hands out the files of ``RUN_FIRST`` first;
+  tests/test_tiers.py checks that it groups."""
+  if config.getvalue("dist") != "loadfile":
+    return None
+  from xdist.scheduler import LoadFileScheduling  # pylint: disable=import-outside-toplevel
+
+  class FileScheduling(LoadFileScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      return xdist_scope(nodeid)
+
+    def _assign_work_unit(self, node) -> None:
+      for scope in self.workqueue:
+        if os.path.basename(scope) in RUN_FIRST:
+          self.workqueue.move_to_end(scope, last=False)
+          break
+      super()._assign_work_unit(node)
+
+  return FileScheduling(config, log)
 
 
 @pytest.fixture
@@ -49,11 +79,95 @@ def x64():
     yield
 
 
+# XLA:CPU options for the test run, which spends most of its time compiling small programs
+# (every eager float64 op, every test's own shapes) rather than running them: LLVM at -O0, and
+# XLA's element-wise code generator instead of its fusion emitters. Measured on one core,
+# side by side: tests/test_matching.py 417 s -> 126 s, tests/test_group_action.py 144 s ->
+# 48 s, a training file pair (test_stopping, test_mlm) 115 s -> 84 s. The programs compute the
+# same functions; float32 sums may round in another order, which no test's tolerance depends
+# on. Tests that compare with committed numbers run their process without them
+# (``compile_options_removed``).
+def fast_compile_flags(optimization_level: int = 0) -> tuple[str, ...]:
+  """The compile options, LLVM at ``optimization_level``."""
+  return (f"--xla_backend_optimization_level={optimization_level}",
+          "--xla_cpu_use_fusion_emitters=false")
+
+
+FAST_COMPILE_XLA_FLAGS = fast_compile_flags(0)
+# A notebook's kernel runs whole trainings and path evaluations, where -O0's slower code costs
+# more than its faster compiling saves: LLVM at -O1 there. One core, colabs/03 (training, then
+# 28 paths of 13 points): 95 s at XLA's defaults, 148 s at -O0, 59 s at -O1; colabs/02 87 s at
+# -O0, 74 s at -O1; colabs/01 (small programs) 23 s at -O0, 30 s at -O1, so it keeps -O0
+# (tests/test_colabs.py, COMPILE_BOUND).
+WORKLOAD_OPTIMIZATION_LEVEL = 1
+
+
+def with_fast_compile(flags: str, optimization_level: int = 0) -> str:
+  """``flags`` (an ``XLA_FLAGS`` value) with the options of ``fast_compile_flags`` that it
+  does not set yet appended."""
+  own = {f.split("=", 1)[0] for f in flags.split()}
+  return with_xla_flags(flags, *(f for f in fast_compile_flags(optimization_level)
+                                 if f.split("=", 1)[0] not in own))
+
+
+def with_xla_flags(flags: str | None, *more: str) -> str:
+  """``flags`` (an ``XLA_FLAGS`` value, or None) with ``more`` appended."""
+  return " ".join([*(flags or "").split(), *more])
+
+
+def workload_env(env: dict[str, str]) -> dict[str, str]:
+  """``env`` for a process that runs a whole workload (a notebook's kernel): the flags the run
+  started with, plus the compile options at ``WORKLOAD_OPTIMIZATION_LEVEL``."""
+  env = compile_options_removed(env)
+  env["XLA_FLAGS"] = with_fast_compile(env.get("XLA_FLAGS", ""), WORKLOAD_OPTIMIZATION_LEVEL)
+  return env
+
+
+def compile_options_removed(env: dict[str, str]) -> dict[str, str]:
+  """``env`` with ``XLA_FLAGS`` as it was before the test run added its compile options: for a
+  process whose numbers are compared with numbers computed without them."""
+  env = dict(env)
+  flags = env.pop("ATTN_SYMMETRY_XLA_FLAGS_BEFORE_TESTS", None)
+  env.pop("XLA_FLAGS", None)
+  if flags:
+    env["XLA_FLAGS"] = flags
+  return env
+
+
+def _xla_accepts(flags: str) -> bool:
+  """Whether a JAX process starts with ``XLA_FLAGS=flags``: XLA aborts on a flag it does not
+  know, and a later jaxlib may drop one of these."""
+  code = "import jax; jax.numpy.zeros(1).block_until_ready()"
+  probe = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, XLA_FLAGS=flags),
+                         capture_output=True, timeout=120)
+  return probe.returncode == 0
+
+
+def _use_fast_compile(config) -> None:
+  """Sets ``XLA_FLAGS`` for this run (in the controlling process, before xdist starts its
+  workers, which inherit it, as do the processes that tests start)."""
+  if "PYTEST_XDIST_WORKER" in os.environ or "ATTN_SYMMETRY_XLA_FLAGS_BEFORE_TESTS" in os.environ:
+    return
+  before = os.environ.get("XLA_FLAGS", "")
+  os.environ["ATTN_SYMMETRY_XLA_FLAGS_BEFORE_TESTS"] = before
+  flags = with_fast_compile(before)
+  if flags == before:
+    return
+  if not _xla_accepts(flags):  # tests/test_tiers.py then fails: the options need updating
+    config.issue_config_time_warning(pytest.PytestConfigWarning(
+        f"this jaxlib refuses XLA_FLAGS={flags!r}: the tests compile at XLA's defaults "
+        "(slower)"), stacklevel=2)
+    return
+  os.environ["XLA_FLAGS"] = flags
+
+
 def pytest_configure(config):
   """One persistent compilation cache for the test run, shared by its xdist workers: tests
   build the same programs again and again (every training builds its step anew, every study
   its evaluator), and a program compiled once, by either worker, then loads from disk. It
-  lives in the run's temporary folder, so that no run reads another's programs."""
+  lives in the run's temporary folder, so that no run reads another's programs. And the
+  run's XLA compile options (``FAST_COMPILE_XLA_FLAGS``)."""
+  _use_fast_compile(config)
   run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
   config.run_cache = os.path.join(tempfile.gettempdir(), "attn_symmetry_tests", run)
   jax.config.update("jax_compilation_cache_dir", os.path.join(config.run_cache, "jax_cache"))

@@ -332,6 +332,21 @@ def test_readme_command_runs_without_torch(tmp_path):
   assert report["barrier"]["after"]["loss"] <= 1e-4
   assert report["barrier"]["before"] == curves["before"]["barrier"]
   assert os.path.getsize(os.path.join(out, "interpolation.png")) > 1000
+  merged = report["merged"]  # lambda 0.5 is a point of the curve: read off it
+  assert merged == curves["merged"]
+  assert merged == {"lambda": 0.5, "loss": curves["after"]["loss"][5],
+                    "accuracy": curves["after"]["accuracy"][5],
+                    "a": {"loss": curves["after"]["loss"][0],
+                          "accuracy": curves["after"]["accuracy"][0]},
+                    "b": {"loss": curves["after"]["loss"][-1],
+                          "accuracy": curves["after"]["accuracy"][-1]}}
+  assert re.search(r"merged model \(lambda 0\.5\): loss [\d.]+ \(A [\d.]+, B [\d.]+\), "
+                   r"accuracy", run.stderr)
+
+
+def _interpolation(out: str) -> dict:
+  with open(os.path.join(out, "interpolation.json")) as f:
+    return json.load(f)
 
 
 @pytest.mark.slow
@@ -360,6 +375,15 @@ def test_planted_pair_is_recovered(family, tmp_path):
                              atol=1e-3, rtol=0)
   report = result.report
   assert report["folded_norm_scales"] == (family in ROPE)
+  if images:  # lambda 0.25 is no point of the 5-point curve: evaluated on its own. B' is A
+    # (planted exactly), so the merged model is A's.
+    merged = report["merged"]
+    assert merged["lambda"] == 0.25
+    assert merged["a"]["loss"] == _interpolation(out)["after"]["loss"][0]
+    np.testing.assert_allclose([merged["loss"], merged["b"]["loss"]], merged["a"]["loss"],
+                               rtol=1e-4)
+  else:
+    assert "merged" not in report  # nothing evaluated
   assert report["distance"]["after"]["relative"] <= TOL
   side_a, side_b = _compared(report, a, out)
   assert side_b == aligned and os.path.isdir(side_a)

@@ -18,6 +18,8 @@ import nbclient  # in the [test] extra: a missing runner fails the run, it does 
 import nbformat
 import pytest
 
+from tests import conftest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "colabs", "*.ipynb")))
 # Notebooks held to the structure below: every notebook of colabs/ (a test checks that).
@@ -31,6 +33,10 @@ BADGE = re.compile(r"\[!\[Open In Colab\]\(https://colab\.research\.google\.com/
 # The install cell installs the package (pip) from a clone or a git URL of one repository.
 INSTALL = re.compile(r"https://github\.com/([\w.-]+/[\w.-]+?)(?:\.git)?[\"'@\s]")
 COLAB_TEST = '"google.colab" in sys.modules'
+# Notebooks of small programs (float64 checks of the group actions), which spend their time
+# compiling: they keep the test run's compile options rather than a workload's (one core:
+# colabs/01 23 s with them, 30 s at -O1).
+COMPILE_BOUND = frozenset({"01_attention_symmetries.ipynb"})
 CELL_TIMEOUT_S = 600
 MAX_IMAGE_BYTES = 120_000  # each saved figure (PNG)
 
@@ -52,11 +58,14 @@ def test_there_are_notebooks():
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path, tmp_path, monkeypatch):
-  """Executes every cell in a fresh kernel, in an empty folder, with matplotlib's Agg backend;
-  any exception (a failed assert included) fails the test with the cell's traceback."""
+  """Executes every cell in a fresh kernel, in an empty folder, with matplotlib's Agg backend
+  and the compile options of a workload (tests/conftest.py; but for ``COMPILE_BOUND``); any
+  exception (a failed assert included) fails the test with the cell's traceback."""
   nb = _read(path)
   assert not any("!pip" in c.source for c in _code_cells(nb))  # the install cell is Python
   monkeypatch.setenv("MPLBACKEND", "Agg")
+  if os.path.basename(path) not in COMPILE_BOUND:
+    monkeypatch.setenv("XLA_FLAGS", conftest.workload_env(os.environ)["XLA_FLAGS"])
   # experiments/ is not installed: a notebook imports it from the checkout, as in Colab.
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
   client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",

@@ -169,7 +169,9 @@ def test_wiki_direction_windows_are_the_stream_forward_or_reversed(data_dir):
   assert abs(labels[0] - labels[1]) <= 1 and labels[0] > 2000
 
 
-@pytest.mark.parametrize("name", OFFLINE)
+# wiki_direction's case builds that data set (15 s); its other test is slow too.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "wiki_direction"
+                                  else n for n in OFFLINE])
 def test_train_batch_shapes_dtypes_ranges(name, data_dir):
   info = data.dataset_info(name, data_dir=data_dir, seq_len=_seq_len(name))
   batch = next(data.train_iterator(name, batch_size=16, seed=0, data_dir=data_dir,

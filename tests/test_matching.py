@@ -104,23 +104,24 @@ def _assert_optimal(cost, perm):
 
 
 def _use_solver(monkeypatch, solver):
-  """Forces one of linear_assignment's paths for every size: "host" (scipy), "device_cpu"
-  (optax, problems of a batch one after another) or "device" (optax, vmapped)."""
+  """Forces one of linear_assignment's paths for every size: "auction" (on CPU, problems of a
+  batch one after another), "hungarian" (optax's, CPU) or "device" (the auction, vmapped)."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu" if solver == "device" else "cpu")
-  monkeypatch.setattr(_assignment, "HOST_MIN_SIZE", 0 if solver == "host" else 10**9)
+  monkeypatch.setattr(_assignment, "AUCTION_MIN_SIZE", 10**9 if solver == "hungarian" else 0)
   jax.clear_caches()  # a program traced with another path is otherwise reused: the key is the shape
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (5, 5), (3, 9, 9), (2, 3, 9, 9), (17, 17)])
-@pytest.mark.parametrize("solver", ["host", "device_cpu", "device"])
+@pytest.mark.parametrize("solver", ["auction", "hungarian", "device"])
 def test_linear_assignment_is_optimal(x64, monkeypatch, shape, solver):
-  """Both solvers, on this machine: scipy on the host, optax's vmapped Hungarian algorithm."""
+  """Both solvers, on this machine: the auction (one problem after another or vmapped) and
+  optax's Hungarian algorithm."""
   _use_solver(monkeypatch, solver)
   cost = np.random.default_rng(sum(shape)).normal(size=shape)
   _assert_optimal(cost, jax.jit(matching.linear_assignment)(cost))
 
 
-@pytest.mark.parametrize("solver", ["host", "device_cpu"])
+@pytest.mark.parametrize("solver", ["auction", "hungarian"])
 def test_linear_assignment_certifies_distinct_row_minima_without_a_solver(x64, monkeypatch,
                                                                          solver):
   """Costs whose row minima lie in distinct columns are answered by the minima (optimal) and
@@ -134,7 +135,7 @@ def test_linear_assignment_certifies_distinct_row_minima_without_a_solver(x64, m
       return real(cost)
     return solve
 
-  for name in ("_host_assignment", "_device_assignment"):
+  for name in ("_hungarian", "_device_assignment"):
     monkeypatch.setattr(_assignment, name, counted(getattr(_assignment, name)))
   rng = np.random.default_rng(7)
   perm = rng.permutation(9)
@@ -149,19 +150,26 @@ def test_linear_assignment_certifies_distinct_row_minima_without_a_solver(x64, m
   np.testing.assert_array_equal(jax.jit(matching.linear_assignment)(near), perm)
 
 
-def test_linear_assignment_keeps_small_problems_on_the_device(monkeypatch):
-  """Below HOST_MIN_SIZE no host callback enters the program (it stays persistently cacheable)."""
+def test_linear_assignment_keeps_every_problem_on_the_device(monkeypatch):
+  """No host callback enters the program at any size (it stays persistently cacheable), and the
+  size decides the CPU solver: the Hungarian algorithm below AUCTION_MIN_SIZE, the auction from
+  it."""
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   jax.clear_caches()  # as in _use_solver
+  traced = []
+  monkeypatch.setattr(_assignment, "_device_assignment",
+                      lambda c, real=_assignment._device_assignment: traced.append(1) or real(c))
   small = jax.jit(matching.linear_assignment).lower(jnp.zeros((8, 8))).as_text()
+  assert not traced
   large = jax.jit(matching.linear_assignment).lower(
-      jnp.zeros((_assignment.HOST_MIN_SIZE,) * 2)).as_text()
-  assert "callback" not in small and "callback" in large
+      jnp.zeros((_assignment.AUCTION_MIN_SIZE,) * 2)).as_text()
+  assert traced
+  assert "callback" not in small and "callback" not in large
 
 
-@pytest.mark.parametrize("solver", ["host", "device_cpu", "device"])
+@pytest.mark.parametrize("solver", ["auction", "hungarian", "device"])
 def test_linear_assignment_under_vmap_and_in_a_loop(x64, monkeypatch, solver):
-  """The host callback batches under vmap and runs inside lax loops like the device solver."""
+  """Every solver batches under vmap and runs inside lax loops."""
   _use_solver(monkeypatch, solver)
   cost = np.random.default_rng(3).normal(size=(4, 2, 6, 6))
   _assert_optimal(cost, jax.jit(jax.vmap(matching.linear_assignment))(cost))
@@ -227,8 +235,14 @@ def test_head_distances_equal_brute_force_circuits(x64, case):
 # ----------------------------------------------------------------------------- planted recovery
 
 
-@pytest.mark.parametrize("case", ["gl", "gl_no_bias", "gl_gqa", "rope_half_gqa",
-                                  "rope_interleaved_partial"])
+# One case of each group in the fast tier; the other cases (each compiles a matcher of its
+# own, 12-26 s) in the whole suite.
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("case", ["gl", pytest.param("gl_no_bias", marks=_SLOW),
+                                  pytest.param("gl_gqa", marks=_SLOW), "rope_half_gqa",
+                                  pytest.param("rope_interleaved_partial", marks=_SLOW)])
 def test_planted_recovery(x64, case):
   """init="best" (least-squares starts, exact on planted problems) recovers g to rounding."""
   a, b, g, site = _planted(case)
@@ -265,7 +279,7 @@ def test_init_chooses_the_start(x64):
   assert objective["full"] <= 1e-4 * objective["naive"] < 1e-2 * objective["ortho"]
 
 
-@pytest.mark.parametrize("case", ["gl", "rope_half_gqa"])
+@pytest.mark.parametrize("case", ["gl", pytest.param("rope_half_gqa", marks=_SLOW)])
 def test_noise_orders_the_methods(x64, case):
   """B = g A + noise: perm >= ortho >= full, and full well below naive."""
   a, b, _, site = _planted(case, seed=3, noise=0.2)

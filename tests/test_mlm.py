@@ -51,6 +51,7 @@ def mlm_bert():
   return model, model.init(jax.random.key(0))
 
 
+@pytest.mark.slow  # 11 s alone
 def test_metrics_count_the_hidden_positions_of_valid_examples(mlm_bert):
   model, params = mlm_bert
   windows = jnp.asarray(_windows(2, n=8))

@@ -154,6 +154,7 @@ def _train_batch(model, key):
   return {"tokens": tokens[:, :T], "mask": jnp.ones((4, T), bool), "label": jnp.arange(4) % 2}
 
 
+@pytest.mark.slow  # trains (five steps, one program per family)
 @pytest.mark.parametrize("family", models.FAMILIES)
 def test_adamw_steps_reduce_loss(family):
   model = models.build(family)

@@ -12,12 +12,15 @@ import socket
 import subprocess
 import sys
 
+from absl.testing import flagsaver
 import numpy as np
 import pytest
 
 from attn_symmetry import data
 from experiments import inputs
+from experiments import main
 from experiments.configs import quickstart
+from tests import conftest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTING = ["--config=experiments/configs/quickstart.py:runlocal",
@@ -38,11 +41,10 @@ def _free_port() -> int:
 
 
 def _env(xla_flags: str = "") -> dict[str, str]:
-  env = dict(os.environ, PYTHONPATH=REPO)
-  env.pop("XLA_FLAGS", None)
-  if xla_flags:
-    env["XLA_FLAGS"] = xla_flags
-  return env
+  """The test's environment with ``xla_flags`` added to its ``XLA_FLAGS`` (the test run's
+  compile options, tests/conftest.py)."""
+  return dict(os.environ, PYTHONPATH=REPO,
+              XLA_FLAGS=conftest.with_xla_flags(os.environ.get("XLA_FLAGS"), *xla_flags.split()))
 
 
 def _main(*args: str, xla_flags: str = "", timeout: int = 60) -> subprocess.CompletedProcess:
@@ -137,8 +139,7 @@ def test_a_process_count_that_does_not_split_the_batch_is_refused_in_one_line():
     inputs.check_processes(config, 3)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("flags, message", [
+BAD_PROCESS_FLAGS = [
     (["--num_processes=2", "--process_id=2"], "FATAL --process_id must be in [0, 2), got 2"),
     (["--num_processes=0"], "FATAL --num_processes must be at least 1, got 0"),
     (["--coordinator_address=localhost", "--num_processes=2", "--process_id=0"],
@@ -146,8 +147,30 @@ def test_a_process_count_that_does_not_split_the_batch_is_refused_in_one_line():
     (["--num_processes=3", "--process_id=0"],
      "FATAL config.train.batch_size 8 is not divisible by the 3 processes: each reads an "
      "equal share of every batch"),
-])
-def test_bad_process_flags_exit_with_one_line_before_waiting(tmp_path, flags, message):
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_PROCESS_FLAGS)
+def test_bad_process_flags_are_refused_in_one_line_before_joining(flags, message, tmp_path,
+                                                                  monkeypatch):
+  """``join_processes`` exits with one line, before ``jax.distributed.initialize`` waits
+  for processes that will never come."""
+  monkeypatch.setattr(main.jax.distributed, "initialize",
+                      lambda **kw: pytest.fail(f"initialize({kw}) called"))
+  argv = ["main.py", f"--config={REPO}/{SETTING[0].split('=', 1)[1]}", *SETTING[1:],
+          f"--workdir={tmp_path}", *flags]
+  monkeypatch.setattr(sys, "argv", argv)  # ml_collections reads --config.* overrides there
+  with flagsaver.flagsaver():
+    main.parse_flags(argv)
+    with pytest.raises(SystemExit) as stop:
+      main.join_processes()
+  assert str(stop.value) == message
+
+
+@pytest.mark.slow
+def test_main_exits_on_bad_process_flags_with_one_line_and_writes_nothing(tmp_path):
+  """The same refusal end to end, for one of the cases: ``main.py`` as a process."""
+  flags, message = BAD_PROCESS_FLAGS[-1]
   proc = _main(*SETTING, f"--workdir={tmp_path}", *flags)
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines()[-1] == message

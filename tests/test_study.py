@@ -380,6 +380,22 @@ def test_study_evaluates_the_paths_on_study_eval_split(finished, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_head_order_ablation_can_run_on_the_pairs_of_some_seeds(finished, tmp_path):
+  """``study.permutation_ablation_seeds=(1, 3)``: the ablation of pair 1-3 alone, named in its
+  entry, reused from the full run's stage file; every pair's paths are still compared."""
+  _, workdir, _, _ = finished
+  copy = str(tmp_path / "w")
+  shutil.copytree(workdir, copy)
+  paths = study.run_study(_config(permutation_ablation_seeds=(1, 3)), copy)
+  res = json.load(open(paths["first_attention/results.json"]))
+  (entry,) = res["ablation"]["permutations"]["per_pair"]
+  assert (entry["a"], entry["b"]) == ("seed_1", "seed_3") and len(res["pairs"]) == 3
+  every = {(e["a"], e["b"]): e for e in _results(finished)["ablation"]["permutations"]["per_pair"]}
+  assert entry == every["seed_1", "seed_3"]
+  assert res["ablation"]["permutations"]["summary"]["loss_rank_mean"] == entry["loss_rank"]
+
+
+@pytest.mark.slow
 def test_learned_is_compared_and_lowers_the_full_methods_barrier(finished):
   res = _results(finished)
   assert "learned" in res["methods"]

@@ -30,6 +30,7 @@ from experiments.configs import gpt2_wiki_bytes
 from experiments.configs import llama_wiki_bytes
 from experiments.configs import quickstart
 from experiments.configs import vit_mnist_to_fashion
+from tests import conftest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -274,6 +275,7 @@ def test_transfer_fine_tunes_on_the_second_data_set(tmp_path, monkeypatch):
   """A->B: the base model learns MNIST digits, the re-initialised scope Fashion-MNIST."""
   config = vit_mnist_to_fashion.get_config("runlocal")
   config.reinit.scopes, config.reinit.seeds = ("first_attention",), (1, 2)
+  config.dataset.validation_examples = 256  # the stopping rule's checks: not under test here
   read = []
   for reader in ("train_batches", "eval_batches"):
     _record_reads(monkeypatch, reader, read)
@@ -366,8 +368,8 @@ def test_data_parallel_matches_single_device(tmp_path):
   config = _base_only(quickstart.get_config("runlocal"))
   config.train.log_every = 1
   single = train.train_and_evaluate(config, str(tmp_path / "one"))
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-         "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": conftest.with_xla_flags(
+      os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=4")}
   proc = subprocess.run([sys.executable, "-c", _MULTI_DEVICE, str(tmp_path / "four")], cwd=REPO,
                         env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,7 +12,8 @@ Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.
   align_model                 all of it, for every factor and attention site in scope.
   learn_alignment             an element's factors fitted to a task loss.
   register_method             a whole-model method of one's own, next to the built-in ones.
-  linear_assignment           exact LAP, batched and jittable (scipy on CPU hosts, optax elsewhere).
+  linear_assignment           exact LAP, batched and jittable (an auction in JAX; optax's Hungarian
+                              algorithm below 512 rows on CPU).
 
 Attention methods (``METHODS``, the paper's Table 1): "naive" (identity),
 "perm" (Variant 1: the Stage 1 permutation, applied even where it raises the
@@ -37,9 +38,7 @@ registered by ``register_method`` (docs/extending.md).
 bfloat16 and float16 parameters are matched in float32, and the elements are
 float32 (float32 and float64 parameters are matched in their own dtype);
 ``group_action.apply_model`` applies them keeping the parameters' dtype.
-Everything is jitted end to end and imports jax, numpy and optax only; on a CPU
-backend a linear assignment of 512 or more rows (``_assignment.HOST_MIN_SIZE``) calls scipy's solver on
-the host through ``jax.pure_callback`` (``linear_assignment``), importing scipy then.
+Everything is jitted end to end, with no host callback, and imports jax, numpy and optax only.
 """
 
 from attn_symmetry.matching._assignment import head_permutations

@@ -1,5 +1,5 @@
-"""Linear assignment (scipy on the host for CPU, optax's Hungarian algorithm on accelerators)
-and head-permutation enumeration."""
+"""Linear assignment (an auction in JAX, or optax's Hungarian algorithm for small problems on
+CPU) and head-permutation enumeration."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import numpy as np
 import optax
 
 from attn_symmetry import attention
+from attn_symmetry.matching import _auction
 
 
-# The smallest n solved on the host on a CPU backend (see linear_assignment).
-HOST_MIN_SIZE = 512
+# On a CPU backend, the smallest n solved by the auction (see linear_assignment).
+AUCTION_MIN_SIZE = 512
 
 
 def linear_assignment(cost: jax.Array) -> jax.Array:
@@ -31,22 +32,21 @@ def linear_assignment(cost: jax.Array) -> jax.Array:
   pass over the costs and a sort of n indices. Otherwise one of two exact
   solvers, chosen when the call is traced:
 
-  * CPU backend and n >= ``HOST_MIN_SIZE``: scipy's ``linear_sum_assignment``
-    (a shortest-augmenting-path solver in C++) on the host, through
-    ``jax.pure_callback``: the call stays jittable, vmappable and usable inside
-    ``lax`` loops. scipy is imported only when this path runs. A program with a
-    host callback is not stored in JAX's persistent compilation cache, hence
-    the size threshold: below it the device solver costs under a millisecond
-    more per problem, and the programs that only meet small problems (head
-    assignments, narrow models) stay cacheable.
-  * Otherwise ``optax.assignment.hungarian_algorithm`` on the device
-    (O(n^3), a ``while_loop`` whose trip count depends on the costs): vmapped
-    over a batch on accelerators, where every problem then runs as many
-    iterations as the slowest one; one problem after another on CPU. On CPU
-    it is about 5x slower than scipy on random 1024^2 costs, 1.5x on
-    near-permutation ones (``benchmarks/bench_matching.py --lap_only``).
+  * ``matching._auction.solve`` (an epsilon-scaling auction on each row's
+    cheapest columns, made exact by shortest augmenting paths from its prices,
+    with a dual certificate; see that module): on accelerators at every n, and
+    on a CPU backend from n = ``AUCTION_MIN_SIZE``. Problems of a batch run side
+    by side (``vmap``) on accelerators, one after another on CPU. On CPU it
+    takes 0.3 to 0.5x scipy's ``linear_sum_assignment`` time on random costs
+    from n = 1024 (``benchmarks/bench_assignment.py``; docs/matching.md).
+  * Below ``AUCTION_MIN_SIZE`` on CPU, ``optax.assignment.hungarian_algorithm``
+    (O(n^3), a ``while_loop`` whose trip count depends on the costs), one
+    problem after another: at such sizes it runs in about a millisecond like
+    the auction, and its program compiles several times faster.
 
-  All three return an optimal assignment; they can differ only where several
+  Neither needs a host callback, so every program stays jittable, vmappable,
+  usable in ``lax`` loops and storable in JAX's persistent compilation cache.
+  Both return an optimal assignment; they can differ only where several
   assignments tie for the optimum.
 
   Args:
@@ -56,7 +56,7 @@ def linear_assignment(cost: jax.Array) -> jax.Array:
     int32 [..., n] permutation: row i is assigned column perm[i].
   """
   cost = jnp.asarray(cost)
-  solve = (_host_assignment if jax.default_backend() == "cpu" and cost.shape[-1] >= HOST_MIN_SIZE
+  solve = (_hungarian if jax.default_backend() == "cpu" and cost.shape[-1] < AUCTION_MIN_SIZE
            else _device_assignment)
   minima = jnp.argmin(cost, axis=-1).astype(jnp.int32)
   return jax.lax.cond(_is_permutation(minima), lambda _: minima, solve, cost)
@@ -68,41 +68,19 @@ def _is_permutation(perm: jax.Array) -> jax.Array:
 
 
 def _device_assignment(cost: jax.Array) -> jax.Array:
-  """optax's Hungarian algorithm over the leading axes of [..., n, n]: one problem after
-  another on CPU (``lax.map``: each runs its own trip count, and vmap buys no parallelism
-  there), side by side elsewhere (``vmap``)."""
+  """The auction (``_auction.solve``) over the leading axes of [..., n, n]; int32 [..., n]."""
+  return _auction.solve(cost).perm
+
+
+def _hungarian(cost: jax.Array) -> jax.Array:
+  """optax's Hungarian algorithm over the leading axes of [..., n, n], one problem after another
+  (``lax.map``: each runs its own trip count; it serves CPU backends only)."""
   def one(c):
     rows, cols = optax.assignment.hungarian_algorithm(c)
     return jnp.zeros(c.shape[0], jnp.int32).at[rows].set(cols.astype(jnp.int32))
 
-  if cost.ndim == 2:
-    return one(cost)
   n = cost.shape[-1]
-  flat = cost.reshape(-1, n, n)
-  perms = jax.lax.map(one, flat) if jax.default_backend() == "cpu" else jax.vmap(one)(flat)
-  return perms.reshape(cost.shape[:-1])
-
-
-def _host_assignment(cost: jax.Array) -> jax.Array:
-  """scipy's solver on the host, called from traced code; [..., n, n] -> int32 [..., n]."""
-  out = jax.ShapeDtypeStruct(cost.shape[:-1], jnp.int32)
-  # "expand_dims": under vmap the callback gets the batch as one more leading axis, which
-  # _solve_on_host loops over like any other.
-  return jax.pure_callback(_solve_on_host, out, cost, vmap_method="expand_dims")
-
-
-def _solve_on_host(cost: np.ndarray) -> np.ndarray:
-  from scipy.optimize import linear_sum_assignment  # pylint: disable=g-import-not-at-top
-
-  cost = np.asarray(cost)
-  if cost.dtype not in (np.float32, np.float64):  # bf16/f16: scipy reads float32 and float64
-    cost = cost.astype(np.float32)
-  n = cost.shape[-1]
-  flat = cost.reshape(-1, n, n)
-  perms = np.empty(flat.shape[:-1], np.int32)
-  for i, c in enumerate(flat):
-    perms[i] = linear_sum_assignment(c)[1]
-  return perms.reshape(cost.shape[:-1])
+  return jax.lax.map(one, cost.reshape(-1, n, n)).reshape(cost.shape[:-1])
 
 
 def assignment_cost(cost: jax.Array, perm: jax.Array) -> jax.Array:
