@@ -388,6 +388,7 @@ def _apply_streamed(inputs: _Inputs, options: _Options, element: dict[str, Any],
   writers = _writers(inputs, options, folded, tmp)
   read, kept_a, kept_b = _reader(inputs), {}, {}
   squares = {"before": ({}, 0.0), "after": ({}, 0.0)}
+  group_action.check_model_element(spec, element)  # once: each unit below skips it
   for paths in matching.stream_groups(spec):
     for computed, emitted in _leaf_units(spec, paths):
       a, b = ({p: jnp.asarray(x, jnp.float32) for p, x in flat.items()} for flat in read(computed))
@@ -397,7 +398,8 @@ def _apply_streamed(inputs: _Inputs, options: _Options, element: dict[str, Any],
                 for x in (a, b))
       names = set(part.factors) | set(part.attention)
       aligned = spec_lib.flatten(group_action.apply_model(
-          part, spec_lib.unflatten(b), {k: v for k, v in element.items() if k in names}))
+          part, spec_lib.unflatten(b), {k: v for k, v in element.items() if k in names},
+          check_element=False))
       a, b, aligned = ({p: x[p] for p in emitted} for x in (a, b, aligned))
       for when, other in (("before", b), ("after", aligned)):
         groups, norm = _squares(a, other)
@@ -926,13 +928,16 @@ def _apply_by_group(spec: spec_lib.SymmetrySpec, params: Params, element: dict[s
   ``embed``, ...) at a time, op by op: under one jit, jaxlib 0.10's CPU LAPACK kernels (the
   sites' inverses) could deadlock when two ran side by side. With ``consume``, each group is
   removed from ``params`` once transformed, so that one model and one group are held, not two
-  models (every attention site lies inside one group)."""
+  models (every attention site lies inside one group). The element is checked once, not once
+  per group."""
+  group_action.check_model_element(spec, element)
   out: Params = {}
   for group in list(params):
     part = spec.part(spec_lib.flatten({group: params[group]}))
     names = set(part.factors) | set(part.attention)
     out[group] = group_action.apply_model(part, {group: params[group]},
-                                          {k: v for k, v in element.items() if k in names})[group]
+                                          {k: v for k, v in element.items() if k in names},
+                                          check_element=False)[group]
     jax.block_until_ready(out[group])
     if consume:
       del params[group]
