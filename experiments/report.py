@@ -21,6 +21,9 @@ METHOD_LABELS = {"naive": "naive", "perm": "Variant 1 (Stage 1)", "ortho": "Vari
 # Below this mean naive loss barrier (nats, or bits per byte on text) a ratio to naive is
 # float32 noise divided by noise: reports print the barrier and no ratio.
 RATIO_FLOOR = 0.02
+# Folders a setting's results/ folder may hold beside its scopes: its reduced rerun's reports, and
+# those of its run on every core (another float32 trajectory than the one-core run; reproduce.py).
+REDUCED, EVERY_CORE = "reduced", "every_core"
 # The paired differences that reports show: (x, y) for x - y, in % of naive.
 DIFFERENCES = (("ortho", "perm"), ("full", "ortho"), ("learned", "full"))
 _COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green",
@@ -137,6 +140,12 @@ def summarise_methods(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str,
       row[f"{metric}_ratio_of_means_pct"] = _ratio_of_means(values, naive)
     out[m] = row
   return out
+
+
+def pair_statistics(pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  """What a study's results.json derives from its pairs: {"methods": ``summarise_methods``,
+  "differences": ``paired_differences``} (``results_table.restate`` rewrites these)."""
+  return {"methods": summarise_methods(pairs), "differences": paired_differences(pairs)}
 
 
 def paired_differences(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -260,6 +269,14 @@ def _overlap_note(overlap: Mapping[str, str]) -> str:
   return (f"The \"learned\" method {reads}, which share{'s' if len(overlap) == 1 else ''} "
           "records with this split: its barrier here is not held out (the other methods read "
           "no data).")
+
+
+def study_title(config: Mapping[str, Any]) -> str:
+  """summary.md's title: the model family and the data set the study evaluates on (the
+  re-initialised runs' own, where they fine-tune on another); ``config`` is a run's config
+  (a ConfigDict, or its config.json)."""
+  dataset = config["reinit"]["dataset"] or config["dataset"]["name"]
+  return f"LMC study: {config['model']['family']} on {dataset}"
 
 
 def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any]]) -> str:

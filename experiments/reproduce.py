@@ -24,7 +24,10 @@ a computation over its process's thread pool, which has one thread per core
 the process may use, and another split rounds float32 sums differently
 (measured: the reduced ``table1_vit_fashion_ape`` on one core and on two
 differ from the base model's first loss on). ``--noone_core`` runs on every
-core instead (faster alone, other last digits). ``--jobs=N`` runs N settings
+core instead (faster alone, another float32 trajectory): its reports go to
+``results/<setting>/every_core/``, beside the one-core run's, and
+results/README.md says whether each of its means falls inside the one-core
+run's interval over seeds. ``--jobs=N`` runs N settings
 at a time, each in a process of its own on a core of its own, the longest
 first (by the wall time of its committed run): on a 2-core machine two
 settings at a time finish more settings per hour than one on both cores,
@@ -96,11 +99,12 @@ def main(argv):
           flush=True)
   for setting in settings:
     name = setting + ("_reduced" if FLAGS.reduced else "")
-    out = os.path.join(FLAGS.results, setting, *(["reduced"] if FLAGS.reduced else []))
+    out = runner.results_dir(FLAGS.results, setting, reduced=FLAGS.reduced,
+                             one_core=FLAGS.one_core)
     try:
       record = runner.run_setting(setting, reduced=FLAGS.reduced,
                                   workdir=os.path.join(FLAGS.workdir_root, name),
-                                  results_dir=out, jobs=FLAGS.jobs)
+                                  results_dir=out, jobs=FLAGS.jobs, one_core=FLAGS.one_core)
     except ValueError as e:
       sys.exit(f"FATAL {e}")
     print(f"{setting}: {record['wall_seconds']:.0f} s, reports in {out}")
@@ -142,15 +146,17 @@ def _define_flags() -> None:
                     "separated by commas (run one after another, or --jobs at a time).")
   flags.DEFINE_bool("all", False, "Run every setting, one after another (see --jobs).")
   flags.DEFINE_bool("one_core", True, "Run each setting on one core, so that its numbers do "
-                    "not depend on the core count (--noone_core: on every core, faster alone).")
+                    "not depend on the core count (--noone_core: on every core, faster alone, "
+                    "reports in results/<setting>/every_core/).")
   flags.DEFINE_integer("core", None, "The core of --one_core (default: the lowest this "
                        "process may use; --jobs gives each setting its own).")
   flags.DEFINE_integer("jobs", 1, "Settings run at the same time (--all, or several "
                        "--setting), each in a process of its own; with --setting, recorded in "
                        "run.json as the number of settings that shared the machine.")
   flags.DEFINE_bool("list", False, "List the settings and exit.")
-  flags.DEFINE_bool("table", False, "Rewrite the table of results/README.md from the committed "
-                    "results and exit.")
+  flags.DEFINE_bool("table", False, "Rewrite the table and the verdicts of results/README.md "
+                    "from the committed results, after restating each run's statistics from its "
+                    "measured pairs (results.json, summary.md), and exit.")
   flags.DEFINE_bool("reduced", False, "The reduced form of the setting (about a minute).")
   flags.DEFINE_string("workdir_root", os.path.join(tempfile.gettempdir(), "attn_symmetry",
                                                    "reproduce"),

@@ -6,6 +6,10 @@ and scope, the barriers as shares of naive, Stage 1's rank and L-hat, the wall
 time, the commit and the command, all read from ``results/<setting>/run.json``,
 ``config.json`` and ``<scope>/results.json``; nothing is typed in. It also
 writes the verdict on each of the paper's claims (``claims.verdict_table``).
+Before that it restates each committed run (``restate``): what its reports derive
+from its measured pairs (the statistics, the seed-level intervals, summary.md)
+is rewritten as the current code derives it, so that runs stored before a
+statistic was added carry it too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ MARK_END = "<!-- end of table -->"
 VERDICTS_BEGIN = ("<!-- verdicts: written by experiments/reproduce.py --table from "
                   "experiments/claims.py; do not edit -->")
 VERDICTS_END = "<!-- end of verdicts -->"
+TRAJECTORY_BEGIN = ("<!-- trajectory check: written by experiments/reproduce.py --table; "
+                    "do not edit -->")
+TRAJECTORY_END = "<!-- end of trajectory check -->"
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -125,15 +132,129 @@ def _replace_between(text: str, begin: str, end: str, body: str, path: str) -> s
   return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
 
 
+def restate(setting_dir: str) -> list[str]:
+  """Rewrites what a committed setting's reports derive from its measured pairs, as the
+  current code derives it: each scope's ``results.json`` "methods" and "differences"
+  (``report.pair_statistics``: the seed-level intervals of reports stored before them) and the setting's ``summary.md``, as the study writes them.
+  The pairs, curves, endpoints and ablations stay as measured (the distance ablation's
+  summaries too: its pairs are not stored). Returns the paths whose bytes changed."""
+  with open(os.path.join(setting_dir, "config.json")) as f:
+    config = json.load(f)
+  title = report.study_title(config)
+  results, changed = {}, []
+  for scope in config["reinit"]["scopes"]:
+    path = os.path.join(setting_dir, scope, "results.json")
+    with open(path) as f:
+      stored = json.load(f)
+    derived = report.pair_statistics(stored["pairs"])
+    kept = [k for k in stored if k not in derived]
+    at = kept.index("ablation") if "ablation" in kept else len(kept)  # the study's order
+    res = {**{k: stored[k] for k in kept[:at]}, **derived, **{k: stored[k] for k in kept[at:]}}
+    results[scope] = res
+    changed += _write_if_changed(path, json.dumps(res, indent=1))
+  summary = os.path.join(setting_dir, "summary.md")
+  return changed + _write_if_changed(summary, report.markdown_summary(title, results))
+
+
+def _write_if_changed(path: str, text: str) -> list[str]:
+  with open(path) as f:
+    if f.read() == text:
+      return []
+  atomic_io.write_text(path, text)
+  return [path]
+
+
+def setting_dirs(results_root: str) -> list[str]:
+  """Every committed run's folder under ``results_root``: each setting's, and where committed
+  its reduced form's (``<setting>/reduced``) and its run's on every core
+  (``<setting>/every_core``; ``runner.results_dir``)."""
+  dirs = []
+  for setting in sorted(os.listdir(results_root)):
+    for d in (os.path.join(results_root, setting, *sub)
+              for sub in ((), (report.REDUCED,), (report.EVERY_CORE,))):
+      if all(os.path.exists(os.path.join(d, name)) for name in ("run.json", "config.json")):
+        dirs.append(d)
+  return dirs
+
+
+def trajectory_table(results_root: str) -> str:
+  """Each setting's run on every core (``<setting>/every_core``) set against its committed
+  one-core run: per scope and method, the one-core run's mean with its 95 % interval over
+  seeds, the every-core run's mean and interval, and whether the every-core mean falls inside
+  the one-core interval (the naive barrier in the loss's unit, the methods in % of naive).
+
+  The two runs train from the same seeds on other float32 trajectories (another thread count
+  rounds sums differently): an interval over the seeds of one run says how far its mean may
+  lie from the mean over all seeds *of that trajectory*; whether it also bounds another
+  trajectory's mean is what this table measures."""
+  lines = ["| setting | scope | method (naive: loss barrier; the others: % of naive) | "
+           "one-core run: mean [95 % interval over seeds] | every-core run: mean [95 % interval "
+           "over seeds] | every-core mean against the one-core interval |",
+           "|---|---|---|---|---|---|"]
+  runs = []
+  for setting in sorted(os.listdir(results_root)):
+    other = os.path.join(results_root, setting, report.EVERY_CORE)
+    if not os.path.exists(os.path.join(other, "run.json")):
+      continue
+    committed = os.path.join(results_root, setting)
+    records = [_read_json(os.path.join(d, "run.json")) for d in (committed, other)]
+    runs.append(f"`{setting}`: the one-core run at {_commit(records[0])} "
+                f"({records[0]['wall_seconds'] / 60:.0f} min), the run on "
+                f"{records[1]['machine']['cores_used']} cores at {_commit(records[1])} "
+                f"({records[1]['wall_seconds'] / 60:.0f} min, `{records[1]['command']}`).")
+    for scope in _read_json(os.path.join(committed, "config.json"))["reinit"]["scopes"]:
+      rows = [report.summarise_methods(_read_json(os.path.join(d, scope, "results.json"))["pairs"])
+              for d in (committed, other)]
+      for method in ("naive", "perm", "ortho", "full", "learned"):
+        # naive: the loss barrier (its mean, "loss_barrier_seed_ci"); the others: % of naive
+        key, ci = (("loss_barrier_mean", "loss_barrier_seed_ci") if method == "naive" else
+                   ("loss_barrier_ratio_pct", "loss_barrier_ratio_pct_seed_ci"))
+        one, every = (r.get(method, {}) for r in rows)
+        lines.append(f"| {setting} | {scope} | {report.METHOD_LABELS[method]} | "
+                     f"{_mean_interval(one, key, ci)} | {_mean_interval(every, key, ci)} | "
+                     f"{_inside(every.get(key), one.get(ci))} |")
+  if not runs:
+    return "No setting has a run on every core (`reproduce.py --setting=NAME --noone_core`)."
+  return "\n".join(lines + [""] + runs)
+
+
+def _read_json(path: str) -> Any:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _mean_interval(row: dict[str, Any], key: str, ci_key: str) -> str:
+  if row.get(key) is None:
+    return "n/a"
+  digits = 4 if key == "loss_barrier_mean" else 1
+  ci = row.get(ci_key)
+  interval = "" if ci is None else f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+  return f"{row[key]:.{digits}f}{interval} ({row['num_seeds']} seeds)"
+
+
+def _inside(mean: float | None, interval: list[float] | None) -> str:
+  """Where ``mean`` lies against ``interval``: "inside", "above" or "below" it."""
+  if mean is None or interval is None:
+    return "n/a"
+  low, high = interval
+  return "below" if mean < low else "above" if mean > high else "inside"
+
+
 def write(results_root: str) -> str:
-  """Replaces the generated blocks of ``results_root/README.md``: the table (between
-  ``MARK_BEGIN`` and ``MARK_END``) and the verdicts on the paper's claims
-  (``claims.verdict_table``, between ``VERDICTS_BEGIN`` and ``VERDICTS_END``)."""
+  """Restates every committed run (``restate``), then replaces the generated blocks of
+  ``results_root/README.md``: the table (between ``MARK_BEGIN`` and ``MARK_END``), the
+  verdicts on the paper's claims (``claims.verdict_table``, between ``VERDICTS_BEGIN`` and
+  ``VERDICTS_END``) and the trajectory check (``trajectory_table``, between
+  ``TRAJECTORY_BEGIN`` and ``TRAJECTORY_END``)."""
+  for d in setting_dirs(results_root):
+    restate(d)
   path = os.path.join(results_root, "README.md")
   with open(path) as f:
     text = f.read()
   text = _replace_between(text, MARK_BEGIN, MARK_END, markdown(results_root), path)
   text = _replace_between(text, VERDICTS_BEGIN, VERDICTS_END,
                           claims.verdict_table(results_root).rstrip("\n"), path)
+  text = _replace_between(text, TRAJECTORY_BEGIN, TRAJECTORY_END,
+                          trajectory_table(results_root), path)
   atomic_io.write_text(path, text)
   return path

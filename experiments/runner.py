@@ -24,6 +24,7 @@ import jax
 from attn_symmetry import runtime
 from experiments import atomic_io
 from experiments import config_checks
+from experiments import report
 from experiments import study
 from experiments import train
 from experiments.configs import cpu_paper
@@ -61,10 +62,19 @@ def _cores_used() -> int:
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-def command(setting: str, reduced: bool) -> str:
+def command(setting: str, reduced: bool, one_core: bool = True) -> str:
   """The command line that reruns ``setting``."""
   return (f"python experiments/reproduce.py --setting={setting}"
-          + (" --reduced" if reduced else ""))
+          + (" --reduced" if reduced else "") + ("" if one_core else " --noone_core"))
+
+
+def results_dir(results_root: str, setting: str, *, reduced: bool, one_core: bool) -> str:
+  """Where a run's reports go: ``<results_root>/<setting>``, then ``reduced/`` for the
+  reduced form and ``every_core/`` for a run on every core. A run on every core follows
+  another float32 trajectory than the committed one-core run, so its reports go beside
+  that run's, never over them (results/README.md compares the two)."""
+  return os.path.join(results_root, setting, *([report.REDUCED] if reduced else []),
+                      *([] if one_core else [report.EVERY_CORE]))
 
 
 def use_one_core(core: int | None = None) -> int | None:
@@ -88,8 +98,8 @@ def use_one_core(core: int | None = None) -> int | None:
   return core
 
 
-def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str, jobs: int = 1
-                ) -> dict[str, Any]:
+def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str, jobs: int = 1,
+                one_core: bool = True) -> dict[str, Any]:
   """Trains and studies ``setting`` in ``workdir`` and copies its reports to ``results_dir``.
 
   Files already in ``results_dir`` are replaced only by this setting's new reports.
@@ -97,6 +107,8 @@ def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str, 
   Args:
     jobs: how many settings the command that started this one ran at the same
       time (recorded: the wall time counts the cores it shared).
+    one_core: whether the command pinned this process to one core (recorded in the
+      command; ``machine.cores_used`` says how many it used).
 
   Returns:
     The ``run.json`` record: setting, command, commit, start time, wall
@@ -120,7 +132,7 @@ def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str, 
   train.log.info("%s: %s", setting, clock.summary(seconds))
   copied = _copy_reports(config, os.path.join(workdir, "study"), results_dir)
   atomic_io.write_text(os.path.join(results_dir, "config.json"), config.to_json(indent=1))
-  record = {"setting": setting, "reduced": reduced, "command": command(setting, reduced),
+  record = {"setting": setting, "reduced": reduced, "command": command(setting, reduced, one_core),
             **code, "started": started.isoformat(timespec="seconds"),
             "wall_seconds": round(seconds, 1), "jobs": jobs,
             "compile_seconds": {k: round(v, 1) for k, v in clock.seconds.items()},

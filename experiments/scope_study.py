@@ -403,8 +403,7 @@ class ScopeStudy:
         "eval_examples": sum(int(np.sum(b["valid"])) for b in self.evaluator.batches),
         "learned_overlap": self.learned_overlap,
         "endpoints": endpoints, "pairs": pairs,
-        "methods": report.summarise_methods(pairs),
-        "differences": report.paired_differences(pairs), "ablation": {}}
+        **report.pair_statistics(pairs), "ablation": {}}
     if ablations:
       result["ablation"]["permutations"] = {
           "num_permutations": ablations[0]["num_permutations"], "per_pair": ablations,

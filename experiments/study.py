@@ -148,7 +148,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
           lambda p, per_pair=per_pair, naive=naive, perm_title=perm_title, loss_name=loss_name,
           res=res: report.plot_permutation_curves(p, perm_title, res["lambdas"], per_pair, naive,
                                                   loss_name=loss_name))
-  title = f"LMC study: {config.model.family} on {dataset}"
+  title = report.study_title(config)
   paths["summary.md"] = reports.write(
       "summary.md", [title, results],
       lambda p: atomic_io.write_text(p, report.markdown_summary(title, results)))

@@ -10,7 +10,9 @@ import sys
 import numpy as np
 import pytest
 
+from experiments import claims
 from experiments import config_checks
+from experiments import report
 from experiments import results_table
 from experiments import runner
 from experiments import scheduler
@@ -83,6 +85,55 @@ def test_reduced_rerun_gives_the_committed_numbers(tmp_path):
   assert "## Re-initialisation scope: first_attention" in committed_summary
 
 
+def test_committed_reports_are_restated_by_the_current_code(tmp_path):
+  """Every committed run's results.json statistics (seed-level intervals included) and
+  summary.md are what the current code derives from its stored pairs: restating a copy
+  changes no byte."""
+  root = tmp_path / "results"
+  shutil.copytree(os.path.join(REPO, "results"), root, ignore=shutil.ignore_patterns("*.png"))
+  dirs = results_table.setting_dirs(str(root))
+  assert len(dirs) > 1 and str(root / SMALLEST / "reduced") in dirs
+  changed = [p for d in dirs for p in results_table.restate(d)]
+  assert not changed, f"run reproduce.py --table: {changed}"
+  for d in dirs:
+    with open(os.path.join(d, "config.json")) as f:
+      scopes = json.load(f)["reinit"]["scopes"]
+    for scope in scopes:
+      with open(os.path.join(d, scope, "results.json")) as f:
+        methods = json.load(f)["methods"]
+      assert all("loss_barrier_ratio_pct_seed_ci" in row and
+                 "accuracy_barrier_ratio_pct_seed_ci" in row for row in methods.values())
+
+
+def test_summary_title_names_the_data_set_the_study_evaluates_on():
+  """A transfer setting's study evaluates on the data set its re-initialised runs fine-tune on,
+  and its summary says so (restate writes the title the study wrote)."""
+  with open(os.path.join(REPO, "results", "scopes_vit_mnist_to_fashion_attention",
+                         "config.json")) as f:
+    config = json.load(f)
+  assert config["dataset"]["name"] == "mnist5k"
+  assert report.study_title(config) == "LMC study: vit on fashion_mnist_deb"
+  assert report.study_title(cpu_paper.get_config("table1_vit_mnist_ape")) == (
+      "LMC study: vit on mnist5k")
+
+
+def test_restate_derives_the_statistics_from_the_pairs(tmp_path):
+  """A results.json stored with stale statistics gets the current ones, from its pairs."""
+  setting = tmp_path / SMALLEST
+  shutil.copytree(COMMITTED, setting, ignore=shutil.ignore_patterns("*.png"))
+  path = setting / "first_attention" / "results.json"
+  res = json.loads(path.read_text())
+  res["methods"] = {m: {"loss_barrier_mean": 0.0} for m in res["methods"]}
+  del res["differences"]
+  path.write_text(json.dumps(res, indent=1))
+  assert results_table.restate(str(setting)) == [str(path)]  # summary.md: from the pairs too
+  restated = json.loads(path.read_text())
+  assert restated["methods"] == report.summarise_methods(res["pairs"])
+  assert restated["differences"] == report.paired_differences(res["pairs"])
+  assert list(restated) == list(_load(COMMITTED))  # the study's order of keys
+  assert results_table.restate(str(setting)) == []
+
+
 def test_commit_column_marks_edited_code_but_not_reports_of_other_settings():
   sha = "0123456789abcdef"
   commit = results_table._commit
@@ -146,6 +197,51 @@ def test_committed_runs_are_the_settings_of_the_committed_config(setting):
   now = dict(_leaves(json.loads(cpu_paper.get_config(setting).to_json())))
   changed = {k: (v, now.get(k)) for k, v in recorded.items() if now.get(k) != v}
   assert not changed, f"{setting}: fields changed since its run (recorded, now): {changed}"
+
+
+def test_a_run_on_every_core_reports_beside_the_one_core_run():
+  """--noone_core follows another float32 trajectory: its reports go to every_core/, never over
+  the committed one-core run's, and its command says how it ran."""
+  assert runner.results_dir("r", "s", reduced=False, one_core=True) == os.path.join("r", "s")
+  assert runner.results_dir("r", "s", reduced=False, one_core=False) == os.path.join(
+      "r", "s", "every_core")
+  assert runner.results_dir("r", "s", reduced=True, one_core=True) == os.path.join(
+      "r", "s", "reduced")
+  assert runner.command("s", False, one_core=False) == (
+      "python experiments/reproduce.py --setting=s --noone_core")
+
+
+def test_trajectory_table_says_where_each_mean_of_the_every_core_run_falls(tmp_path):
+  """Each method's every-core mean is set against the one-core run's interval over seeds:
+  unchanged pairs fall inside it; full's barriers made ten times larger, above it. The
+  every-core run is restated with the others and judged by no claim."""
+  setting = tmp_path / "s"
+  shutil.copytree(COMMITTED, setting, ignore=shutil.ignore_patterns("*.png"))
+  shutil.copytree(COMMITTED, setting / "every_core", ignore=shutil.ignore_patterns("*.png"))
+  path = setting / "every_core" / "first_attention" / "results.json"
+  res = json.loads(path.read_text())
+  for pair in res["pairs"]:
+    pair["methods"]["full"]["loss_barrier"] *= 10
+  path.write_text(json.dumps(res))
+  run = json.loads((setting / "every_core" / "run.json").read_text())
+  run["machine"]["cores_used"], run["command"] = 2, runner.command("s", True, one_core=False)
+  (setting / "every_core" / "run.json").write_text(json.dumps(run))
+  table = results_table.trajectory_table(str(tmp_path))
+  rows = {line.split(" | ")[2].split(" (")[0]: line for line in table.splitlines()
+          if line.startswith("| s |")}
+  assert list(rows) == ["naive", "Variant 1", "Variant 2", "full", "learned"]
+  full = report.summarise_methods(res["pairs"])["full"]["loss_barrier_ratio_pct"]
+  low, high = json.loads((setting / "first_attention" / "results.json").read_text())[
+      "methods"]["full"]["loss_barrier_ratio_pct_seed_ci"]
+  assert full > high and rows["full"].endswith("| above |")
+  assert all(rows[m].endswith("| inside |") for m in ("naive", "Variant 1", "Variant 2",
+                                                      "learned"))
+  assert "on 2 cores" in table and "--noone_core" in table
+  assert str(setting / "every_core") in results_table.setting_dirs(str(tmp_path))
+  assert results_table.restate(str(setting / "every_core")) == [  # its stale statistics
+      str(path), str(setting / "every_core" / "summary.md")]
+  assert {(r.setting, r.scope) for r in claims.verdict_rows(str(tmp_path))} == {
+      ("s", "first_attention")}
 
 
 def test_table_says_when_a_ratio_leaves_out_pairs(tmp_path):
