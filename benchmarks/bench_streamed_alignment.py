@@ -1,7 +1,7 @@
 r"""The streamed ``attn-symmetry align`` on a planted Mistral-7B-shaped bfloat16 pair.
 
     python benchmarks/bench_streamed_alignment.py [--layers=32] [--method=perm] [--max-rounds=N]
-                                                  [--workdir=DIR]
+                                                  [--memory-budget=GB] [--workdir=DIR]
 
 Writes A (random, Mistral-7B's shapes: width 4096, FFN 14336, 32 heads in 8 kv groups of head
 dim 128, vocabulary 32000, ``--layers`` layers; norm gains one) and B = g . A (heads permuted
@@ -10,6 +10,8 @@ within kv groups, FFN units permuted) with the test helpers of
 METHOD`` in a child and prints its wall time, its stages' times (from its report) and its peak
 RSS (``os.wait4``) against both checkpoints' size. The helpers hold one checkpoint in memory
 while writing it (0.5 + 0.44 x layers GB); the alignment holds one layer of each at a time.
+``--memory-budget`` (default 6 GB) is passed on: below the four float32 models that the
+function check holds (7 GB at one layer), so that every depth streams end to end.
 """
 
 import argparse
@@ -32,6 +34,8 @@ def main() -> None:
   parser.add_argument("--method", default="perm")
   parser.add_argument("--max-rounds", type=int, default=None,
                       help="most rounds of the descent (default: until it converges)")
+  parser.add_argument("--memory-budget", default="6",
+                      help="the command's --memory-budget in GB (default 6: streams every depth)")
   parser.add_argument("--workdir", default=None)
   args = parser.parse_args()
   work = args.workdir or tempfile.mkdtemp(prefix="bench_streamed_")
@@ -46,7 +50,7 @@ def main() -> None:
   start = time.perf_counter()
   rounds = [] if args.max_rounds is None else ["--max-rounds", str(args.max_rounds)]
   status, peak, err = helpers._align_in_child(a, b, "--out", out, "--method", args.method,  # pylint: disable=protected-access
-                                              *rounds)
+                                              "--memory-budget", args.memory_budget, *rounds)
   wall = time.perf_counter() - start
   if status:
     raise SystemExit(err)

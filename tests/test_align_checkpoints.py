@@ -604,8 +604,8 @@ def test_a_broken_alignment_is_refused_before_anything_is_written(tmp_path, caps
   apply_model = align.group_action.apply_model
   broken_leaf = "layers_1/attention/out/kernel"
 
-  def broken(spec, params, element):
-    out = align.spec_lib.flatten(apply_model(spec, params, element))
+  def broken(spec, params, element, **options):
+    out = align.spec_lib.flatten(apply_model(spec, params, element, **options))
     if broken_leaf in out:  # the streamed alignment applies g a few leaves at a time
       out[broken_leaf] = out[broken_leaf] * 1.5
     return align.spec_lib.unflatten(out)
