@@ -54,7 +54,24 @@ merged; aligned_a/ holds A'. Otherwise A' is A itself, and aligned_b/ lies
 close to MODEL_A. report.json's "compare" names the two folders: ["aligned_a",
 "aligned_b"] or ["MODEL_A", "aligned_b"].
 
-Memory and time. Peak memory stays within 3x the two checkpoints' size
+Streaming. Every method but "learned", without an evaluation file, streams:
+the check stage is followed by "align" (``matching.align_model_streamed``: the
+descent reads both models one group of tensors at a time, a ``layers_i`` or the
+embeddings or the final norm with the head, kept in their stored dtype and
+computed in float32; a round is a pass over the layers plus the residual's
+reduction) and "apply" (a last pass: each group of B' = g . B computed, rounded
+and written tensor by tensor into the output folders, ``safetensors_io.FolderWriter``,
+with the distances summed). Memory then holds a group of each model, not the
+models, and does not grow with depth. The function check, ``Alignment.params``
+and ``params_a`` need A, B and their aligned copies whole in float32: they are
+computed only where four float32 models fit the memory budget
+(``memory_budget``, ``--memory-budget``; default the machine's memory), and
+otherwise the report's "function_check" says why it was skipped. "learned" trains
+on the interpolated model's loss and an evaluation runs whole models: both load
+the models whole (the stages below), and are refused before any work where that
+does not fit the budget; so is a streamed alignment whose largest group does not.
+
+Memory and time (whole models: "learned" or an evaluation). Peak memory stays within 3x the two checkpoints' size
 (``benchmarks/bench_align_checkpoints.py``, GPT-2 small in float32): the
 models are read one tensor at a time, B' is computed one top-level group of
 leaves at a time with B's group released after it (B is kept only for an
@@ -133,9 +150,10 @@ class Alignment(NamedTuple):
   Attributes:
     model: the zoo ``Model`` of both checkpoints (``model.apply(params, inputs)``).
     params_a: A's float32 parameters, or A' (norm scales folded, values rounded to
-      the written dtypes: what DIR/aligned_a holds) if report["folded_norm_scales"].
+      the written dtypes: what DIR/aligned_a holds) if report["folded_norm_scales"];
+      None for a streamed alignment whose four float32 models do not fit the memory budget.
     params: B' = g . B in float32, in the same parametrisation, values rounded to
-      the written dtypes: what DIR/aligned_b holds.
+      the written dtypes: what DIR/aligned_b holds; None where ``params_a`` is.
     element: g, for ``group_action.apply_model(model.spec, params_b, g)``.
     report: the report, as written to DIR/report.json.
   """
@@ -168,6 +186,8 @@ class _Options:
     num_lambdas, batch_size, seq_len, eval_batches: the evaluation's points
       per path, examples per batch, tokens per text sequence, most batches.
     matching: ``align_model``'s options, named in ``MATCHING_OPTIONS``.
+    memory_budget: the most bytes the alignment may hold (``_check_memory``), or None for
+      the machine's memory.
   """
   method: str
   scope: str | tuple[str, ...]
@@ -183,6 +203,19 @@ class _Options:
   seq_len: int
   eval_batches: int
   matching: Mapping[str, Any]
+  memory_budget: int | None = None
+
+  @property
+  def streamed(self) -> bool:
+    """Whether the models are read group by group (``_stream``): every method of
+    ``matching.STREAMED_METHODS`` without an evaluation. "learned" and the evaluation hold
+    both whole models."""
+    return self.method in matching.STREAMED_METHODS and not self.evaluated
+
+  @property
+  def budget(self) -> int:
+    """The memory budget in bytes: ``memory_budget``, else the machine's memory."""
+    return self.memory_budget or runtime.physical_memory()
 
   @property
   def evaluated(self) -> bool:
@@ -255,6 +288,179 @@ class _Aligned:
     """The two folders whose tensors lie close and are to be compared or merged: aligned_a and
     aligned_b when A was re-parametrised (folded), else MODEL_A itself and aligned_b."""
     return ["aligned_a" if self.folded else "MODEL_A", "aligned_b"]
+
+
+# ----------------------------------------------------------------------------- streamed
+
+
+def _reader(inputs: _Inputs) -> Callable[[Sequence[str]], tuple[Params, Params]]:
+  """``read(paths)`` -> (A's leaves, B's leaves) {path: array} at ``paths``, in their stored
+  dtype (float64 read as float32, as ``load_params`` reads it).
+
+  Raises (when called):
+    InputError: a tensor holds NaN or Inf.
+  """
+  narrow = lambda x: np.asarray(x, np.float32) if x.dtype.itemsize > 4 else x
+
+  def read(paths):
+    try:
+      return tuple({p: narrow(x) for p, x in safetensors_io.read_leaves(ckpt, inputs.model, paths)}
+                   for ckpt in (inputs.a, inputs.b))
+    except ValueError as e:
+      raise InputError(str(e)) from None
+
+  return read
+
+
+def _match_streamed(inputs: _Inputs, options: _Options) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(g, info) of ``matching.align_model_streamed`` of B to A on the scope, the models read
+  a group of leaves at a time (``_reader``)."""
+  try:
+    for ckpt in (inputs.a, inputs.b):
+      safetensors_io.check_tied(ckpt, inputs.model)
+  except ValueError as e:
+    raise InputError(str(e)) from None
+  shapes = {p: (s, np.dtype(np.float32)) for p, s in inputs.model.param_shapes.items()}
+  with runtime.release_memory_after_compiles():
+    element, info = matching.align_model_streamed(inputs.model.spec, _reader(inputs), shapes,
+                                                  scope=inputs.scope, method=options.method,
+                                                  **options.matching)
+    jax.block_until_ready(element)
+  return element, info
+
+
+def _writers(inputs: _Inputs, options: _Options, folded: bool, tmp: str | None
+             ) -> dict[str, safetensors_io.FolderWriter]:
+  """The folders written group by group into ``tmp``: aligned_b, aligned_a if folded, merged
+  with ``merge``; none without ``tmp``."""
+  if tmp is None:
+    return {}
+  like = {"aligned_b": inputs.b} | ({"aligned_a": inputs.a} if folded else {})
+  if options.merge is not None:
+    like["merged"] = inputs.a
+  return {name: safetensors_io.FolderWriter(os.path.join(tmp, name), ckpt, inputs.model,
+                                            dtype=options.dtype) for name, ckpt in like.items()}
+
+
+def _leaf_units(spec: spec_lib.SymmetrySpec, paths: Sequence[str]
+                ) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+  """The leaves ``paths`` of one group (``matching.stream_groups``) in the units that
+  ``_apply_streamed`` computes one at a time: (leaves read, leaves written) with the leaves of
+  each attention site written together (its element acts on them jointly) and every other leaf
+  alone; the leaves read add the norm scales that a written leaf reads, to fold them in. A
+  scale is written by its own unit (folded, it is ones)."""
+  sites = [[p for p in paths if p.startswith(s + "/")] for s in spec.attention]
+  units = [u for u in sites if u]
+  inside = {p for u in units for p in u}
+  units += [[p] for p in paths if p not in inside]
+  scales = {}
+  for scale, readers in spec.norm_scales.items():
+    for reader in readers:
+      scales.setdefault(reader, []).append(scale)
+  return [(tuple(dict.fromkeys([*u, *(s for p in u for s in scales.get(p, ()))])), tuple(u))
+          for u in units]
+
+
+def _apply_streamed(inputs: _Inputs, options: _Options, element: dict[str, Any],
+                    info: dict[str, Any], tmp: str | None, stage: _Stage) -> _Aligned:
+  """A pass over the groups of leaves (``matching.stream_groups``), one unit of leaves at a
+  time (``_leaf_units``: an attention site's leaves, or one leaf): the unit of A and B read,
+  folded where g needs it, B' = g . B, both rounded to the dtypes they are written in, the
+  distances before and after summed, and the unit written to the folders of ``_writers`` in
+  ``tmp``; so this pass holds a few leaves of each model, not a group. A' and B' are kept
+  whole only where four float32 models fit the memory budget (``_keeps_models``): then the function check (``_function_check``) runs on them, and
+  otherwise it is skipped, which the report says.
+
+  Raises:
+    FunctionCheckError: B' (or A') does not compute B's (or A's) function to the tolerance.
+  """
+  model, spec = inputs.model, inputs.model.spec
+  folded, keep = bool(info.get("folded_norm_scales")), _keeps_models(model, options)
+  check_inputs = _check_inputs(model)
+  reference = {}
+  if keep:
+    with stage.part("function_check", "function check"):
+      sources = {"aligned_b": inputs.b} | ({"aligned_a": inputs.a} if folded else {})
+      for name, ckpt in sources.items():
+        reference[name] = _logits(model, safetensors_io.load_params(ckpt, model), check_inputs)
+  dtypes = {name: _written_dtypes(ckpt, model, options.dtype)
+            for name, ckpt in (("aligned_a", inputs.a), ("aligned_b", inputs.b))}
+  writers = _writers(inputs, options, folded, tmp)
+  read, kept_a, kept_b = _reader(inputs), {}, {}
+  squares = {"before": ({}, 0.0), "after": ({}, 0.0)}
+  group_action.check_model_element(spec, element)  # once: each unit below skips it
+  for paths in matching.stream_groups(spec):
+    for computed, emitted in _leaf_units(spec, paths):
+      a, b = ({p: jnp.asarray(x, jnp.float32) for p, x in flat.items()} for flat in read(computed))
+      part = spec.part(computed)
+      if folded:
+        a, b = (spec_lib.flatten(group_action.fold_norm_scales(part, spec_lib.unflatten(x)))
+                for x in (a, b))
+      names = set(part.factors) | set(part.attention)
+      aligned = spec_lib.flatten(group_action.apply_model(
+          part, spec_lib.unflatten(b), {k: v for k, v in element.items() if k in names},
+          check_element=False))
+      a, b, aligned = ({p: x[p] for p in emitted} for x in (a, b, aligned))
+      for when, other in (("before", b), ("after", aligned)):
+        groups, norm = _squares(a, other)
+        total = squares[when][0]
+        squares[when] = ({g: total.get(g, 0.0) + groups.get(g, 0.0) for g in {*total, *groups}},
+                         squares[when][1] + norm)
+      del b
+      aligned = {p: _rounded(x, dtypes["aligned_b"][p]) for p, x in aligned.items()}
+      if folded:
+        a = {p: _rounded(x, dtypes["aligned_a"][p]) for p, x in a.items()}
+      written = {"aligned_b": aligned, "aligned_a": a, "merged": {
+          p: _interpolate(a[p], aligned[p], options.merge) for p in a} if "merged" in writers else {}}
+      for name, writer in writers.items():
+        writer.put(written[name])
+      del written
+      if keep:
+        kept_a.update(a)
+        kept_b.update(aligned)
+      del a, aligned
+  for writer in writers.values():
+    writer.close()
+  params_a, params = (spec_lib.unflatten(x) if keep else None for x in (kept_a, kept_b))
+  if keep:
+    written = {"aligned_b": (inputs.b, params)} | ({"aligned_a": (inputs.a, params_a)} if folded
+                                                    else {})
+    with stage.part("function_check", "function check"):
+      function = _function_check(model, options, check_inputs, reference, written)
+  else:
+    function = {"skipped": f"A, B and their aligned copies in float32 "
+                           f"({_gb(4 * _whole_bytes(model))}) do not fit the memory budget "
+                           f"{_gb(options.budget)}"}
+  distance = {when: _distance_report(*value) for when, value in squares.items()}
+  return _Aligned(element, info, folded, params_a, params, distance, function)
+
+
+def _stream(inputs: _Inputs, options: _Options, clock: _Clock) -> Alignment:
+  """``align_checkpoints``'s streamed stages after the check: "align" (g, ``_match_streamed``)
+  and "apply" (B' group by group, ``_apply_streamed``, written with the report into ``out``)."""
+  with clock.stage("align") as stage:
+    element, info = _match_streamed(inputs, options)
+    stage.summary = (f"method {options.method}, {info.get('rounds', 0)} rounds, reading "
+                     f"{len(matching.stream_groups(inputs.model.spec))} groups of tensors one at "
+                     "a time")
+  with clock.stage("apply") as stage:
+    staging = (contextlib.nullcontext() if options.out is None
+               else _staging(options.out, options.overwrite))
+    with staging as tmp:
+      aligned = _apply_streamed(inputs, options, element, info, tmp, stage)
+      report = _report(inputs, options, aligned, None, clock.seconds)
+      if tmp is not None:
+        stage.stop()
+        _write_json(report)(os.path.join(tmp, "report.json"))
+    before, after = aligned.distance["before"], aligned.distance["after"]
+    check = aligned.function.get("aligned_b")
+    stage.summary = (f"B' = g . B group by group, distance {before['total']:.6g} -> "
+                     f"{after['total']:.6g} (relative {before['relative']:.4g} -> "
+                     f"{after['relative']:.4g}), " +
+                     (f"aligned B's logits within {check['relative']:.2g} of B's" if check else
+                      f"function check skipped: {aligned.function['skipped']}") +
+                     (f"; written to {options.out}" if options.out else ""))
+  return Alignment(inputs.model, aligned.params_a, aligned.params, element, report)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -358,6 +564,10 @@ def _check_options(options: _Options) -> None:
   if tolerance is not None and (isinstance(tolerance, bool) or
                                 not isinstance(tolerance, (int, float)) or not tolerance > 0):
     raise InputError(f"--function-tolerance must be a positive number, got {tolerance!r}")
+  budget = options.memory_budget
+  if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                             or not budget > 0):
+    raise InputError(f"--memory-budget must be a positive number of GB, got {budget!r}")
   if options.eval_text is not None and options.eval_images is not None:
     raise InputError("give --eval-text or --eval-images, not both")
   for name, value, least in (("--lambdas", options.num_lambdas, 3),
@@ -466,6 +676,56 @@ def _check_out(out: str, overwrite: bool, inputs: Sequence[safetensors_io.Checkp
     raise InputError(f"--out {out}: {parent} is not writable")
 
 
+def _gb(nbytes: float) -> str:
+  return f"{nbytes / 1e9:.2f} GB"
+
+
+def _whole_bytes(model: Model) -> int:
+  """Bytes of one whole model in float32."""
+  return 4 * sum(math.prod(s) for s in model.param_shapes.values())
+
+
+def _group_bytes(model: Model) -> tuple[int, tuple[str, ...]]:
+  """(bytes in float32, paths) of the largest group that the streamed alignment reads at a
+  time (``matching.stream_groups``), of one model."""
+  size = lambda paths: 4 * sum(math.prod(model.param_shapes[p]) for p in paths)
+  paths = max(matching.stream_groups(model.spec), key=size)
+  return size(paths), paths
+
+
+def _keeps_models(model: Model, options: _Options) -> bool:
+  """Whether A, B and their aligned copies are held whole in float32, four models: always
+  with an evaluation or "learned"; when streamed, only where they fit ``options.budget``,
+  for the function check and ``Alignment.params``."""
+  return not options.streamed or 4 * _whole_bytes(model) <= options.budget
+
+
+def _check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, model: Model,
+                  options: _Options) -> None:
+  """Refuses, before any work, an alignment that needs more than ``options.budget``: the
+  streamed one holds two groups of leaves of each model in float32 (as read and aligned:
+  ``_group_bytes``); "learned" and an evaluation hold both whole models twice in float32.
+
+  Raises:
+    InputError: naming the checkpoints' size, what the alignment needs, and the budget.
+  """
+  sizes = f"MODEL_A {_gb(a.nbytes)}, MODEL_B {_gb(b.nbytes)} as stored"
+  budget = f"the memory budget {_gb(options.budget)} (--memory-budget)"
+  if options.streamed:
+    group, paths = _group_bytes(model)
+    if 4 * group > options.budget:
+      top = sorted({p.split("/")[0] for p in paths}, key=_natural)
+      raise InputError(f"the checkpoints ({sizes}) are read a group of tensors at a time, and "
+                       f"the largest ({', '.join(top)}: {_gb(group)} per model in float32) "
+                       f"needs {_gb(4 * group)} as read and aligned, above {budget}")
+  elif 4 * _whole_bytes(model) > options.budget:
+    why = "--method learned" if options.method == "learned" else "the evaluation"
+    raise InputError(f"{why} holds both whole models in float32, read and aligned: "
+                     f"{_gb(4 * _whole_bytes(model))} for the checkpoints ({sizes}), above "
+                     f"{budget}; without an evaluation, methods "
+                     f"{', '.join(matching.STREAMED_METHODS)} read one layer at a time")
+
+
 def _scope(model: Model, scope: str | Sequence[str]) -> list[str]:
   """Parameter path prefixes of a scope name (``models.SCOPES``) or of prefixes."""
   prefixes = _scope_prefixes(scope)
@@ -554,6 +814,7 @@ def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: _Opt
   """
   try:
     a, b, model = _read_pair(path_a, path_b)
+    _check_memory(a, b, model, options)
     if options.out is not None:
       _check_out(options.out, options.overwrite, (a, b))
     prefixes = _scope(model, options.scope)
@@ -661,30 +922,22 @@ def _align(inputs: _Inputs, options: _Options, loaded: _Loaded, stage: _Stage) -
                   function)
 
 
-def _part_spec(spec: spec_lib.SymmetrySpec, paths: set[str]) -> spec_lib.SymmetrySpec:
-  """``spec`` on the leaves ``paths`` alone: their factors, the sites among them, their norms."""
-  axes = {p: a for p, a in spec.axes.items() if p in paths}
-  used = {f for a in axes.values() for f in a if f is not None}
-  attention = {s: site for s, site in spec.attention.items()
-               if any(p.startswith(s + "/") for p in paths)}
-  norm_scales = {s: tuple(r for r in readers if r in paths)
-                 for s, readers in spec.norm_scales.items() if s in paths}
-  return spec_lib.SymmetrySpec({f: spec.factors[f] for f in used}, axes, attention, norm_scales)
-
-
 def _apply_by_group(spec: spec_lib.SymmetrySpec, params: Params, element: dict[str, Any], *,
                     consume: bool) -> Params:
   """g . params (``group_action.apply_model``), one top-level group of leaves (``layers_i``,
   ``embed``, ...) at a time, op by op: under one jit, jaxlib 0.10's CPU LAPACK kernels (the
   sites' inverses) could deadlock when two ran side by side. With ``consume``, each group is
   removed from ``params`` once transformed, so that one model and one group are held, not two
-  models (every attention site lies inside one group)."""
+  models (every attention site lies inside one group). The element is checked once, not once
+  per group."""
+  group_action.check_model_element(spec, element)
   out: Params = {}
   for group in list(params):
-    part = _part_spec(spec, set(spec_lib.flatten({group: params[group]})))
+    part = spec.part(spec_lib.flatten({group: params[group]}))
     names = set(part.factors) | set(part.attention)
     out[group] = group_action.apply_model(part, {group: params[group]},
-                                          {k: v for k, v in element.items() if k in names})[group]
+                                          {k: v for k, v in element.items() if k in names},
+                                          check_element=False)[group]
     jax.block_until_ready(out[group])
     if consume:
       del params[group]
@@ -701,22 +954,36 @@ def _natural(name: str) -> list[Any]:
 
 
 @jax.jit
-def _leaf_squares(flat_a: Params, flat_b: Params) -> tuple[Params, jax.Array]:
-  """({path: ||a - b||^2}, ||A||^2), in one program."""
-  gaps = {p: jnp.sum(jnp.square(a - flat_b[p])) for p, a in flat_a.items()}
-  return gaps, sum(jnp.sum(jnp.square(a)) for a in flat_a.values())
+def _leaf_squares(leaves_a: Sequence[jax.Array], leaves_b: Sequence[jax.Array]
+                  ) -> tuple[list[jax.Array], jax.Array]:
+  """([||a - b||^2 per leaf pair], ||A||^2), in one program; leaves passed as sequences, so
+  that the program is compiled once per shapes, not once per set of paths."""
+  gaps = [jnp.sum(jnp.square(a - b)) for a, b in zip(leaves_a, leaves_b)]
+  return gaps, sum(jnp.sum(jnp.square(a)) for a in leaves_a)
 
 
-def _distances(params_a: Params, params_b: Params) -> dict[str, Any]:
-  """||A - B|| in total, relative to ||A||, and per top-level group of leaves."""
-  gaps, norm = _leaf_squares(spec_lib.flatten(params_a), spec_lib.flatten(params_b))
+def _squares(flat_a: Params, flat_b: Params) -> tuple[dict[str, float], float]:
+  """({top-level group: ||a - b||^2 over its leaves}, ||A||^2) of flat leaves."""
+  paths = list(flat_a)
+  gaps, norm = _leaf_squares([flat_a[p] for p in paths], [flat_b[p] for p in paths])
+  gaps = dict(zip(paths, gaps))
   squares: dict[str, float] = {}
   for path, gap in gaps.items():
     group = path.split("/")[0]
     squares[group] = squares.get(group, 0.0) + float(gap)
-  norm, total = float(norm), math.sqrt(sum(squares.values()))
+  return squares, float(norm)
+
+
+def _distance_report(squares: Mapping[str, float], norm: float) -> dict[str, Any]:
+  """||A - B|| in total, relative to ||A||, and per top-level group, from ``_squares``."""
+  total = math.sqrt(sum(squares.values()))
   return {"total": total, "relative": total / math.sqrt(norm) if norm else 0.0,
           "per_layer": {g: math.sqrt(squares[g]) for g in sorted(squares, key=_natural)}}
+
+
+def _distances(params_a: Params, params_b: Params) -> dict[str, Any]:
+  """||A - B|| in total, relative to ||A||, and per top-level group of leaves."""
+  return _distance_report(*_squares(spec_lib.flatten(params_a), spec_lib.flatten(params_b)))
 
 
 # ----------------------------------------------------------------------------- the function check
@@ -763,7 +1030,12 @@ def _round_to(params: Params, dtypes: Mapping[str, np.dtype]) -> None:
     node = params
     for parent in parents:
       node = node[parent]
-    node[name] = node[name].astype(dtype).astype(jnp.float32)
+    node[name] = _rounded(node[name], dtype)
+
+
+def _rounded(leaf: jax.Array, dtype: np.dtype) -> jax.Array:
+  """``leaf``'s values rounded to ``dtype`` where it is narrower than float32, in float32."""
+  return leaf if dtype.itemsize >= 4 else leaf.astype(dtype).astype(jnp.float32)
 
 
 def _default_tolerance(dtypes: Iterable[np.dtype]) -> float:
@@ -972,24 +1244,55 @@ def _save(inputs: _Inputs, options: _Options, aligned: _Aligned, curves: dict[st
 
 
 def _replace_outputs(out: str, overwrite: bool, writers: dict[str, Callable[[str], None]]) -> None:
-  """Runs ``writers[name](tmp/name)`` in a temporary folder inside ``out``, then moves each
-  result to ``out/name`` (with ``overwrite``, first removing every earlier ``OUTPUTS``)."""
-  os.makedirs(out, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".attn-symmetry-", dir=out)
-  try:
+  """Runs ``writers[name](tmp/name)`` in a temporary folder inside ``out`` (``_staging``), then
+  moves each result to ``out/name``."""
+  with _staging(out, overwrite) as tmp:
     for name, write in writers.items():
       write(os.path.join(tmp, name))
       runtime.release_free_memory()
-    for name in OUTPUTS if overwrite else ():
-      target = os.path.join(out, name)
-      if os.path.isdir(target) and not os.path.islink(target):
-        shutil.rmtree(target)
-      elif os.path.lexists(target):
-        os.remove(target)
-    for name in writers:
-      os.replace(os.path.join(tmp, name), os.path.join(out, name))
+
+
+@contextlib.contextmanager
+def _staging(out: str, overwrite: bool) -> Iterator[str]:
+  """A temporary folder inside ``out`` to write the outputs in; when the block ends without
+  an error, its entries are moved to ``out`` (with ``overwrite``, every earlier ``OUTPUTS``
+  moved aside first and removed once the new ones are in place).
+
+  Nothing a user had is ever removed by an error: the temporary folders go, earlier outputs
+  moved aside come back, and ``out`` itself is removed only if this call made it and it is
+  empty again (``os.rmdir``)."""
+  made = not os.path.exists(out)
+  os.makedirs(out, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".attn-symmetry-", dir=out)
+  aside, done = None, False
+  try:
+    yield tmp
+    aside = tempfile.mkdtemp(prefix=".attn-symmetry-old-", dir=out)
+    kept = [name for name in (OUTPUTS if overwrite else ())
+            if os.path.lexists(os.path.join(out, name))]
+    placed: list[str] = []
+    try:
+      for name in kept:
+        os.replace(os.path.join(out, name), os.path.join(aside, name))
+      for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(out, name))
+        placed.append(name)
+    except BaseException:
+      for name in placed:
+        os.replace(os.path.join(out, name), os.path.join(tmp, name))
+      for name in os.listdir(aside):
+        os.replace(os.path.join(aside, name), os.path.join(out, name))
+      raise
+    done = True
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+    if aside is not None and done:  # the earlier outputs, replaced
+      shutil.rmtree(aside, ignore_errors=True)
+    elif aside is not None:  # emptied by the restore above; kept if anything is left in it
+      with contextlib.suppress(OSError):
+        os.rmdir(aside)
+    if made and not os.listdir(out):  # an error before anything was placed
+      os.rmdir(out)
 
 
 def _write_json(value: Any) -> Callable[[str], None]:
@@ -1012,6 +1315,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
                       function_tolerance: float | None = None, overwrite: bool = False, num_lambdas: int = 11, batch_size: int = 8,
                       seq_len: int = 128, eval_batches: int = 8,
                       progress: Callable[[str], None] | None = None,
+                      memory_budget: float | None = None,
                       **options: Any) -> Alignment:
   """Aligns checkpoint B to checkpoint A (module docstring) and, with ``out``, writes the results.
 
@@ -1038,6 +1342,8 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
     num_lambdas, batch_size, seq_len, eval_batches: the evaluation: points
       on each path, examples per batch, tokens per text sequence, most batches.
     progress: called with one line per stage (e.g. ``print``).
+    memory_budget: the most bytes the alignment may hold (default: the machine's memory);
+      an alignment that needs more is refused before any work (``_check_memory``).
     **options: ``align_model``'s distance, steps, learning_rate, max_rounds,
       init, refine and solver; for method "learned", factors (a tuple of
       ``matching.LEARNED_FACTORS``; default every one the scope has).
@@ -1060,7 +1366,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
                   out=fspath(out), overwrite=overwrite,
                   eval_text=fspath(eval_text), eval_images=fspath(eval_images),
                   num_lambdas=num_lambdas, batch_size=batch_size, seq_len=seq_len,
-                  eval_batches=eval_batches, matching=options)
+                  eval_batches=eval_batches, matching=options, memory_budget=memory_budget)
   clock = _Clock(progress)
   with clock.stage("check") as stage:
     inputs = _check(path_a, path_b, opts)
@@ -1068,6 +1374,8 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
     stage.summary = (f"{a.config.family} ({inputs.model.task}), {inputs.parameters / 1e6:.2f}M "
                      f"parameters; A {'+'.join(a.dtypes)} {a.nbytes / 1e6:.1f} MB, B "
                      f"{'+'.join(b.dtypes)} {b.nbytes / 1e6:.1f} MB")
+  if opts.streamed:
+    return _stream(inputs, opts, clock)
   with clock.stage("load") as stage:
     loaded = _load(inputs)
     stage.summary = "both models in float32"
@@ -1137,6 +1445,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="what --method learned trains, comma-separated: some of "
                            f"{','.join(matching.LEARNED_FACTORS)} (default: every one the "
                            "scope has)")
+  parser.add_argument("--memory-budget", type=float, metavar="GB",
+                      help="most memory the alignment may hold, in GB (default: the machine's); "
+                           "an alignment that needs more is refused before any work")
   parser.add_argument("--quiet", action="store_true", help="no progress lines")
   parser.add_argument("--compilation-cache", metavar="DIR", default=runtime.COMPILATION_CACHE,
                       help="JAX's persistent compilation cache: a later alignment of the same "
@@ -1156,7 +1467,9 @@ def _run(args: argparse.Namespace, prog: str) -> int:
                       eval_images=args.eval_images, dtype=args.dtype,
                       function_tolerance=args.function_tolerance, overwrite=args.overwrite,
                       num_lambdas=args.lambdas, batch_size=args.batch_size, seq_len=args.seq_len,
-                      eval_batches=args.eval_batches, progress=say, **options)
+                      eval_batches=args.eval_batches, progress=say,
+                      memory_budget=None if args.memory_budget is None
+                      else args.memory_budget * 1e9, **options)
   except InputError as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     return 2

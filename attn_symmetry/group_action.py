@@ -389,7 +389,11 @@ def apply_leaf(spec: spec_lib.SymmetrySpec, path: str, leaf: jax.Array, element:
   return leaf
 
 
-def _check_model_element(spec: spec_lib.SymmetrySpec, element: Mapping[str, Any]) -> None:
+def check_model_element(spec: spec_lib.SymmetrySpec, element: Mapping[str, Any]) -> None:
+  """Raises ValueError, naming the factor or site, unless ``element`` is an element of the
+  group that ``spec`` describes: one entry per factor and attention site, of their shapes;
+  outside jit, permutations that are permutations and orthogonal factors that are orthogonal
+  (to 1e-5)."""
   expected = set(spec.factors) | set(spec.attention)
   if set(element) != expected:
     raise ValueError(f"model element keys {sorted(element)} differ from the spec's factors and "
@@ -420,7 +424,8 @@ def _check_folded(path: str, scale: jax.Array) -> None:
                      "scale does not commute with an orthogonal map: call fold_norm_scales first")
 
 
-def apply_model(spec: spec_lib.SymmetrySpec, params: Params, element: ModelElement) -> Params:
+def apply_model(spec: spec_lib.SymmetrySpec, params: Params, element: ModelElement, *,
+                check_element: bool = True) -> Params:
   """g . params for a whole model described by ``spec``.
 
   Every leaf keeps its dtype. bfloat16 and float16 leaves are transformed in
@@ -431,10 +436,13 @@ def apply_model(spec: spec_lib.SymmetrySpec, params: Params, element: ModelEleme
     ValueError: if params or element do not fit the spec (naming the leaf or
       factor), or if an orthogonal factor meets a norm scale that is not all
       ones (fold the scales first with ``fold_norm_scales``; folded scales are
-      left as they are, which is only checked outside jit).
+      left as they are, which is only checked outside jit). ``check_element=False`` skips
+      ``check_model_element``, for a caller that applies one element part by part and checked
+      it once (a d x d orthogonal factor's check costs O(d^3)).
   """
   spec.check(params)
-  _check_model_element(spec, element)
+  if check_element:
+    check_model_element(spec, element)
   dtypes = {p: x.dtype for p, x in spec_lib.flatten(params).items()}
   wide = lambda d: jnp.promote_types(d, jnp.float32) if jnp.issubdtype(d, jnp.floating) else d
   flat = {p: apply_leaf(spec, p, x.astype(wide(x.dtype)), element)
@@ -486,8 +494,8 @@ def random_model_element(key: jax.Array, spec: spec_lib.SymmetrySpec, *,
 def compose_model(spec: spec_lib.SymmetrySpec, a: ModelElement, b: ModelElement) -> ModelElement:
   """a o b for whole-model elements: ``apply_model(s, apply_model(s, p, b), a)`` equals
   ``apply_model(s, p, compose_model(s, a, b))``."""
-  _check_model_element(spec, a)
-  _check_model_element(spec, b)
+  check_model_element(spec, a)
+  check_model_element(spec, b)
   out: ModelElement = {}
   for name, f in spec.factors.items():
     out[name] = b[name][a[name]] if f.kind == "permutation" else b[name] @ a[name]
@@ -498,7 +506,7 @@ def compose_model(spec: spec_lib.SymmetrySpec, a: ModelElement, b: ModelElement)
 
 def inverse_model(spec: spec_lib.SymmetrySpec, element: ModelElement) -> ModelElement:
   """g^{-1} for a whole-model element."""
-  _check_model_element(spec, element)
+  check_model_element(spec, element)
   out: ModelElement = {}
   for name, f in spec.factors.items():
     v = element[name]

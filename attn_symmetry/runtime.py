@@ -98,6 +98,11 @@ def single_threaded_blas() -> Iterator[None]:
     yield
 
 
+def physical_memory() -> int:
+  """The machine's physical memory in bytes (the align command's default memory budget)."""
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def release_free_memory() -> bool:
   """Returns the C heap's free pages to the system (glibc's ``malloc_trim(0)``; module
   docstring). Returns whether any memory was released; False where malloc is not glibc's."""

@@ -137,6 +137,19 @@ class SymmetrySpec:
     sites = {k: v for k, v in self.attention.items() if k in names}
     return SymmetrySpec(factors, axes, sites, dict(self.norm_scales))
 
+  def part(self, paths) -> "SymmetrySpec":
+    """The spec of the leaves ``paths`` alone: their axes, the factors that act on them, the
+    attention sites with a leaf among them, and the norm scales among them (with their readers
+    among them)."""
+    paths = set(paths)
+    axes = {p: a for p, a in self.axes.items() if p in paths}
+    used = {f for a in axes.values() for f in a if f is not None}
+    attention = {s: site for s, site in self.attention.items()
+                 if any(p.startswith(s + "/") for p in paths)}
+    norm_scales = {s: tuple(r for r in readers if r in paths)
+                   for s, readers in self.norm_scales.items() if s in paths}
+    return SymmetrySpec({f: self.factors[f] for f in used}, axes, attention, norm_scales)
+
   def check(self, params: Mapping[str, Any]) -> None:
     """Raises ValueError, naming the leaf, if ``params`` does not fit this spec."""
     leaves = flatten(params)

@@ -319,3 +319,59 @@ def test_a_factor_without_a_symmetry_is_refused_naming_it_and_the_model(family, 
   assert message.startswith(f"--factors: the model has no {missing!r} symmetry in this scope")
   assert message.endswith(f"({family} model, scope {','.join(prefixes)})"), message
   assert "\n" not in message
+
+
+def _tree(folder):
+  """{relative path: file text} of every file under ``folder``."""
+  out = {}
+  for root, _, files in os.walk(folder):
+    for name in files:
+      with open(os.path.join(root, name), encoding="utf-8") as f:
+        out[os.path.relpath(os.path.join(root, name), folder)] = f.read()
+  return out
+
+
+def _fill(folder, files):
+  for name, text in files.items():
+    os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+    with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+      f.write(text)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_staging_error_keeps_what_the_user_had(tmp_path, overwrite):
+  """An error while the outputs are written, or while they are moved into place, leaves a
+  pre-existing --out folder exactly as it was: the user's own files and, with --overwrite,
+  the earlier outputs."""
+  out = str(tmp_path / "out")
+  before = {"notes.txt": "mine", "aligned_b/model.safetensors": "old", "report.json": "{}"}
+  _fill(out, before)
+  with pytest.raises(RuntimeError, match="while writing"):
+    with align._staging(out, overwrite) as tmp:
+      _fill(tmp, {"aligned_b/model.safetensors": "new"})
+      raise RuntimeError("while writing")
+  assert _tree(out) == before
+  assert sorted(os.listdir(out)) == ["aligned_b", "notes.txt", "report.json"]
+  # A move that fails half way (report.json is a folder in the way of a file) is undone.
+  os.remove(os.path.join(out, "report.json"))
+  _fill(out, {"report.json/keep.txt": "in the way"})
+  before = _tree(out)
+  if not overwrite:
+    with pytest.raises(OSError):
+      with align._staging(out, overwrite) as tmp:
+        _fill(tmp, {"aligned_a/x": "new", "report.json": "new"})
+    assert _tree(out) == before
+
+
+def test_staging_removes_only_a_folder_it_made(tmp_path):
+  out = str(tmp_path / "new" / "out")
+  with pytest.raises(RuntimeError):
+    with align._staging(out, False):
+      raise RuntimeError("stop")
+  assert not os.path.exists(out)
+  with align._staging(out, False) as tmp:
+    _fill(tmp, {"report.json": "{}"})
+  assert _tree(out) == {"report.json": "{}"}
+  with align._staging(out, True) as tmp:
+    _fill(tmp, {"report.json": "{\"new\": 1}"})
+  assert _tree(out) == {"report.json": "{\"new\": 1}"}

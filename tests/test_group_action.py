@@ -287,8 +287,14 @@ def test_bad_model_input_raises(x64):
     ga.apply_model(spec, bad, g)
   with pytest.raises(ValueError, match="leaves not in the spec.*extra/w"):
     ga.apply_model(spec, dict(params, extra={"w": jnp.ones(3)}), g)
+  not_a_permutation = dict(g, residual=jnp.zeros(tiny.WIDTH, int))
   with pytest.raises(ValueError, match="'residual'.*not a permutation"):
-    ga.apply_model(spec, params, dict(g, residual=jnp.zeros(tiny.WIDTH, int)))
+    ga.apply_model(spec, params, not_a_permutation)
+  with pytest.raises(ValueError, match="'residual'.*not a permutation"):
+    ga.check_model_element(spec, not_a_permutation)
+  ga.check_model_element(spec, g)
+  # Skipped where the caller checked the element itself (streamed alignment, part by part).
+  ga.apply_model(spec, params, not_a_permutation, check_element=False)
   rms_spec = tiny.symmetry_spec(rms=True)
   with pytest.raises(ValueError, match="fold_norm_scales"):
     ga.apply_model(rms_spec, tiny.init(jax.random.key(0), rms=True), ga.identity_model(rms_spec))

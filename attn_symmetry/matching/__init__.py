@@ -64,3 +64,6 @@ from attn_symmetry.matching._model import REFINES
 from attn_symmetry.matching._model import active_names
 from attn_symmetry.matching._model import align_model
 from attn_symmetry.matching._model import match_ffn
+from attn_symmetry.matching._streamed import STREAMED_METHODS
+from attn_symmetry.matching._streamed import align_model_streamed
+from attn_symmetry.matching._streamed import stream_groups

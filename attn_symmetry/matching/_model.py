@@ -268,13 +268,38 @@ def _fixed_leaves(spec: spec_lib.SymmetrySpec, f: str, flat: dict[str, Any]) -> 
           and math.prod(flat[p].shape) >= n * n]
 
 
-def _leaf_scores(a: jax.Array, b: jax.Array, axis: int, n: int) -> Scores:
-  """(A_(axis) B_(axis)^T [n, n], ||A||^2, ||B||^2) of one leaf pair, ``b`` already mapped by
-  every other name acting on it."""
+# The most bytes of one block of rows of M that _add_leaf_scores computes at a time.
+SCORE_BLOCK_BYTES = 2 ** 27
+
+
+def _score_blocks(n: int, itemsize: int) -> int:
+  """How many row blocks _add_leaf_scores splits an n x n M into: the fewest that divide n
+  with each block at most ``SCORE_BLOCK_BYTES`` (n blocks of one row at worst)."""
+  least = -(-n * n * itemsize // SCORE_BLOCK_BYTES)
+  return next(k for k in range(max(least, 1), n + 1) if n % k == 0)
+
+
+def _add_leaf_scores(total: Scores, a: jax.Array, b: jax.Array, axis: int, n: int) -> Scores:
+  """``total`` plus (A_(axis) B_(axis)^T [n, n], ||A||^2, ||B||^2) of one leaf pair, ``b``
+  already mapped by every other name acting on it; M added in place one block of rows at a
+  time (``_score_blocks``): total[0][rows] += A_(axis)[rows] B_(axis)^T, so that no second
+  n x n buffer is held beside the running sum (an FFN's 14336^2 float32 M is 0.8 GB)."""
   # Norms of the leaves as laid out: XLA:CPU reduces a transposed view ~100x slower.
-  norms = jnp.sum(a * a), jnp.sum(b * b)
+  norm_a, norm_b = jnp.sum(a * a), jnp.sum(b * b)
   a, b = (jnp.moveaxis(x, axis, 0).reshape(n, -1) for x in (a, b))
-  return jnp.matmul(a, b.T, precision=_features.HIGHEST), *norms  # M: [new (A), old (B)]
+  m, blocks = total[0], _score_blocks(n, total[0].dtype.itemsize)
+  rows = n // blocks
+
+  def add(i, m):  # M: [new (A), old (B)]
+    start = i * rows
+    block = jnp.matmul(jax.lax.dynamic_slice_in_dim(a, start, rows), b.T,
+                       precision=_features.HIGHEST)
+    return jax.lax.dynamic_update_slice_in_dim(
+        m, jax.lax.dynamic_slice_in_dim(m, start, rows) + block, start, 0)
+
+  m = m + jnp.matmul(a, b.T, precision=_features.HIGHEST) if blocks == 1 else (
+      jax.lax.fori_loop(0, blocks, add, m))
+  return m, total[1] + norm_a, total[2] + norm_b
 
 
 def _fixed_scores(spec: spec_lib.SymmetrySpec, flat_a, flat_b, on: dict[str, jax.Array]
@@ -289,8 +314,9 @@ def _fixed_scores(spec: spec_lib.SymmetrySpec, flat_a, flat_b, on: dict[str, jax
     leaves = _fixed_leaves(spec, f, flat_a)
 
     def total(f=f, leaves=leaves, n=n, zeros=zeros):
-      terms = [_leaf_scores(flat_a[p], flat_b[p], spec.axes[p].index(f), n) for p in leaves]
-      return functools.reduce(lambda x, y: tuple(map(jnp.add, x, y)), terms, zeros)
+      return functools.reduce(
+          lambda t, p: _add_leaf_scores(t, flat_a[p], flat_b[p], spec.axes[p].index(f), n),
+          leaves, zeros)
 
     out[f] = jax.lax.cond(on[f], total, lambda zeros=zeros: zeros) if leaves else zeros
   return out
@@ -322,7 +348,7 @@ def _factor_scores(spec: spec_lib.SymmetrySpec, plan: list[_Step], f: str, flat_
 
   def add(total, path, axis):
     b = group_action.apply_leaf(spec, path, b_moved[path], element, skip_axis=axis)
-    return tuple(map(jnp.add, total, _leaf_scores(flat_a[path], b, axis, n)))
+    return _add_leaf_scores(total, flat_a[path], b, axis, n)
 
   total = fixed
   for path in own:
@@ -575,12 +601,18 @@ def _check_model_pair(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: P
   _attention.check_finite(flat_b, "params_b")
 
 
+def _needs_folding(spec: spec_lib.SymmetrySpec, names: Sequence[str]) -> bool:
+  """Whether an orthogonal factor among ``names`` meets norm scales, which are then folded
+  (``group_action.fold_norm_scales``) before the descent."""
+  return any(spec.factors[f].kind == "orthogonal" for f in spec.factors
+             if f in names and any(f in spec.axes[p] for p in spec.norm_scales))
+
+
 def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps, learning_rate,
                      max_rounds, init=_attention.INITS[0], refine=REFINES[0],
                      solver=_attention.SOLVERS[0]):
   params_a, params_b = _attention.upcast(params_a), _attention.upcast(params_b)
-  needs_folding = any(spec.factors[f].kind == "orthogonal" for f in spec.factors
-                      if f in names and any(f in spec.axes[p] for p in spec.norm_scales))
+  needs_folding = _needs_folding(spec, names)
   if needs_folding:
     params_a = group_action.fold_norm_scales(spec, params_a)
     params_b = group_action.fold_norm_scales(spec, params_b)

@@ -42,14 +42,13 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.models import convert
@@ -203,6 +202,10 @@ class Checkpoint:
     absent = sorted(set(keys or ()) - set(present))
     if absent:
       raise self.error(f"{file} lacks tensors that {self.index} puts there: {_listing(absent)}")
+    unlisted = [k for k in present if keys is not None and k not in keys]
+    if unlisted:
+      raise self.error(f"{file} holds tensors that {self.index} does not list: "
+                       f"{_listing(unlisted)}")
     self.files[file] = keys or present
     for k in keys or present:
       if k in self.tensors:
@@ -310,6 +313,36 @@ def _by_key(table: Mapping[str, convert.Source]) -> dict[str, list[tuple[str, co
   return out
 
 
+def read_leaves(ckpt: Checkpoint, model: Model, paths: Iterable[str]) -> Iterator[tuple[str, np.ndarray]]:
+  """(path, leaf) for the parameter ``paths`` of ``model``, in their stored dtype (bfloat16
+  as ``ml_dtypes.bfloat16``), reading each stored tensor that holds one of them once.
+
+  Raises:
+    ValueError: a tensor holds NaN or Inf (named).
+  """
+  table, _ = convert.param_table(model.config)
+  paths = set(paths)
+  for key, entries in _by_key(table).items():
+    entries = [(path, src) for path, src in entries if path in paths]
+    if not entries:
+      continue
+    x = ckpt.read(ckpt.names[key])
+    if not np.isfinite(x).all():
+      raise ckpt.error(f"tensor {ckpt.names[key]} holds NaN or Inf")
+    for path, src in entries:
+      yield path, convert.leaf_from_hf(x, src, model.param_shapes[path])
+
+
+def check_tied(ckpt: Checkpoint, model: Model) -> None:
+  """ValueError unless every tied copy in ``ckpt`` equals the tensor it repeats."""
+  _, aliases = convert.param_table(model.config)
+  for alias, key in aliases.items():
+    if alias in ckpt.names and not np.array_equal(ckpt.read(ckpt.names[alias]),
+                                                  ckpt.read(ckpt.names[key])):
+      raise ckpt.error(f"tied tensor {ckpt.names[alias]} differs from {ckpt.names[key]}, "
+                 "which it repeats")
+
+
 def load_params(ckpt: Checkpoint, model: Model) -> dict[str, Any]:
   """``model``'s float32 parameters from ``ckpt``, one stored tensor in memory at a time.
 
@@ -318,28 +351,120 @@ def load_params(ckpt: Checkpoint, model: Model) -> dict[str, Any]:
       holds NaN or Inf; a tied copy differs from what it repeats (each named).
   """
   check_layout(ckpt, model)
-  table, aliases = convert.param_table(model.config)
-  flat = {}
-  for key, entries in _by_key(table).items():
-    x = np.asarray(ckpt.read(ckpt.names[key]), np.float32)
-    if not np.isfinite(x).all():
-      raise ckpt.error(f"tensor {ckpt.names[key]} holds NaN or Inf")
-    for path, src in entries:
-      flat[path] = jnp.asarray(convert.leaf_from_hf(x, src, model.param_shapes[path]))
-  for alias, key in aliases.items():
-    if alias in ckpt.names and not np.array_equal(ckpt.read(ckpt.names[alias]),
-                                                  ckpt.read(ckpt.names[key])):
-      raise ckpt.error(f"tied tensor {ckpt.names[alias]} differs from {ckpt.names[key]}, "
-                 "which it repeats")
-  return spec_lib.unflatten(flat)
+  flat = {path: jnp.asarray(np.asarray(leaf, np.float32))
+          for path, leaf in read_leaves(ckpt, model, model.param_shapes)}
+  check_tied(ckpt, model)
+  return spec_lib.unflatten({p: flat[p] for p in model.param_shapes})
 
 
 def _hf_tensor(entries: list[tuple[str, convert.Source]], flat: Mapping[str, Any],
-               shape: tuple[int, ...], leaf_fn: LeafFn | None) -> np.ndarray:
-  leaf = (lambda path: flat[path]) if leaf_fn is None else lambda path: leaf_fn(path, flat[path])
-  parts = {src.part: convert.leaf_to_hf(np.asarray(leaf(path), np.float32), src, shape)
+               shape: tuple[int, ...]) -> np.ndarray:
+  parts = {src.part: convert.leaf_to_hf(np.asarray(flat[path], np.float32), src, shape)
            for path, src in entries}
   return convert.join_parts(parts, entries[0][1])
+
+
+class FolderWriter:
+  """A safetensors model folder laid out as ``like``, written tensor by tensor as its
+  parameters come (``put``), so that a model derived group by group is never held whole.
+
+  Every file's header is written first (its tensors' names, dtypes, shapes and offsets are
+  known from ``like``); each tensor is written at its offset once all the leaves it holds
+  have come. Tensor dtypes, buffers, tied copies, the index, ``config.json`` and side files as
+  ``save_params`` describes; ``close`` checks that every tensor was written.
+  """
+
+  def __init__(self, path: str | os.PathLike, like: Checkpoint, model: Model, *,
+               dtype: str = "keep"):
+    if dtype not in ("keep", "float32"):
+      raise ValueError(f"dtype must be 'keep' or 'float32', got {dtype!r}")
+    self.path, self.like, self.model, self.dtype = os.fspath(path), like, model, dtype
+    table, aliases = convert.param_table(model.config)
+    self._by_key = _by_key(table)
+    state_name = {file_key: name for name, file_key in like.names.items()}
+    # file tensor name -> the state-dict name whose value it holds (a tied copy: what it repeats)
+    self._source = {key: aliases.get(state_name[key], state_name[key]) for key in like.tensors}
+    # state-dict name -> the parameter paths its tensor is made of, until it is written
+    self._waiting = {source: {path for path, _ in entries} for source, entries in
+                     self._by_key.items()}
+    self._leaves: dict[str, Any] = {}
+    os.makedirs(self.path)
+    self._layout = {file: self._write_header(file, keys) for file, keys in like.files.items()}
+    for key in like.tensors:
+      if self._source[key] not in self._by_key:  # a buffer: copied as it is
+        self._write(key, like.read(key))
+
+  def _target(self, key: str) -> np.dtype:
+    info = self.like.tensors[key]
+    if self._source[key] not in self._by_key or self.dtype == "keep":
+      return DTYPES.get(info.dtype) or _numpy_dtype(info.dtype)
+    return np.dtype(np.float32)
+
+  def _write_header(self, file: str, keys: list[str]) -> dict[str, int]:
+    """Writes ``file``'s header; {tensor: its byte offset in the file}."""
+    header: dict[str, Any] = {}
+    if self.like.metadata[file] is not None:
+      header["__metadata__"] = self.like.metadata[file]
+    offset, starts = 0, {}
+    for key in keys:
+      shape = self.like.tensors[key].shape
+      nbytes = math.prod(shape) * self._target(key).itemsize
+      header[key] = {"dtype": _CODES[self._target(key)], "shape": list(shape),
+                     "data_offsets": [offset, offset + nbytes]}
+      starts[key], offset = offset, offset + nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(os.path.join(self.path, safetensors_name(file)), "wb") as f:
+      f.write(len(text).to_bytes(8, "little") + text)
+      f.truncate(8 + len(text) + offset)
+    return {key: 8 + len(text) + start for key, start in starts.items()}
+
+  def _write(self, key: str, value: np.ndarray) -> None:
+    file = self.like.tensors[key].file
+    value = np.ascontiguousarray(value, dtype=self._target(key))
+    with open(os.path.join(self.path, safetensors_name(file)), "r+b") as f:
+      f.seek(self._layout[file][key])
+      f.write(value.tobytes())
+    self._layout[file].pop(key)
+
+  def put(self, flat: Mapping[str, Any]) -> None:
+    """Takes parameter leaves {path: value}; writes every tensor whose leaves have all come."""
+    self._leaves.update(flat)
+    for source, entries in self._by_key.items():
+      if source in self._waiting and self._waiting[source] <= set(self._leaves):
+        keys = [k for k, s in self._source.items() if s == source]
+        value = _hf_tensor(entries, self._leaves, self.like.tensors[keys[0]].shape)
+        for key in keys:
+          self._write(key, value)
+        for path, _ in entries:
+          del self._leaves[path]
+        del self._waiting[source]
+
+  def close(self) -> None:
+    """Writes the index, ``config.json`` and side files; ValueError if a tensor is missing."""
+    left = sorted(k for layout in self._layout.values() for k in layout)
+    if left:
+      raise ValueError(f"{self.path}: tensors not written: {_listing(left)}")
+    like = self.like
+    if like.sharded:
+      total = sum(math.prod(like.tensors[k].shape) * self._target(k).itemsize for k in like.tensors)
+      weight_map = {key: safetensors_name(like.tensors[key].file) for key in like.tensors}
+      _write_json(os.path.join(self.path, INDEX), {"metadata": {"total_size": total},
+                                                   "weight_map": weight_map})
+    hf_config = dict(like.hf_config)
+    if self.dtype == "float32":
+      hf_config.update({k: "float32" for k in ("dtype", "torch_dtype") if k in hf_config} or
+                       {"dtype": "float32"})
+    _write_json(os.path.join(self.path, CONFIG), hf_config)
+    for file in sorted(os.listdir(like.path)):
+      full = os.path.join(like.path, file)
+      if (file.endswith(_SIDE_FILES) and file not in (CONFIG, INDEX, BIN_INDEX)
+          and os.path.isfile(full)):
+        shutil.copyfile(full, os.path.join(self.path, file))
+
+
+def _numpy_dtype(code: str) -> np.dtype:
+  return next(d for d, c in _CODES.items() if c == code)
 
 
 def save_params(path: str | os.PathLike, like: Checkpoint, model: Model, params: Mapping[str, Any],
@@ -350,52 +475,23 @@ def save_params(path: str | os.PathLike, like: Checkpoint, model: Model, params:
   With ``leaf_fn``, ``leaf_fn(path, leaf)`` is written for each leaf of
   ``params`` instead (its parameter path, e.g. "layers_0/attention/query/kernel"), computed
   right before its tensor: a model derived leaf by leaf, such as an
-  interpolation with another model, is never held whole besides the file's
-  tensors.
+  interpolation with another model, is never held whole besides one tensor.
 
   Every tensor takes its stored dtype in ``like`` (``dtype="keep"``) or float32
   (``dtype="float32"``, which ``config.json`` then says too); buffers are copied
   from ``like`` and tied copies written as what they repeat. ``config.json`` is
   ``like``'s, and ``like``'s other small files (tokenizer, generation config:
-  ``_SIDE_FILES``) are copied. The folder ``path`` must not exist yet.
+  ``_SIDE_FILES``) are copied. The folder ``path`` must not exist yet. ``FolderWriter``
+  writes the same folder from parameters that come group by group.
   """
   if dtype not in ("keep", "float32"):
     raise ValueError(f"dtype must be 'keep' or 'float32', got {dtype!r}")
   model.check_params(params)
-  table, aliases = convert.param_table(model.config)
-  by_key, flat = _by_key(table), spec_lib.flatten(params)
-  state_name = {file_key: name for name, file_key in like.names.items()}
-  os.makedirs(path)
-  total = 0
-  for file, keys in like.files.items():
-    tensors = {}
-    for key in keys:
-      name = state_name[key]
-      source = aliases.get(name, name)
-      if source in by_key:
-        value = _hf_tensor(by_key[source], flat, like.tensors[key].shape, leaf_fn)
-        target = DTYPES[like.tensors[key].dtype] if dtype == "keep" else np.dtype(np.float32)
-        value = np.ascontiguousarray(value, dtype=target)
-      else:
-        value = like.read(key)
-      tensors[key] = value
-      total += value.nbytes
-    save_file(tensors, os.path.join(path, safetensors_name(file)), metadata=like.metadata[file])
-    del tensors
-  if like.sharded:
-    weight_map = {key: safetensors_name(like.tensors[key].file) for key in like.tensors}
-    _write_json(os.path.join(path, INDEX), {"metadata": {"total_size": total},
-                                            "weight_map": weight_map})
-  hf_config = dict(like.hf_config)
-  if dtype == "float32":
-    hf_config.update({k: "float32" for k in ("dtype", "torch_dtype") if k in hf_config} or
-                     {"dtype": "float32"})
-  _write_json(os.path.join(path, CONFIG), hf_config)
-  for file in sorted(os.listdir(like.path)):
-    full = os.path.join(like.path, file)
-    if (file.endswith(_SIDE_FILES) and file not in (CONFIG, INDEX, BIN_INDEX)
-        and os.path.isfile(full)):
-      shutil.copyfile(full, os.path.join(path, file))
+  writer = FolderWriter(path, like, model, dtype=dtype)
+  for entries in _by_key(convert.param_table(model.config)[0]).values():
+    writer.put({p: leaf if leaf_fn is None else leaf_fn(p, leaf)
+                for p, leaf in ((p, spec_lib.subtree(params, p)) for p, _ in entries)})
+  writer.close()
 
 
 def _write_json(path: str, value: Any) -> None:

@@ -1,0 +1,436 @@
+"""``align_model``'s descent over a model read one group of leaves at a time.
+
+``align_model_streamed(spec, read, shapes, ...)`` returns the element that
+``align_model`` returns for the same parameters and options, without holding
+either model whole: ``read(paths)`` gives both models' leaves at ``paths`` (in
+their stored dtype, bfloat16 kept as it is), and the descent asks it for one
+group of ``stream_groups`` at a time (a ``layers_i``; the embeddings, final
+norm and head together). Each group is computed in float32 (its leaves upcast
+and, where the alignment needs it, its norm scales folded) in one compiled
+program per group shape: groups are renamed to one canonical prefix
+(``_Group``), so every layer of a model runs the same programs.
+
+The descent is ``_model``'s, with the same plan, steps, first-round reads,
+acceptance and pending rules, driven from the host:
+
+* a step whose names all lie in one group each (FFN factors, attention sites)
+  is one pass over the groups, each running ``_model._factor_step`` or
+  ``_model._attention_step`` on its own leaves; consecutive such steps that
+  share no leaf run in the same pass;
+* a factor whose leaves span groups (the residual stream) is a reduction: its
+  score M = sum_leaf A_(P) B_(P)^T [n, n] is summed over the groups
+  (``_model._factor_scores`` of each), plus the leaves that score it the same in
+  every round (``_model._fixed_scores``, once, in the first pass), and then
+  solved by ``_model._factor_update``.
+
+So one round of the descent is a pass over the layers for the local steps
+plus one for the residual's reduction, and memory holds one group of each
+model (on the device, its host copy dropped as it is copied), float32 copies of
+the leaves a program is working on and the n x n scores (added in place, one
+block of rows at a time: ``_model._add_leaf_scores``), whatever the depth. The sums
+over groups are associated differently from ``align_model``'s single sum, so
+the two agree to rounding, not bit for bit: identical permutations and
+matrices within 1e-5 on the tested models in float32. The "full" method's
+refinement magnifies that rounding over rounds (tiny Llama, random pair, 9
+rounds: matrices 2.9e-4 apart in float32), but the algorithm is the same: in
+float64 (``jax_enable_x64``) the same pair ends 1.8e-15 apart after 10 rounds.
+
+Method "learned" trains on the task loss of the interpolated model, which
+needs both whole models: it is not streamed (``align_model``), nor is a
+registered method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_symmetry import group_action
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.matching import _attention
+from attn_symmetry.matching import _features
+from attn_symmetry.matching import _methods
+from attn_symmetry.matching import _model
+
+CANONICAL = "group"  # the prefix a group's own leaves and names take in its programs
+STREAMED_METHODS = ("naive", *_attention.STAGES)
+Flat = dict[str, Any]
+Read = Callable[[Sequence[str]], tuple[Flat, Flat]]  # paths -> (A's leaves, B's leaves)
+
+
+def stream_groups(spec: spec_lib.SymmetrySpec) -> list[tuple[str, ...]]:
+  """The leaf paths of ``spec`` in the groups read one at a time, in leaf order: every
+  top-level key (``layers_i``, ``embed``, ...), merged with the keys where the readers of its
+  norm scales lie (``final_norm`` with an untied ``head``), so that folding stays in a group."""
+  top = lambda path: path.split("/")[0]
+  parent = {top(p): top(p) for p in spec.axes}
+
+  def root(key):
+    while parent[key] != key:
+      key = parent[key]
+    return key
+
+  for scale, readers in spec.norm_scales.items():
+    for reader in readers:
+      parent[root(top(reader))] = root(top(scale))
+  groups: dict[str, list[str]] = {}
+  for p in spec.axes:
+    groups.setdefault(root(top(p)), []).append(p)
+  return [tuple(paths) for paths in groups.values()]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+  """One group of leaves, renamed for its programs.
+
+  Attributes:
+    paths: the group's leaf paths.
+    leaf: path -> its canonical path; names: factor or site acting on the group -> its
+      canonical name. A group of one top-level key K has K/ replaced by ``CANONICAL``/ in
+      both (global factors such as "residual" keep their names).
+    spec: the canonical part spec (``SymmetrySpec.part``), static for jit.
+    plan: ``plan``'s steps restricted to the group's names and leaves, canonical; steps with
+      no name in the group are empty.
+  """
+  paths: tuple[str, ...]
+  leaf: dict[str, str]
+  names: dict[str, str]
+  spec: _model._StaticSpec
+  plan: tuple[_model._Step, ...]
+
+  @classmethod
+  def make(cls, spec: spec_lib.SymmetrySpec, plan: list[_model._Step], paths: tuple[str, ...]
+           ) -> _Group:
+    keys = {p.split("/")[0] for p in paths}
+    key = keys.pop() + "/" if len(keys) == 1 else None
+    rename = lambda n: CANONICAL + "/" + n[len(key):] if key and n.startswith(key) else n
+    part = spec.part(paths)
+    names = {n: rename(n) for n in (*part.factors, *part.attention)}
+    canonical = spec_lib.SymmetrySpec(
+        {names[f]: v for f, v in part.factors.items()},
+        {rename(p): tuple(None if f is None else names[f] for f in a) for p, a in part.axes.items()},
+        {names[s]: v for s, v in part.attention.items()},
+        {rename(s): tuple(map(rename, r)) for s, r in part.norm_scales.items()})
+    steps = tuple(_model._Step(tuple(names[n] for n in step.names if n in names), step.attention,
+                               frozenset(rename(p) for p in step.leaves if p in paths))
+                  for step in plan)
+    return cls(paths, {p: rename(p) for p in paths}, names, _model._StaticSpec(canonical), steps)
+
+  def own(self, i: int) -> bool:
+    """Whether step ``i`` of the plan has names in this group."""
+    return bool(self.plan[i].names)
+
+  def sub(self, values: Mapping[str, Any]) -> dict[str, Any]:
+    """{canonical name: value} of a mapping keyed by the original names (elements, masks)."""
+    return {c: values[n] for n, c in self.names.items()}
+
+  def back(self, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of ``sub``."""
+    return {n: values[c] for n, c in self.names.items()}
+
+
+# ----------------------------------------------------------------------------- group programs
+
+
+def _prepare(flat_a: Flat, flat_b: Flat, spec: spec_lib.SymmetrySpec, fold: bool
+             ) -> tuple[Flat, Flat]:
+  """A group's leaves in their compute dtype (``_attention.upcast``), folded if ``fold``."""
+  out = []
+  for flat in (flat_a, flat_b):
+    flat = _attention.upcast(flat)
+    if fold:
+      flat = spec_lib.flatten(group_action.fold_norm_scales(spec, spec_lib.unflatten(flat)))
+    out.append(flat)
+  return out[0], out[1]
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "fold", "factors"))
+def _first_pass(flat_a, flat_b, on, *, spec, fold, factors):
+  """(||A - B||^2 of the group, {f: the group's ``_fixed_scores`` of f} for ``factors``)."""
+  a, b = _prepare(flat_a, flat_b, spec.spec, fold)
+  fixed = _model._fixed_scores(spec.spec, a, b, on)
+  return sum(jnp.sum((a[p] - b[p]) ** 2) for p in a), {f: fixed[f] for f in factors}
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "plan", "fold", "factor"))
+def _group_scores(flat_a, flat_b, element, read, rounds, *, spec, plan, fold, factor):
+  """The group's share of ``factor``'s scores (``_model._factor_scores``), fixed leaves left
+  out (``_first_pass`` has them)."""
+  a, b = _prepare(flat_a, flat_b, spec.spec, fold)
+  n = spec.spec.factors[factor].size
+  dtype = next(iter(a.values())).dtype
+  zeros = (jnp.zeros((n, n), dtype), jnp.zeros((), dtype), jnp.zeros((), dtype))
+  return _model._factor_scores(spec.spec, list(plan), factor, a, b, element, read, rounds, zeros)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "plan", "fold", "run", "steps", "init",
+                                             "solver"))
+def _group_steps(flat_a, flat_b, element, reads, rounds, on, learning_rate, stage, distance, *,
+                 spec, plan, fold, run, steps, init, solver):
+  """Runs the steps ``run`` (indices into ``plan``) on the group, one after another:
+  (element, [changed per step], the most refinement iterations)."""
+  spec, plan = spec.spec, list(plan)
+  a, b = _prepare(flat_a, flat_b, spec, fold)
+  fixed = _model._fixed_scores(spec, a, b, on)
+  changed, taken = [], jnp.int32(0)
+  for i in run:
+    step = plan[i]
+    if step.attention:
+      sites_on = jnp.stack([on[s] for s in step.names])
+      element, moved, t = _model._attention_step(spec, step, a, b, element, learning_rate,
+                                                 rounds == 0, stage, sites_on, distance,
+                                                 steps=steps, init=init, solver=solver)
+      taken = jnp.maximum(taken, t)
+    else:
+      element, moved = _model._factor_step(spec, plan, step, a, b, element, reads, rounds, on,
+                                           fixed)
+    changed.append(moved)
+  return element, changed, taken
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "plan", "fold"))
+def _group_distance(flat_a, flat_b, element, *, spec, plan, fold):
+  """||A - g . B||^2 over the group's leaves (``_model._distance``)."""
+  a, b = _prepare(flat_a, flat_b, spec.spec, fold)
+  return _model._distance(spec.spec, list(plan), a, b, element)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "plan", "fold", "steps", "init", "solver"))
+def _group_refine(flat_a, flat_b, element, on, learning_rate, *, spec, plan, fold, steps, init,
+                  solver):
+  """The "full" refinement of the group's sites (``refine="final"``): (element, iterations)."""
+  spec, plan = spec.spec, list(plan)
+  a, b = _prepare(flat_a, flat_b, spec, fold)
+  taken = jnp.int32(0)
+  for step in plan:
+    if step.attention and step.names:
+      sites_on = jnp.stack([on[s] for s in step.names])
+      element, t = _model._refine_step(spec, step, a, b, element, learning_rate, sites_on,
+                                       steps=steps, init=init, solver=solver)
+      taken = jnp.maximum(taken, t)
+  return element, taken
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "factor"))
+def _update(scores, old, *, spec, factor):
+  return _model._factor_update(spec.spec, factor, scores, old)
+
+
+# ----------------------------------------------------------------------------- the descent
+
+
+class _Descent:
+  """The host side of the streamed descent: the element, and passes over the groups."""
+
+  def __init__(self, spec, read, shapes, names, *, fold, options):
+    self.spec, self.read, self.fold, self.options = spec, read, fold, options
+    dtype = _attention.compute_dtype(next(iter(shapes.values()))[1])
+    stand_in = {p: jax.ShapeDtypeStruct(tuple(s), dtype) for p, (s, _) in shapes.items()}
+    self.plan = _model._plan(spec, stand_in)
+    self.groups = [_Group.make(spec, self.plan, paths) for paths in stream_groups(spec)]
+    for s in spec.attention:
+      if sum(s in g.names for g in self.groups) != 1:
+        raise ValueError(f"attention site {s!r} spans groups {stream_groups(spec)}")
+    active = jnp.asarray([n in names for n in _model._active_names(spec)], bool)
+    self.on = dict(zip(_model._active_names(spec), active))
+    reads, again = _model._first_round_reads(spec, self.plan, self.on)
+    self.reads = {f: {p: r for p, r in leaves.items()} for f, leaves in reads.items()}
+    self.again = [bool(x) for x in again]
+    self.neighbours = np.asarray(_model._neighbours(spec, self.plan, active))
+    self.element = group_action.identity_model(spec, dtype)
+    self.dtype = dtype
+    self.taken = 0
+
+  def _global(self, i: int) -> bool:
+    """Whether step ``i`` solves a factor whose leaves span groups (a reduction)."""
+    step = self.plan[i]
+    return not step.attention and any(sum(f in g.names for g in self.groups) > 1
+                                      for f in step.names)
+
+  def _leaves(self, group: _Group) -> tuple[Flat, Flat]:
+    """Both models' leaves of ``group`` as device arrays under their canonical paths, each
+    host array dropped as soon as it is copied (only the device copy is held)."""
+    out = []
+    for flat in self.read(group.paths):
+      flat, leaves = dict(flat), {}
+      for p in group.paths:
+        leaves[group.leaf[p]] = jax.device_put(flat.pop(p))
+      out.append(leaves)
+    return out[0], out[1]
+
+  def _reads(self, group: _Group) -> dict[str, dict[str, jax.Array]]:
+    return {group.names[f]: {group.leaf[p]: r for p, r in leaves.items() if p in group.leaf}
+            for f, leaves in self.reads.items() if f in group.names}
+
+  def first_pass(self) -> jax.Array:
+    """||A - B||^2, and the fixed scores of every factor that spans groups."""
+    spanning = [f for i in range(len(self.plan)) if self._global(i) for f in self.plan[i].names]
+    self.fixed, initial = {}, jnp.zeros((), self.dtype)
+    for group in self.groups:
+      factors = tuple(group.names[f] for f in spanning if f in group.names)
+      part, fixed = _first_pass(*self._leaves(group), group.sub(self.on), spec=group.spec,
+                                fold=self.fold, factors=factors)
+      initial = initial + part
+      for f in spanning:
+        if f in group.names:
+          add = fixed[group.names[f]]
+          self.fixed[f] = add if f not in self.fixed else tuple(map(jnp.add, self.fixed[f], add))
+    return initial
+
+  def solve_spanning(self, i: int, rounds: int) -> bool:
+    """Step ``i``'s factors, one after another, each scored over every group it acts on."""
+    changed = False
+    for f in self.plan[i].names:
+      if not bool(self.on[f]):
+        continue
+      total = self.fixed[f]
+      for group in self.groups:
+        if f in group.names:
+          part = _group_scores(*self._leaves(group), group.sub(self.element),
+                               self._reads(group)[group.names[f]], jnp.int32(rounds),
+                               spec=group.spec, plan=group.plan, fold=self.fold,
+                               factor=group.names[f])
+          total = tuple(map(jnp.add, total, part))
+      factor_spec = _model._StaticSpec(spec_lib.SymmetrySpec({f: self.spec.factors[f]}, {}))
+      self.element[f], moved = _update(total, self.element[f], spec=factor_spec, factor=f)
+      changed |= bool(moved)
+    return changed
+
+  def solve_local(self, run: Sequence[int], rounds: int) -> list[bool]:
+    """The local steps ``run`` in one pass over the groups; whether each changed."""
+    o = self.options
+    changed = [False] * len(run)
+    for group in self.groups:
+      mine = tuple(i for i in run if group.own(i))
+      if not mine:
+        continue
+      element, moved, taken = _group_steps(
+          *self._leaves(group), group.sub(self.element), self._reads(group), jnp.int32(rounds),
+          group.sub(self.on), jnp.asarray(o["learning_rate"], self.dtype),
+          jnp.int32(o["descent"]), jnp.int32(o["distance"]), spec=group.spec, plan=group.plan,
+          fold=self.fold, run=mine, steps=o["steps"], init=o["init"], solver=o["solver"])
+      self.element.update(group.back(element))
+      self.taken = max(self.taken, int(taken))
+      for i, m in zip(mine, moved):
+        changed[run.index(i)] |= bool(m)
+    return changed
+
+  def refine(self) -> None:
+    o = self.options
+    for group in self.groups:
+      if not any(step.attention and step.names for step in group.plan):
+        continue
+      element, taken = _group_refine(
+          *self._leaves(group), group.sub(self.element), group.sub(self.on),
+          jnp.asarray(o["learning_rate"], self.dtype), spec=group.spec, plan=group.plan,
+          fold=self.fold, steps=o["steps"], init=o["init"], solver=o["solver"])
+      self.element.update(group.back(element))
+      self.taken = max(self.taken, int(taken))
+
+  def distance(self) -> jax.Array:
+    """||A - g . B||^2 over every leaf, a pass over the groups."""
+    total = jnp.zeros((), self.dtype)
+    for group in self.groups:
+      total = total + _group_distance(*self._leaves(group), group.sub(self.element),
+                                      spec=group.spec, plan=group.plan, fold=self.fold)
+    return total
+
+  def _run_from(self, i: int) -> list[int]:
+    """Step ``i`` and the local steps after it that share no leaf with any of them."""
+    run = [i]
+    for j in range(i + 1, len(self.plan)):
+      if self._global(j) or self.neighbours[run, j].any():
+        break
+      run.append(j)
+    return run
+
+  def descend(self, max_rounds: int) -> int:
+    """The rounds of ``_model._align_core``'s loop; returns how many ran."""
+    pending = [any(bool(self.on[n]) for n in step.names) for step in self.plan]
+    rounds = 0
+    while any(pending) and rounds < max_rounds:
+      i = 0
+      while i < len(self.plan):
+        if self._global(i):
+          run, changed = [i], [self.solve_spanning(i, rounds) if pending[i] else None]
+        else:
+          run = self._run_from(i)
+          todo = [j for j in run if pending[j]]
+          moved = dict(zip(todo, self.solve_local(todo, rounds) if todo else []))
+          changed = [moved.get(j) for j in run]
+        for j, c in zip(run, changed):
+          if c is not None:  # ran: as _align_core's loop body
+            pending[j] = self.again[j] and rounds == 0
+            pending = [p or (c and bool(self.neighbours[j, k])) for k, p in enumerate(pending)]
+        i = run[-1] + 1
+      rounds += 1
+    return rounds
+
+
+def align_model_streamed(spec: spec_lib.SymmetrySpec, read: Read,
+                         shapes: Mapping[str, tuple[tuple[int, ...], Any]], *,
+                         scope: str | Sequence[str] | None = None, method: str = "full",
+                         distance: str = "frobenius", steps: int = _attention.DEFAULT_STEPS,
+                         learning_rate: float = _attention.DEFAULT_LEARNING_RATE,
+                         max_rounds: int = _model.DEFAULT_MAX_ROUNDS,
+                         init: str = _attention.INITS[0], refine: str = _model.REFINES[0],
+                         solver: str = _attention.SOLVERS[0]
+                         ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """``align_model`` of B to A, reading the models one group of leaves at a time.
+
+  Args:
+    spec: the models' symmetry spec.
+    read: ``read(paths)`` -> (A's leaves, B's leaves), each {path: array} for the
+      leaf ``paths`` of one group of ``stream_groups(spec)``, in their stored dtype
+      (bfloat16 and float16 are computed in float32, one group at a time). It is
+      called once per group per pass; it should check the leaves (finite) itself.
+    shapes: {path: (shape, stored dtype)} of every leaf of ``spec`` (both models').
+    scope, method, distance, steps, learning_rate, max_rounds, init, refine,
+      solver: as ``align_model``; ``method`` one of ``STREAMED_METHODS``.
+
+  Returns:
+    (element, info) as ``align_model`` returns them for the same parameters (module
+    docstring: equal to rounding): info["distance"] {"initial", "final"} (and
+    "before_refinement" for "full" with ``refine="final"``), info["rounds"],
+    info["refinement_steps"] for "full", info["folded_norm_scales"].
+
+  Raises:
+    ValueError: an unknown option, a scope prefix that matches nothing, or a method that is
+      not streamed ("learned" and registered methods need the whole models: ``align_model``).
+  """
+  _attention.check_options(method, distance, steps, init, methods=_methods.METHODS,
+                           solver=solver)
+  if refine not in _model.REFINES:
+    raise ValueError(f"refine must be one of {_model.REFINES}, got {refine!r}")
+  if method not in STREAMED_METHODS:
+    raise ValueError(f"method {method!r} is not streamed (only {', '.join(STREAMED_METHODS)}): "
+                     "it needs both whole models in memory; use align_model")
+  missing = sorted(set(spec.axes) - set(shapes))
+  if missing:
+    raise ValueError(f"shapes lacks leaves of the spec: {missing[:4]}")
+  names = _model.active_names(spec, scope)
+  dtype = _attention.compute_dtype(next(iter(shapes.values()))[1])
+  if method == "naive":
+    return group_action.identity_model(spec, dtype), {"folded_norm_scales": False}
+  fold = _model._needs_folding(spec, names)
+  full, final = method == "full", refine == "final"
+  options = dict(learning_rate=learning_rate, steps=int(steps), init=init, solver=solver,
+                 distance=_features.DISTANCES.index(distance),
+                 descent=_attention.STAGES.index("ortho" if full and final else method))
+  descent = _Descent(spec, read, shapes, names, fold=fold, options=options)
+  distances = {"initial": descent.first_pass()}
+  rounds = descent.descend(int(max_rounds))
+  if full and final:
+    distances["before_refinement"] = descent.distance()
+    descent.refine()
+  distances["final"] = descent.distance()
+  info = {"distance": distances, "rounds": rounds, "folded_norm_scales": fold}
+  if full:
+    info["refinement_steps"] = descent.taken
+  return descent.element, info
