@@ -312,21 +312,30 @@ def _reader(inputs: _Inputs) -> Callable[[Sequence[str]], tuple[Params, Params]]
   return read
 
 
+def _local_mesh() -> jax.sharding.Mesh | None:
+  """A mesh of this process's devices where it has several (each group's work is split over
+  them, ``matching.align_model_streamed``), else None."""
+  devices = jax.local_devices()
+  return jax.sharding.Mesh(np.array(devices), ("devices",)) if len(devices) > 1 else None
+
+
 def _match_streamed(inputs: _Inputs, options: _Options) -> tuple[dict[str, Any], dict[str, Any]]:
   """(g, info) of ``matching.align_model_streamed`` of B to A on the scope, the models read
-  a group of leaves at a time (``_reader``)."""
+  a group of leaves at a time (``_reader``), each group split over this process's devices
+  where it has several (``_local_mesh``; info["devices"] says how many)."""
   try:
     for ckpt in (inputs.a, inputs.b):
       safetensors_io.check_tied(ckpt, inputs.model)
   except ValueError as e:
     raise InputError(str(e)) from None
   shapes = {p: (s, np.dtype(np.float32)) for p, s in inputs.model.param_shapes.items()}
+  mesh = _local_mesh()
   with runtime.release_memory_after_compiles():
     element, info = matching.align_model_streamed(inputs.model.spec, _reader(inputs), shapes,
                                                   scope=inputs.scope, method=options.method,
-                                                  **options.matching)
+                                                  mesh=mesh, **options.matching)
     jax.block_until_ready(element)
-  return element, info
+  return element, info | {"devices": 1 if mesh is None else mesh.devices.size}
 
 
 def _writers(inputs: _Inputs, options: _Options, folded: bool, tmp: str | None
@@ -442,7 +451,8 @@ def _stream(inputs: _Inputs, options: _Options, clock: _Clock) -> Alignment:
     element, info = _match_streamed(inputs, options)
     stage.summary = (f"method {options.method}, {info.get('rounds', 0)} rounds, reading "
                      f"{len(matching.stream_groups(inputs.model.spec))} groups of tensors one at "
-                     "a time")
+                     "a time" + (f", each split over {info['devices']} devices"
+                                 if info.get("devices", 1) > 1 else ""))
   with clock.stage("apply") as stage:
     staging = (contextlib.nullcontext() if options.out is None
                else _staging(options.out, options.overwrite))
@@ -1198,6 +1208,8 @@ def _report(inputs: _Inputs, options: _Options, aligned: _Aligned, curves: dict[
   }
   if "learned" in info:
     report["learned"] = runtime.jsonable(info["learned"])
+  if "devices" in info:  # the streamed alignment: the devices each group was split over
+    report["devices"] = info["devices"]
   if curves is not None:
     report["barrier"] = {name: curves[name]["barrier"] for name in ("before", "after")}
     if "merged" in curves:

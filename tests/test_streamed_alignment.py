@@ -22,6 +22,8 @@ from safetensors.numpy import save_file
 
 from attn_symmetry import matching
 from attn_symmetry import models
+from attn_symmetry.models import convert
+from tests.conftest import with_xla_flags
 from attn_symmetry import runtime
 from attn_symmetry import spec as spec_lib
 
@@ -188,6 +190,104 @@ def test_streamed_descent_is_the_in_memory_one(family, method):
         np.testing.assert_array_equal(x, y, err_msg=name)
       else:
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=0, err_msg=name)
+
+
+# In a child with 4 CPU devices (their count is fixed when JAX starts) and float64, so that the
+# sums split over devices agree with one device's to float64 rounding.
+_SHARDED = """
+import json, os, sys
+import jax
+import numpy as np
+jax.config.update("jax_enable_x64", True)
+from attn_symmetry import align, matching, models, spec as spec_lib
+from tests import test_streamed_alignment as helpers
+
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
+P = jax.sharding.PartitionSpec
+out = {"devices": len(jax.devices()), "elements": {},
+       "sharding": [matching.leaf_sharding((6, 8), mesh).spec == P(None, ("devices",)),
+                    matching.leaf_sharding((3, 5), mesh).spec == P(None, None)]}
+for family, method in (("llama", "full"),):
+  model = models.build(family, "tiny")
+  flat = [{p: np.asarray(x, np.float64) for p, x in spec_lib.flatten(model.init(jax.random.key(k))).items()}
+          for k in (0, 1)]
+  read = lambda paths: tuple({p: f[p] for p in paths} for f in flat)
+  shapes = {p: (x.shape, x.dtype) for p, x in flat[0].items()}
+  one, _ = matching.align_model_streamed(model.spec, read, shapes, method=method)
+  four, info = matching.align_model_streamed(model.spec, read, shapes, method=method, mesh=mesh)
+  leaves = [(np.asarray(x), np.asarray(y)) for name in one
+            for x, y in zip(jax.tree.leaves(one[name]), jax.tree.leaves(four[name]))]
+  out["elements"][family] = {
+      "permutations_equal": all((x == y).all() for x, y in leaves if x.dtype.kind == "i"),
+      "permutations": sum(x.dtype.kind == "i" for x, _ in leaves),
+      "matrices_max_abs": max(float(np.abs(x - y).max()) for x, y in leaves if x.dtype.kind == "f"),
+      "rounds": info["rounds"]}
+  if family == "llama":
+    shapes32 = {p: (s, np.dtype(np.float32)) for p, (s, _) in shapes.items()}
+    out["bytes"] = [matching.layer_program_memory(model.spec, shapes32, mesh=m)["argument"]
+                    for m in (None, mesh)]
+work = sys.argv[1]
+a, b, o = (os.path.join(work, x) for x in "abo")
+tensors = helpers.write_mistral(a, 2, seed=0, hidden_size=64, intermediate_size=128,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                vocab_size=128)
+helpers.plant(a, b, tensors, seed=1)
+assert align.cli(["align", a, b, "--out", o, "--method", "perm", "--quiet"]) == 0
+from safetensors.numpy import load_file
+back = load_file(os.path.join(o, "aligned_b", "model.safetensors"))
+out["planted_recovered"] = all((back[k] == v).all() for k, v in tensors.items())
+out["report_devices"] = json.load(open(os.path.join(o, "report.json")))["devices"]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_mesh_of_four_devices_gives_one_devices_element_and_splits_the_layer(tmp_path):
+  """On 4 forced CPU devices, in float64: the streamed descent with its groups split over a
+  mesh gives the one-device element (identical permutations, matrices within 1e-12; tiny
+  Llama with its orthogonal residual and GQA, method "full"); a layer's program holds at most
+  0.3x one device's argument bytes on each device; and the command splits over every local
+  device (report.json's "devices") and recovers a planted pair tensor for tensor."""
+  env = dict(os.environ, XLA_FLAGS=with_xla_flags(os.environ.get("XLA_FLAGS"),
+                                                  "--xla_force_host_platform_device_count=4"),
+             PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  done = subprocess.run([sys.executable, "-c", _SHARDED, str(tmp_path)], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  out = json.loads(done.stdout.strip().splitlines()[-1])
+  assert out["devices"] == 4
+  assert out["sharding"] == [True, True]  # the longest axis 4 divides; none: replicated
+  for family, got in out["elements"].items():
+    assert got["permutations"] > 0 and got["permutations_equal"], (family, got)
+    assert got["matrices_max_abs"] < 1e-12, (family, got)
+    assert got["rounds"] > 1, (family, got)
+  one, four = out["bytes"]
+  assert four <= 0.3 * one, out["bytes"]
+  assert out["planted_recovered"] and out["report_devices"] == 4
+
+
+@pytest.mark.slow
+def test_a_layer_program_fits_a_gpu_at_mistral_7b_shapes():
+  """A Mistral-7B layer (bfloat16 stored, float32 computed) in the streamed descent: its
+  program's per-device memory (arguments, outputs, temporaries; compiled, not run) is at most
+  8 GB on one device, so it fits any current GPU. Measured: 0.88 + 0.06 + 4.17 GiB."""
+  hf = dict(MISTRAL, model_type="mistral", num_hidden_layers=2, max_position_embeddings=4096,
+            rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)
+  model = models.Model(convert.config_from_hf(hf, "lm"))
+  shapes = {p: (tuple(s), np.dtype(ml_dtypes.bfloat16)) for p, s in model.param_shapes.items()}
+  memory = matching.layer_program_memory(model.spec, shapes, method="full")
+  assert sum(memory.values()) <= 8e9, memory
+
+
+def test_leaf_sharding_splits_the_longest_axis_the_devices_divide():
+  """On one device every axis divides: the longest is split, the first on a tie (4 devices:
+  the sharded test's child)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("devices",))
+  split = lambda shape: matching.leaf_sharding(shape, mesh).spec
+  P = jax.sharding.PartitionSpec
+  assert split((3, 8)) == P(None, ("devices",))
+  assert split((8, 3)) == P(("devices",), None)
+  assert split((5, 5)) == P(("devices",), None)
 
 
 def test_learned_is_not_streamed():

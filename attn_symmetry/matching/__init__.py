@@ -66,4 +66,6 @@ from attn_symmetry.matching._model import align_model
 from attn_symmetry.matching._model import match_ffn
 from attn_symmetry.matching._streamed import STREAMED_METHODS
 from attn_symmetry.matching._streamed import align_model_streamed
+from attn_symmetry.matching._streamed import layer_program_memory
+from attn_symmetry.matching._streamed import leaf_sharding
 from attn_symmetry.matching._streamed import stream_groups

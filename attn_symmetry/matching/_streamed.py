@@ -35,6 +35,15 @@ refinement magnifies that rounding over rounds (tiny Llama, random pair, 9
 rounds: matrices 2.9e-4 apart in float32), but the algorithm is the same: in
 float64 (``jax_enable_x64``) the same pair ends 1.8e-15 apart after 10 rounds.
 
+Sharded (``mesh``): each group's leaves are placed on the devices of a
+``jax.sharding.Mesh``, every leaf split along its longest axis that the mesh's
+device count divides (``leaf_sharding``), and the group programs, compiled for
+those placements, are partitioned by XLA over the devices: a device holds
+1/n of each leaf and computes its part of every score, and the scores are
+summed across devices (the reductions the partitioner inserts). The element
+is the same as on one device to rounding (the sums are associated otherwise;
+``tests/test_streamed_alignment.py`` compares them in float64 on 4 devices).
+
 Method "learned" trains on the task loss of the interpolated model, which
 needs both whole models: it is not streamed (``align_model``), nor is a
 registered method.
@@ -135,6 +144,17 @@ class _Group:
     return {n: values[c] for n, c in self.names.items()}
 
 
+def leaf_sharding(shape: Sequence[int], mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+  """A leaf of ``shape`` split over every device of ``mesh``: along its longest axis whose size
+  the device count divides (the first such, on a tie), replicated where none does."""
+  n = mesh.devices.size
+  fits = [i for i, size in enumerate(shape) if size % n == 0]
+  spec = [None] * len(shape)
+  if fits:
+    spec[max(fits, key=lambda i: (shape[i], -i))] = mesh.axis_names
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
 # ----------------------------------------------------------------------------- group programs
 
 
@@ -228,8 +248,8 @@ def _update(scores, old, *, spec, factor):
 class _Descent:
   """The host side of the streamed descent: the element, and passes over the groups."""
 
-  def __init__(self, spec, read, shapes, names, *, fold, options):
-    self.spec, self.read, self.fold, self.options = spec, read, fold, options
+  def __init__(self, spec, read, shapes, names, *, fold, options, mesh=None):
+    self.spec, self.read, self.fold, self.options, self.mesh = spec, read, fold, options, mesh
     dtype = _attention.compute_dtype(next(iter(shapes.values()))[1])
     stand_in = {p: jax.ShapeDtypeStruct(tuple(s), dtype) for p, (s, _) in shapes.items()}
     self.plan = _model._plan(spec, stand_in)
@@ -254,13 +274,16 @@ class _Descent:
                                       for f in step.names)
 
   def _leaves(self, group: _Group) -> tuple[Flat, Flat]:
-    """Both models' leaves of ``group`` as device arrays under their canonical paths, each
-    host array dropped as soon as it is copied (only the device copy is held)."""
+    """Both models' leaves of ``group`` as device arrays under their canonical paths (split
+    over the mesh's devices, ``leaf_sharding``, when there is a mesh), each host array dropped
+    as soon as it is copied (only the device copy is held)."""
     out = []
     for flat in self.read(group.paths):
       flat, leaves = dict(flat), {}
       for p in group.paths:
-        leaves[group.leaf[p]] = jax.device_put(flat.pop(p))
+        x = flat.pop(p)
+        leaves[group.leaf[p]] = jax.device_put(
+            x, None if self.mesh is None else leaf_sharding(np.shape(x), self.mesh))
       out.append(leaves)
     return out[0], out[1]
 
@@ -302,19 +325,39 @@ class _Descent:
       changed |= bool(moved)
     return changed
 
+  def _steps_call(self, group: _Group, leaves: tuple[Flat, Flat], run: tuple[int, ...],
+                  rounds: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments and static options of ``_group_steps`` on ``group``'s ``leaves``."""
+    o = self.options
+    return ((*leaves, group.sub(self.element), self._reads(group), jnp.int32(rounds),
+             group.sub(self.on), jnp.asarray(o["learning_rate"], self.dtype),
+             jnp.int32(o["descent"]), jnp.int32(o["distance"])),
+            dict(spec=group.spec, plan=group.plan, fold=self.fold, run=run, steps=o["steps"],
+                 init=o["init"], solver=o["solver"]))
+
+  def local_steps_memory(self, group: _Group, shapes: Mapping[str, tuple[Any, Any]]
+                         ) -> dict[str, int]:
+    """Per-device bytes of the program running every local step of ``group`` at once,
+    compiled for abstract leaves of ``shapes`` placed as ``_leaves`` places them."""
+    run = tuple(i for i in range(len(self.plan)) if not self._global(i) and group.own(i))
+    abstract = {group.leaf[p]: jax.ShapeDtypeStruct(
+        tuple(shapes[p][0]), shapes[p][1],
+        sharding=None if self.mesh is None else leaf_sharding(shapes[p][0], self.mesh))
+                for p in group.paths}
+    args, static = self._steps_call(group, (abstract, abstract), run, 0)
+    stats = _group_steps.lower(*args, **static).compile().memory_analysis()
+    return {"argument": int(stats.argument_size_in_bytes),
+            "output": int(stats.output_size_in_bytes), "temp": int(stats.temp_size_in_bytes)}
+
   def solve_local(self, run: Sequence[int], rounds: int) -> list[bool]:
     """The local steps ``run`` in one pass over the groups; whether each changed."""
-    o = self.options
     changed = [False] * len(run)
     for group in self.groups:
       mine = tuple(i for i in run if group.own(i))
       if not mine:
         continue
-      element, moved, taken = _group_steps(
-          *self._leaves(group), group.sub(self.element), self._reads(group), jnp.int32(rounds),
-          group.sub(self.on), jnp.asarray(o["learning_rate"], self.dtype),
-          jnp.int32(o["descent"]), jnp.int32(o["distance"]), spec=group.spec, plan=group.plan,
-          fold=self.fold, run=mine, steps=o["steps"], init=o["init"], solver=o["solver"])
+      args, static = self._steps_call(group, self._leaves(group), mine, rounds)
+      element, moved, taken = _group_steps(*args, **static)
       self.element.update(group.back(element))
       self.taken = max(self.taken, int(taken))
       for i, m in zip(mine, moved):
@@ -380,7 +423,8 @@ def align_model_streamed(spec: spec_lib.SymmetrySpec, read: Read,
                          learning_rate: float = _attention.DEFAULT_LEARNING_RATE,
                          max_rounds: int = _model.DEFAULT_MAX_ROUNDS,
                          init: str = _attention.INITS[0], refine: str = _model.REFINES[0],
-                         solver: str = _attention.SOLVERS[0]
+                         solver: str = _attention.SOLVERS[0],
+                         mesh: jax.sharding.Mesh | None = None
                          ) -> tuple[dict[str, Any], dict[str, Any]]:
   """``align_model`` of B to A, reading the models one group of leaves at a time.
 
@@ -393,6 +437,8 @@ def align_model_streamed(spec: spec_lib.SymmetrySpec, read: Read,
     shapes: {path: (shape, stored dtype)} of every leaf of ``spec`` (both models').
     scope, method, distance, steps, learning_rate, max_rounds, init, refine,
       solver: as ``align_model``; ``method`` one of ``STREAMED_METHODS``.
+    mesh: where given, each group's leaves are split over its devices and the group
+      programs partitioned over them (module docstring); None: the default device.
 
   Returns:
     (element, info) as ``align_model`` returns them for the same parameters (module
@@ -404,26 +450,14 @@ def align_model_streamed(spec: spec_lib.SymmetrySpec, read: Read,
     ValueError: an unknown option, a scope prefix that matches nothing, or a method that is
       not streamed ("learned" and registered methods need the whole models: ``align_model``).
   """
-  _attention.check_options(method, distance, steps, init, methods=_methods.METHODS,
-                           solver=solver)
-  if refine not in _model.REFINES:
-    raise ValueError(f"refine must be one of {_model.REFINES}, got {refine!r}")
-  if method not in STREAMED_METHODS:
-    raise ValueError(f"method {method!r} is not streamed (only {', '.join(STREAMED_METHODS)}): "
-                     "it needs both whole models in memory; use align_model")
-  missing = sorted(set(spec.axes) - set(shapes))
-  if missing:
-    raise ValueError(f"shapes lacks leaves of the spec: {missing[:4]}")
-  names = _model.active_names(spec, scope)
-  dtype = _attention.compute_dtype(next(iter(shapes.values()))[1])
   if method == "naive":
+    _check(spec, shapes, method, distance, steps, init, refine, solver)
+    dtype = _attention.compute_dtype(next(iter(shapes.values()))[1])
     return group_action.identity_model(spec, dtype), {"folded_norm_scales": False}
-  fold = _model._needs_folding(spec, names)
-  full, final = method == "full", refine == "final"
-  options = dict(learning_rate=learning_rate, steps=int(steps), init=init, solver=solver,
-                 distance=_features.DISTANCES.index(distance),
-                 descent=_attention.STAGES.index("ortho" if full and final else method))
-  descent = _Descent(spec, read, shapes, names, fold=fold, options=options)
+  descent = _descent(spec, read, shapes, scope=scope, method=method, distance=distance,
+                     steps=steps, learning_rate=learning_rate, init=init, refine=refine,
+                     solver=solver, mesh=mesh)
+  full, final, fold = method == "full", refine == "final", descent.fold
   distances = {"initial": descent.first_pass()}
   rounds = descent.descend(int(max_rounds))
   if full and final:
@@ -434,3 +468,50 @@ def align_model_streamed(spec: spec_lib.SymmetrySpec, read: Read,
   if full:
     info["refinement_steps"] = descent.taken
   return descent.element, info
+
+
+def _check(spec, shapes, method, distance, steps, init, refine, solver) -> None:
+  _attention.check_options(method, distance, steps, init, methods=_methods.METHODS,
+                           solver=solver)
+  if refine not in _model.REFINES:
+    raise ValueError(f"refine must be one of {_model.REFINES}, got {refine!r}")
+  if method not in STREAMED_METHODS:
+    raise ValueError(f"method {method!r} is not streamed (only {', '.join(STREAMED_METHODS)}): "
+                     "it needs both whole models in memory; use align_model")
+  missing = sorted(set(spec.axes) - set(shapes))
+  if missing:
+    raise ValueError(f"shapes lacks leaves of the spec: {missing[:4]}")
+
+
+def _descent(spec, read, shapes, *, scope, method, distance, steps, learning_rate, init, refine,
+             solver, mesh) -> _Descent:
+  """The checked options' descent (method not "naive")."""
+  _check(spec, shapes, method, distance, steps, init, refine, solver)
+  names = _model.active_names(spec, scope)
+  full, final = method == "full", refine == "final"
+  options = dict(learning_rate=learning_rate, steps=int(steps), init=init, solver=solver,
+                 distance=_features.DISTANCES.index(distance),
+                 descent=_attention.STAGES.index("ortho" if full and final else method))
+  return _Descent(spec, read, shapes, names, fold=_model._needs_folding(spec, names),
+                  options=options, mesh=mesh)
+
+
+def layer_program_memory(spec: spec_lib.SymmetrySpec,
+                         shapes: Mapping[str, tuple[tuple[int, ...], Any]], *,
+                         method: str = "full", mesh: jax.sharding.Mesh | None = None,
+                         **options) -> dict[str, int]:
+  """What one device holds to run a layer's steps in ``align_model_streamed``: the per-device
+  bytes of its largest program (every local step of the group ``layers_0``: its FFN factors
+  and attention sites), compiled for the leaves of ``shapes`` placed on ``mesh`` (or the
+  default device). Nothing is read or run: the leaves are abstract, so a 7B-shaped layer is
+  measured without its weights.
+
+  Returns:
+    {"argument", "output", "temp"}: ``compiled.memory_analysis()``'s sizes in bytes.
+  """
+  defaults = dict(scope=None, distance="frobenius", steps=_attention.DEFAULT_STEPS,
+                  learning_rate=_attention.DEFAULT_LEARNING_RATE, init=_attention.INITS[0],
+                  refine=_model.REFINES[0], solver=_attention.SOLVERS[0])
+  descent = _descent(spec, None, shapes, method=method, mesh=mesh, **(defaults | options))
+  group = next(g for g in descent.groups if g.paths[0].startswith("layers_0/"))
+  return descent.local_steps_memory(group, shapes)
