@@ -52,7 +52,11 @@ Settings:
     DBPedia).
   scopes_vit_fashion: the other re-initialisation scopes (all attention,
     first layer, full model) on Fashion-MNIST; its first attention layer is
-    table1_vit_fashion_ape (same base, seeds and protocol).
+    table1_vit_fashion_ape (same base, seeds and protocol). The learned
+    method trains every factor that a scope has (study.learn_factors): the
+    attention matrices and head permutations in all attention, the FFN
+    permutations too in the first layer, and the residual permutation too
+    in the full model.
   scopes_vit_mnist_to_fashion_attention (first attention, all attention)
     and scopes_vit_mnist_to_fashion_first_layer: the MNIST base re-initialised
     and fine-tuned on Fashion-MNIST, split in two to keep each setting under
@@ -175,7 +179,8 @@ SETTINGS = {
     **{f"table1_bert_mlm_{pos}": (lambda c, pos=pos: _bert_mlm(c, f"table1_bert_mlm_{pos}", pos))
        for pos in ("ape", "rope")},
     "scopes_vit_fashion": lambda c: _scopes(c, "fashion_mnist_deb",
-                                            ("all_attention", "first_layer", "full")),
+                                            ("all_attention", "first_layer", "full"),
+                                            every_factor=True),
     "scopes_vit_mnist_to_fashion_attention": lambda c: _scopes(
         c, "mnist5k", ("first_attention", "all_attention"), transfer_to="fashion_mnist_deb"),
     "scopes_vit_mnist_to_fashion_first_layer": lambda c: _scopes(
@@ -188,11 +193,14 @@ SETTINGS = {
 
 
 def _scopes(config: ml_collections.ConfigDict, dataset: str, scopes: tuple[str, ...],
-            transfer_to: str | None = None) -> None:
+            transfer_to: str | None = None, every_factor: bool = False) -> None:
   """The ViT with learned positions, trained on ``dataset``, with ``scopes`` re-initialised
-  (fine-tuned on ``transfer_to`` if given)."""
+  (fine-tuned on ``transfer_to`` if given); ``every_factor``: the learned method trains every
+  factor each scope has."""
   _vit(config, "ape", dataset)
   config.reinit.scopes = scopes
+  if every_factor:
+    config.study.learn_factors = matching.LEARNED_FACTORS
   if transfer_to:
     config.reinit.dataset = transfer_to
 
