@@ -32,11 +32,12 @@ import pytest
 
 # Files whose tests each run long on their own and share no fixture that costs: spread test by
 # test over the workers, so that no worker is left with all of them at the end of the run.
-SPREAD_OVER_WORKERS = frozenset({"test_colabs.py", "test_learned.py"})
-# Files that hold a test of several minutes: handed out first, so that the run does not end with
-# one worker on such a test and the other idle (xdist hands out the files with the most tests
-# first, these hold few).
-RUN_FIRST = ("test_processes.py", "test_reproduce.py")
+SPREAD_OVER_WORKERS = frozenset({"test_colabs.py", "test_learned.py",
+                                 "test_streamed_alignment.py"})
+# Files that hold a test of several minutes: handed out first (a spread file test by test), so
+# that the run does not end with one worker on such a test and the other idle (xdist hands out
+# the files with the most tests first, these hold few).
+RUN_FIRST = ("test_processes.py", "test_reproduce.py", "test_streamed_alignment.py")
 
 
 def xdist_scope(nodeid: str) -> str:
@@ -64,7 +65,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     def _assign_work_unit(self, node) -> None:
       for scope in self.workqueue:
-        if os.path.basename(scope) in RUN_FIRST:
+        if os.path.basename(scope.split("::", 1)[0]) in RUN_FIRST:
           self.workqueue.move_to_end(scope, last=False)
           break
       super()._assign_work_unit(node)
