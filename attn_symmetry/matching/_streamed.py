@@ -508,10 +508,16 @@ def layer_program_memory(spec: spec_lib.SymmetrySpec,
 
   Returns:
     {"argument", "output", "temp"}: ``compiled.memory_analysis()``'s sizes in bytes.
+
+  Raises:
+    ValueError: an option as ``align_model_streamed``'s, or a spec without ``layers_0``.
   """
   defaults = dict(scope=None, distance="frobenius", steps=_attention.DEFAULT_STEPS,
                   learning_rate=_attention.DEFAULT_LEARNING_RATE, init=_attention.INITS[0],
                   refine=_model.REFINES[0], solver=_attention.SOLVERS[0])
   descent = _descent(spec, None, shapes, method=method, mesh=mesh, **(defaults | options))
-  group = next(g for g in descent.groups if g.paths[0].startswith("layers_0/"))
+  group = next((g for g in descent.groups if g.paths[0].startswith("layers_0/")), None)
+  if group is None:
+    raise ValueError(f"the spec has no group layers_0 (groups: "
+                     f"{[g.paths[0].split('/')[0] for g in descent.groups]})")
   return descent.local_steps_memory(group, shapes)
