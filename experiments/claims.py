@@ -202,14 +202,14 @@ CLAIMS: tuple[tuple[str, Judge], ...] = (
 
 def _scopes(results_root: str) -> Iterator[_Scope]:
   """Every setting's scopes under ``results_root`` (not its reduced rerun's nor its run on every
-  core: ``report.REDUCED``, ``report.EVERY_CORE``), sorted."""
+  core: ``report.RERUN_FOLDERS``), sorted."""
   for setting in sorted(os.listdir(results_root)):
     folder = os.path.join(results_root, setting)
     if not os.path.isdir(folder):
       continue
     for scope in sorted(os.listdir(folder)):
       path = os.path.join(folder, scope, "results.json")
-      if scope not in (report.REDUCED, report.EVERY_CORE) and os.path.isfile(path):
+      if scope not in report.RERUN_FOLDERS and os.path.isfile(path):
         with open(path) as f:
           yield _Scope(setting, scope, json.load(f))
 

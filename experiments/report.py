@@ -24,6 +24,7 @@ RATIO_FLOOR = 0.02
 # Folders a setting's results/ folder may hold beside its scopes: its reduced rerun's reports, and
 # those of its run on every core (another float32 trajectory than the one-core run; reproduce.py).
 REDUCED, EVERY_CORE = "reduced", "every_core"
+RERUN_FOLDERS = (REDUCED, EVERY_CORE)
 # The paired differences that reports show: (x, y) for x - y, in % of naive.
 DIFFERENCES = (("ortho", "perm"), ("full", "ortho"), ("learned", "full"))
 _COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green",

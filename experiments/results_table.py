@@ -170,8 +170,8 @@ def setting_dirs(results_root: str) -> list[str]:
   (``<setting>/every_core``; ``runner.results_dir``)."""
   dirs = []
   for setting in sorted(os.listdir(results_root)):
-    for d in (os.path.join(results_root, setting, *sub)
-              for sub in ((), (report.REDUCED,), (report.EVERY_CORE,))):
+    folder = os.path.join(results_root, setting)
+    for d in (folder, *(os.path.join(folder, rerun) for rerun in report.RERUN_FOLDERS)):
       if all(os.path.exists(os.path.join(d, name)) for name in ("run.json", "config.json")):
         dirs.append(d)
   return dirs
