@@ -1,5 +1,5 @@
-"""Host-side helpers for programs built on the library: JSON values, LAPACK threads, memory,
-the compilation cache's default folder.
+"""Host-side helpers for programs built on the library: JSON values, whole arrays on the host,
+LAPACK threads, memory, the compilation cache's default folder.
 
     from attn_symmetry import runtime
     jax.config.update("jax_compilation_cache_dir", runtime.COMPILATION_CACHE)
@@ -11,6 +11,7 @@ the compilation cache's default folder.
     with runtime.CompileClock() as clock:          # JAX's tracing, lowering and compiling time
       ...
     print(clock.summary(wall_seconds))
+    weights = runtime.host_array(params["w"])      # the whole array, however it is sharded
 
 On CPU, jaxlib runs its LAPACK kernels (``jnp.linalg.inv``, ``solve``, ``svd``:
 the batched H x H solves of attention matching, for example) from
@@ -96,6 +97,24 @@ def single_threaded_blas() -> Iterator[None]:
 
   with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
     yield
+
+
+def host_array(x: Any) -> np.ndarray:
+  """The whole of ``x`` as a numpy array in this process, however it is placed.
+
+  A replicated array is read from this process's copy; one split over this process's
+  devices is assembled from its shards; one split over several processes' devices is
+  gathered from all of them (``jax.experimental.multihost_utils.process_allgather``: a
+  collective, so every process must call this on the same arrays in the same order).
+  Anything that is not a ``jax.Array`` goes through ``np.asarray``. Reading only
+  ``x.addressable_data(0)`` would give one shard of a split array.
+  """
+  if not isinstance(x, jax.Array) or x.is_fully_replicated:
+    return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def physical_memory() -> int:

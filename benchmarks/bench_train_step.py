@@ -89,10 +89,16 @@ def forward_matmul_flops(cfg: models.Config, batch: int, tokens: int) -> int:
   return flops * batch
 
 
-def make_step(model: models.Model, optimizer: optax.GradientTransformation):
-  """A jitted AdamW step on cross-entropy; params and optimiser state are donated."""
+def make_step(model: models.Model, optimizer: optax.GradientTransformation, compute_dtype=None):
+  """A jitted AdamW step on cross-entropy; params and optimiser state are donated. With a
+  ``compute_dtype`` (``jnp.bfloat16``) the forward and backward passes run on a copy of the
+  parameters in it (the model computes in its parameters' dtype), the loss and the update
+  in the parameters' own dtype: mixed precision."""
   def loss_fn(params, inputs, targets):
+    if compute_dtype is not None:
+      params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
     logits, _ = model.apply(params, inputs)
+    logits = logits.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))

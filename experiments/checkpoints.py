@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -230,6 +231,9 @@ def check_architecture(run_dir: str, expected: dict[str, Any]) -> None:
     return
 
 
-def abstract_like(tree: Any, sharding: jax.sharding.Sharding) -> Any:
-  """``jax.ShapeDtypeStruct`` of every leaf of ``tree``, placed with ``sharding``."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+def abstract_like(tree: Any, sharding: jax.sharding.Sharding | Callable[[tuple], Any]) -> Any:
+  """``jax.ShapeDtypeStruct`` of every leaf of ``tree``, placed with ``sharding``: one for
+  every leaf, or a function of a leaf's shape that gives its own (``inputs.placement``)."""
+  place = sharding if callable(sharding) else lambda shape: sharding
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place(tuple(x.shape))), tree)

@@ -282,6 +282,11 @@ FIELDS: tuple[Field, ...] = (
           "training batch size of every run, a multiple of the devices"),
     Field("train.eval_batch_size", 256, _AT_LEAST_1, Role.NOT_KEYED,
           "evaluation batch size, a multiple of the devices (splits the same sums otherwise)"),
+    Field("train.param_sharding", "replicated",
+          _one_of("parameter sharding", "experiments.inputs.PARAM_SHARDINGS"), Role.NOT_KEYED,
+          "'replicated' (a copy of the parameters and optimiser state on every device) or "
+          "'fsdp' (each leaf split over the devices: about 1/N of the model on each; the "
+          "same steps up to float32 rounding)"),
     Field("train.learning_rate", 1e-3, _POSITIVE, Role.TRAIN_SCHEDULE,
           "peak learning rate of the base schedule"),
     Field("train.warmup_steps", 100, _AT_LEAST_0, Role.TRAIN_SCHEDULE,

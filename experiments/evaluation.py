@@ -108,8 +108,8 @@ def evaluate(model: models.Model, params: Params, batches: Iterable[inputs.Batch
     def step(params, batch, total):
       return jax.tree.map(jnp.add, total, batch_metrics(model, params, batch))
     step = _EVAL_STEPS[model.config] = jax.jit(step)
-  params, total = jax.device_put(
-      (params, dict.fromkeys(("loss", "correct", "count"), np.float32(0))), inputs.replicated(mesh))
+  params = inputs.on_mesh(params, mesh)  # split parameters (train.param_sharding) stay split
+  total = inputs.replicate(dict.fromkeys(("loss", "correct", "count"), np.float32(0)), mesh)
   empty = True
   for batch in batches:
     total, empty = step(params, inputs.shard_batch(batch, mesh), total), False

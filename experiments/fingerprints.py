@@ -89,6 +89,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from attn_symmetry import runtime
 from experiments import atomic_io
 from experiments import config_schema
 
@@ -121,14 +122,15 @@ INPUT = "sha256 of "
 def tree_digest(tree: Any) -> str:
   """sha256 over every leaf's path, dtype, shape and bytes (the content hash of a tree).
 
-  Works for host and device arrays (a replicated jax.Array is read from this
-  process's copy) and any pytree (parameters, optimiser states, batches).
+  Works for host and device arrays and any pytree (parameters, optimiser states,
+  batches). A jax.Array is hashed whole however it is placed (``runtime.host_array``:
+  replicated, split over this process's devices or over several processes', where every
+  process must hash the same tree), so a tree has one digest whatever the mesh and the
+  number of processes that hold it.
   """
   h = hashlib.sha256()
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if isinstance(leaf, jax.Array):
-      leaf = leaf.addressable_data(0)
-    leaf = np.ascontiguousarray(np.asarray(leaf))
+    leaf = np.ascontiguousarray(runtime.host_array(leaf))
     h.update(f"{jax.tree_util.keystr(path)}:{leaf.dtype.name}:{leaf.shape};".encode())
     h.update(leaf.tobytes())
   return h.hexdigest()

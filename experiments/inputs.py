@@ -2,8 +2,13 @@
 
 The data set (``attn_symmetry.data``) fixes the model's input and output
 sizes; ``create_model`` builds the model of ``config.model`` to fit it.
-Batches are placed on a 1-D mesh with axis "data": split along it, with
-parameters replicated.
+Batches are placed on a 1-D mesh with axis "data": split along it. Parameters
+and optimiser state are replicated, a copy on every device, or
+(``config.train.param_sharding = "fsdp"``) split over the same axis, each leaf
+along its longest axis that the device count divides (``placement``): each
+device holds about 1/N of the model, and XLA gathers a leaf where the step
+needs it whole and reduces its gradient to the shards (fully sharded data
+parallelism, from ``jax.sharding`` annotations alone).
 
 Three splits of a data set are read: ``config.dataset.train_split`` (training
 batches), ``config.dataset.validation_split`` (the held-out loss on which a
@@ -24,7 +29,7 @@ learns from is the same in every process and the same as in one process.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -32,7 +37,9 @@ import ml_collections
 import numpy as np
 
 from attn_symmetry import data
+from attn_symmetry import matching
 from attn_symmetry import models
+from attn_symmetry import runtime
 from attn_symmetry import tasks
 
 Batch = Mapping[str, np.ndarray]
@@ -241,6 +248,41 @@ def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
+# How a run's parameters and optimiser state are placed on the mesh (config.train.param_sharding).
+PARAM_SHARDINGS = ("replicated", "fsdp")
+
+
+def placement(mesh: jax.sharding.Mesh, how: str = "replicated"
+              ) -> Callable[[tuple[int, ...]], jax.sharding.NamedSharding]:
+  """The sharding of a parameter or optimiser-state leaf, as a function of its shape.
+
+  "replicated": a full copy on every device (``replicated``). "fsdp": split over the
+  mesh's devices along the leaf's longest axis that their count divides, replicated
+  where none does (scalars: Adam's step count) (``attn_symmetry.matching.leaf_sharding``).
+  """
+  if how not in PARAM_SHARDINGS:
+    raise ValueError(f"unknown parameter sharding {how!r}; choose from {PARAM_SHARDINGS}")
+  if how == "fsdp":
+    return lambda shape: matching.leaf_sharding(shape, mesh)
+  return lambda shape: replicated(mesh)
+
+
+def shardings(tree: Any, place: Callable[[tuple[int, ...]], jax.sharding.Sharding]) -> Any:
+  """The tree of ``place``'s sharding for every leaf of ``tree`` (arrays or shape structs)."""
+  return jax.tree.map(lambda x: place(tuple(np.shape(x))), tree)
+
+
+def on_mesh(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """``tree`` with its leaves on ``mesh``: a leaf already placed on it is kept as it is
+  (replicated or split), any other is replicated (``replicate``)."""
+  def put(x):
+    if (isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding)
+        and x.sharding.mesh == mesh):
+      return x
+    return replicate(x, mesh)
+  return jax.tree.map(put, tree)
+
+
 def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
   """A copy of every leaf on every device of ``mesh`` (``replicated``), from host or
   one-device arrays that every process holds the same (leaves already replicated on the
@@ -256,5 +298,7 @@ def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
 
 
 def to_host(tree: Any) -> Any:
-  """Numpy copies of replicated arrays (this process's copy; works multi-host)."""
-  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+  """Numpy copies of the whole arrays of ``tree``, however they are placed
+  (``attn_symmetry.runtime.host_array``; split over several processes: every process
+  must call it on the same tree)."""
+  return jax.tree.map(runtime.host_array, tree)

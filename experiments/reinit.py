@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from attn_symmetry import runtime
 from attn_symmetry import spec as spec_lib
 
 Params = dict[str, Any]
@@ -48,8 +49,8 @@ def reinitialise(trained: Params, fresh: Params, mask: Params) -> Params:
 
 
 def _bits(x) -> np.ndarray:
-  """The raw bits of a (replicated) array, as unsigned integers."""
-  x = np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+  """The raw bits of a whole array (however it is placed), as unsigned integers."""
+  x = runtime.host_array(x)
   return x.view(np.dtype(f"u{x.dtype.itemsize}"))
 
 

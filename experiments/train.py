@@ -60,7 +60,15 @@ decisions an uninterrupted one makes, bit for bit.
 
 Data parallelism: a ``jax.sharding.Mesh`` over all devices with one axis
 "data"; every batch is split along it and the parameters and optimiser state
-are replicated, so XLA inserts the gradient all-reduce. Several processes
+are replicated, so XLA inserts the gradient all-reduce. With
+``config.train.param_sharding = "fsdp"`` they are split over the same axis
+instead (``inputs.placement``), each device holding about 1/N of them: XLA
+gathers each leaf where the step needs it and reduce-scatters its gradient,
+the same steps up to float32 rounding; a fresh model is initialised by a
+program compiled for its split placement, so that it is never whole on one
+device (its values differ from the eager initialisation of the replicated
+runs in the last bits). Checkpoints hold the global arrays, so either placement
+resumes from either's checkpoints. Several processes
 (one per host, or several on one: ``main.py --num_processes``): each process
 reads its own share of every batch (``config.train.batch_size`` is global, and
 so is the validation subset: ``inputs.first_examples``), every process takes
@@ -294,12 +302,13 @@ def create_optimizer(config: ml_collections.ConfigDict, sched: Schedule, trainab
 
 
 def make_train_step(model: models.Model, optimizer: optax.GradientTransformation,
-                    trainable: Params, mesh: jax.sharding.Mesh):
+                    trainable: Params, mesh: jax.sharding.Mesh, param_sharding: str = "replicated"):
   """Jitted ``step(state, batch) -> (state, {"loss", "accuracy"})``.
 
-  ``state`` is {"params", "opt_state"}, replicated and donated. Frozen leaves
-  are passed through as they are (not even ``p + 0``), so they stay
-  bit-identical.
+  ``state`` is {"params", "opt_state"}, placed by ``inputs.placement(mesh,
+  param_sharding)`` and donated; the step returns it placed the same way and the
+  metrics replicated. Frozen leaves are passed through as they are (not even
+  ``p + 0``), so they stay bit-identical.
   """
 
   def loss_fn(params, batch):
@@ -315,7 +324,10 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
             {"loss": loss, "accuracy": sums["correct"] / sums["count"]})
 
   replicated = inputs.replicated(mesh)
-  return jax.jit(step, donate_argnums=0, out_shardings=(replicated, replicated))
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
+  state = jax.eval_shape(lambda p: {"params": p, "opt_state": optimizer.init(p)}, shapes)
+  placed = inputs.shardings(state, inputs.placement(mesh, param_sharding))
+  return jax.jit(step, donate_argnums=0, out_shardings=(placed, replicated))
 
 
 def _check_splits(config: ml_collections.ConfigDict, dataset: str) -> None:
@@ -394,11 +406,11 @@ def _optimizer_and_step(config, model, sched, trainable, mesh):
   """
   t = config.train
   key = (model.config, sched, tuple(sorted(spec_lib.flatten(trainable).items())), mesh,
-         t.final_lr_fraction, t.grad_clip_norm, t.b1, t.b2, t.weight_decay)
+         t.param_sharding, t.final_lr_fraction, t.grad_clip_norm, t.b1, t.b2, t.weight_decay)
   if key not in _TRAIN_STEPS:
     optimizer, lr = create_optimizer(config, sched, trainable)
     _TRAIN_STEPS[key] = (optimizer, jax.jit(lr),
-                         make_train_step(model, optimizer, trainable, mesh))
+                         make_train_step(model, optimizer, trainable, mesh, t.param_sharding))
   return _TRAIN_STEPS[key]
 
 
@@ -417,8 +429,8 @@ class _RunLoop:
     config: its setting.
     model: its model.
     mesh: the mesh that every batch is split over.
-    state: {"params", "opt_state"}, replicated; every step donates it and
-      returns the next.
+    state: {"params", "opt_state"}, placed as ``config.train.param_sharding``
+      says; every step donates it and returns the next.
     step: the last step taken (at the start, the restored one; 0 for a new run).
     num_steps: the budget: the schedule's last step.
     how: how the run ended, "plateau" or "budget" (as ``ended``); None while
@@ -588,7 +600,7 @@ class Trainer:
                mesh: jax.sharding.Mesh | None = None):
     self.config, self.model, self.workdir = config, model, workdir
     self.mesh = inputs.create_mesh() if mesh is None else mesh
-    self._replicated = inputs.replicated(self.mesh)
+    self._place = inputs.placement(self.mesh, config.train.param_sharding)
     self._base = None
 
   def _base_digest(self) -> str:
@@ -640,9 +652,19 @@ class Trainer:
                     run.name, e, moved)
     return None
 
+  def _fresh(self, seed: int) -> Params:
+    """The model initialised from ``seed``, placed for training. Replicated runs keep the
+    eager initialisation that every stored run had; a split run's is compiled for its
+    placement (module docstring)."""
+    key = jax.random.key(seed)
+    if self.config.train.param_sharding == "replicated":
+      return self.model.init(key)
+    shapes = jax.eval_shape(self.model.init, key)
+    return jax.jit(self.model.init, out_shardings=inputs.shardings(shapes, self._place))(key)
+
   def _initial_params(self, run: Run):
     """(params, trainable mask, host copy of the base params or None) before training."""
-    fresh = self.model.init(jax.random.key(run.seed))
+    fresh = self._fresh(run.seed)
     if not run.fine_tunes:
       return fresh, jax.tree.map(lambda _: True, fresh), None
     if self._base is None:
@@ -650,10 +672,10 @@ class Trainer:
                                               read_only=True)
       # A host copy: device arrays given to the training step are donated.
       self._base = inputs.to_host(base_ckpts.restore_params(
-          base_ckpts.latest_step(), checkpoints.abstract_like(fresh, self._replicated)))
+          base_ckpts.latest_step(), checkpoints.abstract_like(fresh, self._place)))
       base_ckpts.close()
     trainable = reinit.trainable_mask(self._base, self.model.scope_paths(run.scope))
-    base = jax.device_put(self._base, self._replicated)
+    base = jax.device_put(self._base, inputs.shardings(self._base, self._place))
     return reinit.reinitialise(base, fresh, trainable), trainable, self._base
 
   def train(self, run: Run) -> dict[str, Any]:
@@ -712,7 +734,7 @@ class Trainer:
     if saved is None or latest is None:
       return None
     abstract = checkpoints.abstract_like(jax.eval_shape(self.model.init, jax.random.key(0)),
-                                         self._replicated)
+                                         self._place)
     intact = self._newest_intact(
         run, ckpts, lambda s: (ckpts.restore_params(s, abstract), ckpts.restore_meta(s)))
     if intact is None or intact[0] != latest:
@@ -732,7 +754,7 @@ class Trainer:
                                                     self.mesh)
     state = {"params": params, "opt_state": optimizer.init(params)}
     batches = inputs.train_batches(self.config, run.dataset, seed=run.seed)
-    abstract = checkpoints.abstract_like(state, self._replicated)
+    abstract = checkpoints.abstract_like(state, self._place)
     intact = self._newest_intact(
         run, ckpts, lambda s: ckpts.restore(s, abstract["params"], abstract["opt_state"]))
     start, meta = 0, {}
@@ -742,7 +764,7 @@ class Trainer:
       if ended(meta, start, sched.num_steps) is None:
         log.info("%s: resuming from step %d in %s", run.name, start, ckpts.directory)
     else:
-      state = jax.device_put(state, self._replicated)
+      state = jax.device_put(state, inputs.shardings(state, self._place))
     rule = stopping(self.config, run)
     plateau = None if rule is None else Plateau.from_meta(rule, meta.get("stopping"))
     arch = checkpoints.architecture(self.model.config.family, jax.eval_shape(lambda: params))

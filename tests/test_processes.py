@@ -19,6 +19,7 @@ import pytest
 from attn_symmetry import data
 from experiments import inputs
 from experiments import main
+from experiments import train
 from experiments.configs import quickstart
 from tests import conftest
 
@@ -52,15 +53,17 @@ def _main(*args: str, xla_flags: str = "", timeout: int = 60) -> subprocess.Comp
                         env=_env(xla_flags), capture_output=True, text=True, timeout=timeout)
 
 
-def _run_processes(workdir: str, cache: str, count: int = 2, timeout: int = 900) -> list[str]:
-  """``main.py`` as ``count`` processes on localhost; returns each one's output."""
+def _run_processes(workdir: str, cache: str, count: int = 2, timeout: int = 900,
+                   extra: tuple[str, ...] = ()) -> list[str]:
+  """``main.py`` as ``count`` processes on localhost, with the flags ``extra`` too; returns
+  each one's output."""
   port = _free_port()
   logs = [f"{workdir}.process_{i}.log" for i in range(count)]
   procs = []
   for i, log in enumerate(logs):
     with open(log, "w") as out:  # a file, not a pipe: no process waits on a full pipe
       procs.append(subprocess.Popen(
-          [sys.executable, "experiments/main.py", *SETTING, *STUDY, f"--workdir={workdir}",
+          [sys.executable, "experiments/main.py", *SETTING, *STUDY, *extra, f"--workdir={workdir}",
            f"--compilation_cache={cache}", f"--coordinator_address=127.0.0.1:{port}",
            f"--num_processes={count}", f"--process_id={i}"],
           cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT))
@@ -217,22 +220,31 @@ def test_the_study_ablation_finishes_on_two_devices(tmp_path):
 @pytest.mark.slow
 def test_two_processes_equal_two_devices_and_rerun_nothing(tmp_path, request):
   """The quickstart as two processes on localhost gives every barrier, curve and final
-  evaluation of one process with two devices (within 1e-5); run again, the two processes
-  skip every training run and reuse every study stage, writing no file; only process 0
-  logs its progress."""
+  evaluation of one process with two devices (within 1e-5), each run's parameters and
+  optimiser state split over the two in both (``train.param_sharding="fsdp"``; split
+  against replicated parameters is tests/test_train.py's test); run again, the two
+  processes skip every training run and reuse every study stage, writing no file; only
+  process 0 logs its progress. One process reads every checkpoint verified: the content
+  hashes that two processes recorded of their split arrays are those of the whole arrays."""
   cache = os.path.join(request.config.run_cache, "jax_cache")
   procs = str(tmp_path / "processes")
-  outputs = _run_processes(procs, cache)
+  split = ("--config.train.param_sharding=fsdp",)
+  outputs = _run_processes(procs, cache, extra=split)
   devices = str(tmp_path / "devices")
-  single = _main(*SETTING, *STUDY, f"--workdir={devices}", f"--compilation_cache={cache}",
-                 xla_flags=TWO_DEVICES, timeout=900)
+  single = _main(*SETTING, *STUDY, *split, f"--workdir={devices}",
+                 f"--compilation_cache={cache}", xla_flags=TWO_DEVICES, timeout=900)
   assert single.returncode == 0, single.stderr[-4000:]
   assert _largest_difference(_outcome(procs), _outcome(devices)) <= 1e-5
   assert "study of scope first_attention" in outputs[0]
   assert "study of scope" not in outputs[1] and "train.py" not in outputs[1]
 
+  config = quickstart.get_config("runlocal")
+  config.reinit.scopes = ("first_attention",)
+  assert set(train.load_checkpoints(config, procs)) == {
+      "base", "reinit/first_attention/seed_1", "reinit/first_attention/seed_2"}
+
   before = _stamps(procs)
-  outputs = _run_processes(procs, cache)
+  outputs = _run_processes(procs, cache, extra=split)
   assert outputs[0].count("complete (step") == 3
   # Reused: the 3 methods' paths, the 2 Stage 1 distances' paths, the robustness check.
   assert "study of scope first_attention: 0 stage(s) computed, 6 reused" in outputs[0]
