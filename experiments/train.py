@@ -67,8 +67,8 @@ gathers each leaf where the step needs it and reduce-scatters its gradient,
 the same steps up to float32 rounding; a fresh model is initialised by a
 program compiled for its split placement, so that it is never whole on one
 device (its values differ from the eager initialisation of the replicated
-runs in the last bits). Checkpoints hold the global arrays, so either placement
-resumes from either's checkpoints. Several processes
+runs in the last bits). Checkpoints hold the global arrays, restored into
+whichever placement the restoring run uses. Several processes
 (one per host, or several on one: ``main.py --num_processes``): each process
 reads its own share of every batch (``config.train.batch_size`` is global, and
 so is the validation subset: ``inputs.first_examples``), every process takes

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -512,9 +513,9 @@ def layer_program_memory(spec: spec_lib.SymmetrySpec,
   Raises:
     ValueError: an option as ``align_model_streamed``'s, or a spec without ``layers_0``.
   """
-  defaults = dict(scope=None, distance="frobenius", steps=_attention.DEFAULT_STEPS,
-                  learning_rate=_attention.DEFAULT_LEARNING_RATE, init=_attention.INITS[0],
-                  refine=_model.REFINES[0], solver=_attention.SOLVERS[0])
+  signature = inspect.signature(align_model_streamed).parameters
+  defaults = {name: signature[name].default for name in
+              ("scope", "distance", "steps", "learning_rate", "init", "refine", "solver")}
   descent = _descent(spec, None, shapes, method=method, mesh=mesh, **(defaults | options))
   group = next((g for g in descent.groups if g.paths[0].startswith("layers_0/")), None)
   if group is None:
