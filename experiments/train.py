@@ -68,7 +68,8 @@ the same steps up to float32 rounding; a fresh model is initialised by a
 program compiled for its split placement, so that it is never whole on one
 device (its values differ from the eager initialisation of the replicated
 runs in the last bits). Checkpoints hold the global arrays, restored into
-whichever placement the restoring run uses. Several processes
+whichever placement the restoring run uses: a run resumes split from a
+replicated run's checkpoint, and the reverse. Several processes
 (one per host, or several on one: ``main.py --num_processes``): each process
 reads its own share of every batch (``config.train.batch_size`` is global, and
 so is the validation subset: ``inputs.first_examples``), every process takes
@@ -797,8 +798,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   model = inputs.create_model(config)
   check_workdir(config, model, workdir)
   trainer = Trainer(config, model, workdir)
-  log.info("training %d run(s) in %s on %d device(s)", len(runs(config)), workdir,
-           jax.device_count())
+  log.info("training %d run(s) in %s on %d device(s)%s", len(runs(config)), workdir,
+           jax.device_count(), ", parameters and optimiser state split over them (fsdp)"
+           if config.train.param_sharding == "fsdp" else "")
   results = {run.name: trainer.train(run) for run in runs(config)}
   width = max(map(len, results))
   log.info("final evaluation:\n%s", "\n".join(

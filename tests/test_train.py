@@ -349,10 +349,11 @@ def test_main_rejects_override_of_missing_field(tmp_path):
 
 
 # Four CPU devices (their count is fixed when JAX starts): the base model trained with the
-# parameters replicated ("four") and split ("fsdp"), the split run rerun, its checkpoint loaded,
-# and one training step from the same state in each placement.
+# parameters replicated ("four") and split ("fsdp"), the split run rerun, the replicated run
+# resumed split from its middle checkpoint, the split run's checkpoint loaded, and one training
+# step from the same state in each placement.
 _MULTI_DEVICE = """
-import json, os, sys
+import json, os, shutil, sys
 import jax
 from experiments import fingerprints, inputs, train
 from experiments.configs import quickstart
@@ -369,6 +370,12 @@ stamps = lambda: {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
 before = stamps()
 train.train_and_evaluate(config, fsdp)
 out = {"devices": jax.device_count(), "rerun_wrote": before != stamps()}
+# The replicated run cut back to its step-4 checkpoint, resumed with split parameters.
+resumed = os.path.join(work, "resumed")
+shutil.copytree(os.path.join(work, "four"), resumed)
+shutil.rmtree(os.path.join(resumed, "base", "checkpoints", "8"))
+os.remove(os.path.join(resumed, "base", "final_metrics.json"))
+out["resumed"] = train.train_and_evaluate(config, resumed)["base"]
 # Verified against the split run's digest; a host copy, since each step donates its state.
 params = inputs.to_host(train.load_checkpoints(config, fsdp)["base"])
 model, mesh, run = inputs.create_model(config), inputs.create_mesh(), train.runs(config)[0]
@@ -394,9 +401,9 @@ def test_data_parallel_and_split_parameters_match_single_device(tmp_path):
   """Four CPU devices, batch split four ways: the same losses as one device (within 1e-5),
   with the parameters and optimiser state replicated or split over the devices
   (``train.param_sharding="fsdp"``). Split, each device holds at most 0.3x of them (0.25x
-  and the replicated scalars); a rerun writes nothing; the checkpoint loads replicated and
-  verified, its content hash being that of the whole arrays; a step's state hashes as its
-  host copy does."""
+  and the replicated scalars); a rerun writes nothing; a replicated run resumes split from
+  its middle checkpoint to the same end; the checkpoint loads replicated and verified, its
+  content hash being that of the whole arrays; a step's state hashes as its host copy does."""
   config = _base_only(quickstart.get_config("runlocal"))
   config.train.log_every = 1
   single = train.train_and_evaluate(config, str(tmp_path / "one"))
@@ -415,6 +422,9 @@ def test_data_parallel_and_split_parameters_match_single_device(tmp_path):
     np.testing.assert_allclose(losses[d], losses["one"], rtol=1e-5, err_msg=d)
     final = json.load(open(tmp_path / d / "base" / "final_metrics.json"))
     assert final["loss"] == pytest.approx(single["base"]["loss"], rel=1e-5), d
+  four = json.load(open(tmp_path / "four" / "base" / "final_metrics.json"))
+  assert out["resumed"]["steps"] == four["steps"]
+  assert out["resumed"]["loss"] == pytest.approx(four["loss"], rel=1e-5)
   replicated, split = out["replicated"], out["fsdp"]
   assert split["loss"] == pytest.approx(replicated["loss"], rel=1e-5)
   for part in ("params", "opt_state"):
