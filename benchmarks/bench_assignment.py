@@ -48,7 +48,8 @@ def costs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
               np.float32)}
 
 
-def _timed(fn) -> tuple[object, float]:
+def timed(fn) -> tuple[object, float]:
+  """(fn(), its seconds), the result waited for."""
   start = time.perf_counter()
   out = jax.block_until_ready(fn())
   return out, time.perf_counter() - start
@@ -61,8 +62,8 @@ def compare(n: int, kind: str, cost: np.ndarray, repeats: int) -> None:
   jax.block_until_ready(solve(device_cost))  # compiled before timing
   ours, theirs, ratios = [], [], []
   for _ in range(repeats):
-    (_, cols), t_scipy = _timed(lambda: scipy.optimize.linear_sum_assignment(cost))
-    solution, t_ours = _timed(lambda: solve(device_cost))
+    (_, cols), t_scipy = timed(lambda: scipy.optimize.linear_sum_assignment(cost))
+    solution, t_ours = timed(lambda: solve(device_cost))
     theirs.append(t_scipy)
     ours.append(t_ours)
     ratios.append(t_ours / t_scipy)

@@ -58,12 +58,13 @@ def keep_freed_memory() -> bool:
 
 
 class MatmulRate:
-  """fp32 FLOP/s of a jitted [M, M] x [M, M] matmul, measured over a time window."""
+  """FLOP/s of a jitted [M, M] x [M, M] matmul in ``dtype`` (fp32 by default), measured over
+  a time window."""
 
-  def __init__(self, size: int):
+  def __init__(self, size: int, dtype=jnp.float32):
     self.size = size
-    self.a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    self.b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
+    self.a = jax.random.normal(jax.random.key(0), (size, size), dtype)
+    self.b = jax.random.normal(jax.random.key(1), (size, size), dtype)
     self.matmul = jax.jit(jnp.matmul)
     self.matmul(self.a, self.b).block_until_ready()
 

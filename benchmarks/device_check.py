@@ -69,23 +69,10 @@ def datasheet_peak(kind: str) -> float | None:
   return None
 
 
-def _timed(fn) -> tuple[object, float]:
-  start = time.perf_counter()
-  out = jax.block_until_ready(fn())
-  return out, time.perf_counter() - start
-
-
 def matmul_rate(size: int, seconds: float = 2.0) -> dict:
-  """Stage 1: the measured bfloat16 matmul FLOP/s."""
-  a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
-  b = jax.random.normal(jax.random.key(1), (size, size), jnp.bfloat16)
-  matmul = jax.jit(jnp.matmul)
-  matmul(a, b).block_until_ready()
-  count, start = 0, time.perf_counter()
-  while count == 0 or time.perf_counter() - start < seconds:
-    matmul(a, b).block_until_ready()
-    count += 1
-  return {"size": size, "flops_per_s": count * 2 * size ** 3 / (time.perf_counter() - start)}
+  """Stage 1: the measured bfloat16 matmul FLOP/s (``bench_train_step.MatmulRate``)."""
+  rate = bench_train_step.MatmulRate(size, jnp.bfloat16).measure(seconds)
+  return {"size": size, "flops_per_s": rate}
 
 
 def train_step(args) -> dict:
@@ -149,13 +136,13 @@ def assignment(args) -> dict:
   out = {"n": args.lap_size}
   for kind, cost in bench_assignment.costs(args.lap_size).items():
     device_cost = jnp.asarray(cost)
-    _, first = _timed(lambda: solve(device_cost))  # compiles
-    solution, seconds = _timed(lambda: solve(device_cost))
+    _, first = bench_assignment.timed(lambda: solve(device_cost))  # compiles
+    solution, seconds = bench_assignment.timed(lambda: solve(device_cost))
     out[kind] = {"seconds": seconds, "first_call_s": first, "gap": float(solution.gap),
                  "repaired_rows": int(solution.repaired)}
     if kind == "random" and args.scipy:
       import scipy.optimize  # pylint: disable=g-import-not-at-top
-      (_, cols), out[kind]["scipy_seconds"] = _timed(
+      (_, cols), out[kind]["scipy_seconds"] = bench_assignment.timed(
           lambda: scipy.optimize.linear_sum_assignment(cost))
       exact, rows = cost.astype(np.float64), np.arange(args.lap_size)
       optimum = exact[rows, cols].sum()
