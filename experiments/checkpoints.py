@@ -231,9 +231,8 @@ def check_architecture(run_dir: str, expected: dict[str, Any]) -> None:
     return
 
 
-def abstract_like(tree: Any, sharding: jax.sharding.Sharding | Callable[[tuple], Any]) -> Any:
-  """``jax.ShapeDtypeStruct`` of every leaf of ``tree``, placed with ``sharding``: one for
-  every leaf, or a function of a leaf's shape that gives its own (``inputs.placement``)."""
-  place = sharding if callable(sharding) else lambda shape: sharding
+def abstract_like(tree: Any, place: Callable[[tuple[int, ...]], jax.sharding.Sharding]) -> Any:
+  """``jax.ShapeDtypeStruct`` of every leaf of ``tree``, placed with ``place(its shape)``
+  (``inputs.placement``)."""
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place(tuple(x.shape))), tree)

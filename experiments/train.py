@@ -834,7 +834,7 @@ def load_checkpoints(config: ml_collections.ConfigDict, workdir: str, *,
   model = inputs.create_model(config)
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   arch = checkpoints.architecture(model.config.family, shapes)
-  abstract = checkpoints.abstract_like(shapes, inputs.replicated(inputs.create_mesh()))
+  abstract = checkpoints.abstract_like(shapes, inputs.placement(inputs.create_mesh()))
   out, base_digest = {}, None
   for run in runs(config):
     directory = run_dir(workdir, run)
