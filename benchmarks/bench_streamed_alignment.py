@@ -8,8 +8,8 @@ dim 128, vocabulary 32000, ``--layers`` layers; norm gains one) and B = g . A (h
 within kv groups, FFN units permuted) with the test helpers of
 ``tests/test_streamed_alignment.py``, then runs ``attn-symmetry align A B --out DIR --method
 METHOD`` in a child and prints its wall time, its stages' times (from its report) and its peak
-RSS (``os.wait4``) against both checkpoints' size. The helpers hold one checkpoint in memory
-while writing it (0.5 + 0.44 x layers GB); the alignment holds one layer of each at a time.
+RSS (``os.wait4``) against both checkpoints' size. The helpers write (and plant) tensor by
+tensor; the alignment holds one layer of each at a time.
 ``--memory-budget`` (default 6 GB) is passed on: below the four float32 models that the
 function check holds (7 GB at one layer), so that every depth streams end to end.
 """
@@ -41,9 +41,8 @@ def main() -> None:
   work = args.workdir or tempfile.mkdtemp(prefix="bench_streamed_")
   a, b, out = (os.path.join(work, x) for x in ("a", "b", "out"))
   start = time.perf_counter()
-  tensors = helpers.write_mistral(a, args.layers, seed=0)
-  helpers.plant(a, b, tensors, seed=1)
-  del tensors
+  helpers.write_mistral(a, args.layers, seed=0)
+  helpers.plant(a, b, seed=1)
   size = sum(os.path.getsize(os.path.join(x, "model.safetensors")) for x in (a, b))
   print(f"wrote the pair ({args.layers} layers, {size / GIB:.2f} GiB) in "
         f"{time.perf_counter() - start:.0f} s", flush=True)
