@@ -26,7 +26,10 @@ from safetensors.numpy import save_file
 
 import attn_symmetry
 from attn_symmetry import align
+from attn_symmetry import group_action
 from attn_symmetry import matching
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.align import _check, _clock, _in_memory, _outputs, _records
 from attn_symmetry.models import convert
 
 transformers = pytest.importorskip("transformers")
@@ -417,31 +420,31 @@ def test_stages_run_alone_and_release_b(tmp_path):
   b = _plant("gpt2", a, str(tmp_path / "b"), seed=4)
   text = tmp_path / "text.txt"
   text.write_text("\n".join(" ".join(WORDS[i:i + 9]) for i in range(len(WORDS) - 9)))
-  options = align._Options(method="full", scope="full", merge=None, dtype="keep",
+  options = _records.Options(method="full", scope="full", merge=None, dtype="keep",
                            function_tolerance=None, out=None, overwrite=False, eval_text=str(text), eval_images=None, num_lambdas=3,
                            batch_size=2, seq_len=8, eval_batches=2, matching=EXACT)
-  inputs = align._check(a, b, options)
+  inputs = _check.check(a, b, options)
   assert inputs.model.config.family == "gpt2" and inputs.scope == [""]
   assert len(inputs.batches) == 2 and inputs.batches[0]["inputs"].shape == (2, 8)
-  clock = align._Clock()
+  clock = _clock.Clock()
 
-  loaded = align._load(inputs)
+  loaded = _in_memory.load(inputs)
   with clock.stage("align") as stage:
-    aligned = align._align(inputs, options, loaded, stage)
+    aligned = _in_memory.align(inputs, options, loaded, stage)
   assert loaded.a is not None and loaded.b is not None  # kept for the "before" path
   assert aligned.distance["after"]["relative"] <= TOL < aligned.distance["before"]["relative"]
-  curves = align._evaluate(inputs, options, aligned, loaded)
+  curves = _outputs.evaluate(inputs, options, aligned, loaded)
   assert loaded.a is None and loaded.b is None
   assert curves["after"]["barrier"]["loss"] <= 1e-4
 
   plain = dataclasses.replace(inputs, batches=None)
-  loaded = align._load(plain)
+  loaded = _in_memory.load(plain)
   params_b = loaded.b
   with clock.stage("align") as stage:
-    again = align._align(plain, dataclasses.replace(options, eval_text=None), loaded, stage)
+    again = _in_memory.align(plain, dataclasses.replace(options, eval_text=None), loaded, stage)
   assert loaded.a is None and loaded.b is None and params_b == {}  # consumed group by group
-  for path, leaf in align.spec_lib.flatten(again.params).items():
-    np.testing.assert_array_equal(leaf, align.spec_lib.flatten(aligned.params)[path])
+  for path, leaf in spec_lib.flatten(again.params).items():
+    np.testing.assert_array_equal(leaf, spec_lib.flatten(aligned.params)[path])
   assert set(clock.seconds) == {"align", "align_model", "function_check"}
 
 
@@ -475,7 +478,7 @@ def test_bfloat16_stays_bfloat16(tmp_path):
     assert function[name]["tolerance"] == pytest.approx(2 ** -3.5)
     assert 1e-5 < function[name]["relative"] < 0.02  # bfloat16 rounding, measured
   written, _, _ = _read_folder(out / "aligned_b")  # what was checked is what was written
-  assert {leaf.dtype for leaf in align.spec_lib.flatten(result.params).values()} == {np.dtype(np.float32)}
+  assert {leaf.dtype for leaf in spec_lib.flatten(result.params).values()} == {np.dtype(np.float32)}
   np.testing.assert_array_equal(np.asarray(written["lm_head.weight"], np.float32),
                                 np.asarray(result.params["head"]["kernel"]).T)
   wide = tmp_path / "float32"
@@ -601,16 +604,16 @@ def test_a_broken_alignment_is_refused_before_anything_is_written(tmp_path, caps
   is made. With a tolerance above it, the same difference is what report.json records."""
   a = _save_model("gpt2", str(tmp_path / "a"))
   b = _plant("gpt2", a, str(tmp_path / "b"), seed=5)
-  apply_model = align.group_action.apply_model
+  apply_model = group_action.apply_model
   broken_leaf = "layers_1/attention/out/kernel"
 
   def broken(spec, params, element, **options):
-    out = align.spec_lib.flatten(apply_model(spec, params, element, **options))
+    out = spec_lib.flatten(apply_model(spec, params, element, **options))
     if broken_leaf in out:  # the streamed alignment applies g a few leaves at a time
       out[broken_leaf] = out[broken_leaf] * 1.5
-    return align.spec_lib.unflatten(out)
+    return spec_lib.unflatten(out)
 
-  monkeypatch.setattr(align.group_action, "apply_model", broken)
+  monkeypatch.setattr(group_action, "apply_model", broken)
   out = tmp_path / "out"
   args = [a, b, "--out", str(out), "--method", "naive"]
   line = _refusal(capsys, *args)
@@ -761,7 +764,7 @@ def test_the_curve_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path):
   try:
     side = {"loss": [1.0, 1.5, 1.0], "accuracy": [1.0, 0.8, 1.0],
             "barrier": {"loss": 0.5, "accuracy": 0.2}}
-    align._plot({"lambdas": [0.0, 0.5, 1.0], "before": side, "after": side},
+    _outputs.plot({"lambdas": [0.0, 0.5, 1.0], "before": side, "after": side},
                 str(tmp_path / "c.png"))
     assert matplotlib.get_backend() == "pdf" and (tmp_path / "c.png").stat().st_size > 0
   finally:

@@ -2,7 +2,7 @@
 evaluation batches for method "learned", the stages' clock, the compilation cache default and
 the function check on a tiny zoo model.
 
-The option checks (``align._check_options``) look at the options alone: they are run here with
+The option checks (``_check.check_options``) look at the options alone: they are run here with
 paths that do not exist and with every way of reading a file made to fail.
 """
 
@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 
 from attn_symmetry import align
+from attn_symmetry.align import _check, _cli, _clock, _function_check, _outputs, _records
 from attn_symmetry import models
 from attn_symmetry import runtime
 from attn_symmetry import spec as spec_lib
 
 NOWHERE = os.path.join(os.sep, "no", "such", "folder")
 # align_checkpoints' defaults, with an output folder and an evaluation file that do not exist.
-VALID = align._Options(
+VALID = _records.Options(
     method="full", scope="full", merge=None, dtype="keep", function_tolerance=None,
     out=os.path.join(NOWHERE, "out"),
     overwrite=False, eval_text=os.path.join(NOWHERE, "valid.txt"), eval_images=None,
@@ -66,7 +67,7 @@ def no_file_access(monkeypatch):
     dict(method="learned", matching=dict(factors=["attention", "heads", "ffn", "residual"])),
 ], ids=repr)
 def test_good_options_pass_without_reading_a_file(changes, no_file_access):
-  align._check_options(_options(**changes))
+  _check.check_options(_options(**changes))
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -109,7 +110,7 @@ def test_good_options_pass_without_reading_a_file(changes, no_file_access):
 ], ids=repr)
 def test_bad_options_are_refused_without_reading_a_file(changes, message, no_file_access):
   with pytest.raises(align.InputError) as refusal:
-    align._check_options(_options(**changes))
+    _check.check_options(_options(**changes))
   assert re.fullmatch(message + ".*", str(refusal.value)), str(refusal.value)
   assert "\n" not in str(refusal.value)
 
@@ -122,7 +123,7 @@ def test_the_first_bad_option_is_named():
   named = []
   while bad:
     with pytest.raises(align.InputError) as refusal:
-      align._check_options(_options(**bad))
+      _check.check_options(_options(**bad))
     named.append(re.match(r"(--[\w-]+|unknown matching options|give)", str(refusal.value))[0])
     bad.pop(next(iter(bad)))
   assert named == ["--method", "unknown matching options", "--scope", "--merge", "--dtype",
@@ -139,21 +140,21 @@ def test_missing_evaluation_packages_are_named(monkeypatch):
     return None if name in ("PIL", "matplotlib") else real_find_spec(name, *args)
 
   monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-  align._check_extras(_options(eval_text=None))
+  _check.check_extras(_options(eval_text=None))
   assert looked_for == []
-  align._check_extras(_options(out=None))  # text without an output folder: no plot
+  _check.check_extras(_options(out=None))  # text without an output folder: no plot
   with pytest.raises(align.InputError, match=r"^the evaluation needs matplotlib, which is not "
                                              r"installed: pip install 'attn_symmetry\[align\]'$"):
-    align._check_extras(VALID)
+    _check.check_extras(VALID)
   with pytest.raises(align.InputError, match=r"^the evaluation needs PIL, matplotlib, which"):
-    align._check_extras(_options(eval_text=None, eval_images=NOWHERE))
+    _check.check_extras(_options(eval_text=None, eval_images=NOWHERE))
 
 
 @pytest.mark.parametrize("count", range(3, 21))
 def test_learned_method_splits_the_batches_in_order(count):
   """Training on the first half, held out on the next quarter, the curve on the rest: each part
   non-empty, together every batch once, in order."""
-  curve, train, holdout = align._split_for_learning(list(range(count)))
+  curve, train, holdout = _check.split_for_learning(list(range(count)))
   assert train + holdout + curve == list(range(count))
   assert len(train) == count // 2 and len(holdout) == (count - count // 2) // 2
   assert min(len(curve), len(train), len(holdout)) >= 1
@@ -163,7 +164,7 @@ def test_learned_method_needs_three_batches():
   with pytest.raises(align.InputError, match=r"^--method learned needs at least 3 evaluation "
                                              r"batches \(training, held out, curve\); the data "
                                              r"gives 2$"):
-    align._split_for_learning([0, 1])
+    _check.split_for_learning([0, 1])
 
 
 def test_clock_says_and_times_each_stage(monkeypatch):
@@ -171,11 +172,11 @@ def test_clock_says_and_times_each_stage(monkeypatch):
   blocks named once, with their sum), the heap released after every stage and part; a stage
   that raises says and records nothing."""
   now = iter(range(0, 100, 2))
-  monkeypatch.setattr(align.time, "perf_counter", lambda: float(next(now)))
+  monkeypatch.setattr(_clock.time, "perf_counter", lambda: float(next(now)))
   releases = []
   monkeypatch.setattr(runtime, "release_free_memory", lambda: releases.append(1) or True)
   lines = []
-  clock = align._Clock(lines.append)
+  clock = _clock.Clock(lines.append)
   with clock.stage("load") as stage:            # starts at 0
     stage.summary = "both models"
   with clock.stage("align") as stage:           # 4 ... 18
@@ -207,7 +208,7 @@ def test_one_compilation_cache_default():
   from experiments import main  # pylint: disable=g-import-not-at-top
 
   parser = argparse.ArgumentParser()
-  align._add_arguments(parser)
+  _cli.add_arguments(parser)
   assert parser.get_default("compilation_cache") == runtime.COMPILATION_CACHE
   assert main.FLAGS["compilation_cache"].default == runtime.COMPILATION_CACHE
   assert runtime.COMPILATION_CACHE.endswith(os.path.join("attn_symmetry", "jax_cache"))
@@ -219,21 +220,21 @@ def test_one_compilation_cache_default():
 def test_default_tolerance_is_the_square_root_of_the_least_precise_epsilon():
   """float32 (and float64, computed in float32) 2^-11.5; float16 2^-5; bfloat16 2^-3.5."""
   f32, f16, bf16 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
-  assert align._default_tolerance([f32]) == pytest.approx(2 ** -11.5)
-  assert align._default_tolerance([np.dtype(np.float64)]) == pytest.approx(2 ** -11.5)
-  assert align._default_tolerance([f32, f16]) == pytest.approx(2 ** -5)
-  assert align._default_tolerance([f16, bf16, f32]) == pytest.approx(2 ** -3.5)
+  assert _function_check.default_tolerance([f32]) == pytest.approx(2 ** -11.5)
+  assert _function_check.default_tolerance([np.dtype(np.float64)]) == pytest.approx(2 ** -11.5)
+  assert _function_check.default_tolerance([f32, f16]) == pytest.approx(2 ** -5)
+  assert _function_check.default_tolerance([f16, bf16, f32]) == pytest.approx(2 ** -3.5)
 
 
 def test_check_inputs_follow_the_model_and_the_key():
   """Token ids in the vocabulary, at most max_len of them; images of the model's size; the same
   draw every time."""
   text = models.build("gpt2", "tiny", vocab_size=50, max_len=8)
-  tokens = align._check_inputs(text)
+  tokens = _function_check.check_inputs(text)
   assert tokens.shape == (align.CHECK_BATCH, 8) and tokens.dtype == jnp.int32
   assert 0 <= int(tokens.min()) and int(tokens.max()) < 50
-  np.testing.assert_array_equal(tokens, align._check_inputs(text))
-  images = align._check_inputs(models.build("vit", "tiny"))
+  np.testing.assert_array_equal(tokens, _function_check.check_inputs(text))
+  images = _function_check.check_inputs(models.build("vit", "tiny"))
   assert images.shape == (align.CHECK_BATCH, 8, 8, 3) and images.dtype == jnp.float32
 
 
@@ -244,7 +245,7 @@ def test_round_to_rounds_narrow_leaves_in_place():
   params = {"a": {"w": x, "b": x}, "c": x}
   dtypes = {"a/w": np.dtype(ml_dtypes.bfloat16), "a/b": np.dtype(np.float16),
             "c": np.dtype(np.float32)}
-  align._round_to(params, dtypes)
+  _function_check.round_to(params, dtypes)
   assert params["c"] is x and all(v.dtype == jnp.float32 for v in params["a"].values())
   np.testing.assert_array_equal(params["a"]["w"], np.asarray(x).astype(ml_dtypes.bfloat16)
                                 .astype(np.float32))
@@ -256,10 +257,10 @@ def test_round_to_rounds_narrow_leaves_in_place():
 def _tiny_check(model, params, broken, **changes):
   """``_function_check`` of ``broken`` (as aligned_a and aligned_b) against ``params``'s logits,
   written in float32 (no checkpoint is read)."""
-  inputs = align._check_inputs(model)
-  reference = align._logits(model, params, inputs)
+  inputs = _function_check.check_inputs(model)
+  reference = _function_check.logits(model, params, inputs)
   written = {"aligned_b": (None, params), "aligned_a": (None, broken)}
-  return align._function_check(model, _options(dtype="float32", **changes), inputs,
+  return _function_check.function_check(model, _options(dtype="float32", **changes), inputs,
                                {"aligned_b": reference, "aligned_a": reference}, written)
 
 
@@ -303,7 +304,7 @@ def test_function_check_measures_and_refuses():
     ("gpt2", ["layers_0"], ("heads", "ffn")),
 ])
 def test_factors_the_scope_has_pass(family, prefixes, factors):
-  align._factors_in_scope(models.build(family, "tiny"), prefixes, factors)
+  _check.factors_in_scope(models.build(family, "tiny"), prefixes, factors)
 
 
 @pytest.mark.parametrize("family, prefixes, factors, missing", [
@@ -314,7 +315,7 @@ def test_factors_the_scope_has_pass(family, prefixes, factors):
 def test_a_factor_without_a_symmetry_is_refused_naming_it_and_the_model(family, prefixes, factors,
                                                                         missing):
   with pytest.raises(align.InputError) as refusal:
-    align._factors_in_scope(models.build(family, "tiny"), prefixes, factors)
+    _check.factors_in_scope(models.build(family, "tiny"), prefixes, factors)
   message = str(refusal.value)
   assert message.startswith(f"--factors: the model has no {missing!r} symmetry in this scope")
   assert message.endswith(f"({family} model, scope {','.join(prefixes)})"), message
@@ -347,7 +348,7 @@ def test_staging_error_keeps_what_the_user_had(tmp_path, overwrite):
   before = {"notes.txt": "mine", "aligned_b/model.safetensors": "old", "report.json": "{}"}
   _fill(out, before)
   with pytest.raises(RuntimeError, match="while writing"):
-    with align._staging(out, overwrite) as tmp:
+    with _outputs.staging(out, overwrite) as tmp:
       _fill(tmp, {"aligned_b/model.safetensors": "new"})
       raise RuntimeError("while writing")
   assert _tree(out) == before
@@ -358,7 +359,7 @@ def test_staging_error_keeps_what_the_user_had(tmp_path, overwrite):
   before = _tree(out)
   if not overwrite:
     with pytest.raises(OSError):
-      with align._staging(out, overwrite) as tmp:
+      with _outputs.staging(out, overwrite) as tmp:
         _fill(tmp, {"aligned_a/x": "new", "report.json": "new"})
     assert _tree(out) == before
 
@@ -366,12 +367,12 @@ def test_staging_error_keeps_what_the_user_had(tmp_path, overwrite):
 def test_staging_removes_only_a_folder_it_made(tmp_path):
   out = str(tmp_path / "new" / "out")
   with pytest.raises(RuntimeError):
-    with align._staging(out, False):
+    with _outputs.staging(out, False):
       raise RuntimeError("stop")
   assert not os.path.exists(out)
-  with align._staging(out, False) as tmp:
+  with _outputs.staging(out, False) as tmp:
     _fill(tmp, {"report.json": "{}"})
   assert _tree(out) == {"report.json": "{}"}
-  with align._staging(out, True) as tmp:
+  with _outputs.staging(out, True) as tmp:
     _fill(tmp, {"report.json": "{\"new\": 1}"})
   assert _tree(out) == {"report.json": "{\"new\": 1}"}

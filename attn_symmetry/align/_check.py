@@ -1,0 +1,321 @@
+"""The check stage (``check``): every problem with the options, the folders, the memory budget or
+the evaluation file is refused with a one-line ``InputError`` before anything is written; the
+options first, from the options alone (``check_options``), then the files (``_inspect``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from attn_symmetry import _eval_files
+from attn_symmetry import matching
+from attn_symmetry.align._records import (DTYPES, MATCHING_OPTIONS, InputError, Inputs, Options,
+                                          natural_order)
+from attn_symmetry.models import SCOPES, Model
+from attn_symmetry.models import convert
+from attn_symmetry.models import safetensors_io
+
+
+def check_options(options: Options) -> None:
+  """Refuses bad options from the options alone: no file is read and nothing is imported (the
+  methods are those ``matching.METHODS`` holds now).
+
+  Raises:
+    InputError: the first bad option, naming its command-line flag.
+  """
+  if options.method not in matching.METHODS:
+    raise InputError(f"--method must be one of {', '.join(matching.METHODS)}, got "
+                     f"{options.method!r}")
+  if options.method == "learned" and not options.evaluated:
+    raise InputError("--method learned trains on the task loss: give --eval-text or --eval-images")
+  unknown = sorted(set(options.matching) - set(MATCHING_OPTIONS))
+  if unknown:
+    raise InputError(f"unknown matching options {unknown}; known: {', '.join(MATCHING_OPTIONS)}")
+  if options.matching.get("distance", "frobenius") not in matching.DISTANCES:
+    raise InputError(f"--distance must be one of {', '.join(matching.DISTANCES)}")
+  _check_factors(options)
+  _check_scope(options.scope)
+  if options.merge is not None and not 0.0 <= options.merge <= 1.0:
+    raise InputError(f"--merge must lie in [0, 1], got {options.merge}")
+  if options.dtype not in DTYPES:
+    raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+  tolerance = options.function_tolerance
+  if tolerance is not None and (isinstance(tolerance, bool) or
+                                not isinstance(tolerance, (int, float)) or not tolerance > 0):
+    raise InputError(f"--function-tolerance must be a positive number, got {tolerance!r}")
+  budget = options.memory_budget
+  if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                             or not budget > 0):
+    raise InputError(f"--memory-budget must be a positive number of GB, got {budget!r}")
+  if options.eval_text is not None and options.eval_images is not None:
+    raise InputError("give --eval-text or --eval-images, not both")
+  for name, value, least in (("--lambdas", options.num_lambdas, 3),
+                             ("--batch-size", options.batch_size, 1),
+                             ("--seq-len", options.seq_len, 1),
+                             ("--eval-batches", options.eval_batches, 1)):
+    if int(value) != value or value < least:
+      raise InputError(f"{name} must be an integer >= {least}, got {value}")
+
+
+def _check_factors(options: Options) -> None:
+  """``--factors``: names of ``matching.LEARNED_FACTORS``, for ``--method learned`` only (which
+  of them the model has in the scope is ``_inspect``'s check)."""
+  if "factors" not in options.matching:
+    return
+  factors = options.matching["factors"]
+  if options.method != "learned":
+    raise InputError(f"--factors chooses what --method learned trains; --method is "
+                     f"{options.method!r}")
+  if (not isinstance(factors, (list, tuple)) or not factors
+      or any(f not in matching.LEARNED_FACTORS for f in factors)):
+    raise InputError(f"--factors must list some of {', '.join(matching.LEARNED_FACTORS)}, "
+                     f"got {factors!r}")
+
+
+def _scope_prefixes(scope: str | Sequence[str]) -> list[str] | None:
+  """The parameter path prefixes that ``scope`` lists, or None for a name of ``models.SCOPES``
+  (whose prefixes depend on the model: ``Model.scope_paths``)."""
+  if isinstance(scope, str):
+    return None if scope in SCOPES else [s for s in scope.split(",") if s]
+  return list(scope)
+
+
+def _check_scope(scope: str | Sequence[str]) -> None:
+  """Refuses a scope that lists no prefix, or one that is not a string (whether each prefix
+  names parameters of the model is ``_scope``'s check)."""
+  prefixes = _scope_prefixes(scope)
+  if prefixes is None:
+    return
+  for p in prefixes:
+    if not isinstance(p, str):
+      raise InputError(f"--scope: scope entries must be path prefixes (str), got {p!r} "
+                       f"(scopes: {', '.join(SCOPES)}, or path prefixes)")
+  if not prefixes:
+    raise InputError(f"--scope {','.join(prefixes)} holds no whole attention site or factor to "
+                     "align")
+
+
+def check_extras(options: Options) -> None:
+  """Refuses an evaluation whose packages (the ``align`` extra) are not installed: the
+  tokenizer for text, PIL for images, matplotlib for the plot of the curves."""
+  needed = {"tokenizers": options.eval_text is not None, "PIL": options.eval_images is not None,
+            "matplotlib": options.evaluated and options.out is not None}
+  missing = [m for m, need in needed.items() if need and importlib.util.find_spec(m) is None]
+  if missing:
+    raise InputError(f"the evaluation needs {', '.join(missing)}, which is not installed: "
+                     f"pip install 'attn_symmetry[align]'")
+
+
+def _architecture_difference(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint
+                             ) -> str | None:
+  """None if A and B have one architecture, else what differs first: a config.json key whose
+  value in B changes A's architecture (``model_type`` before the others, so that two families
+  are named as such), or else the field of the derived config."""
+  if a.config == b.config:
+    return None
+  head = a.config.head
+  for key in sorted(set(a.hf_config) | set(b.hf_config), key=lambda k: (k != "model_type", k)):
+    va, vb = a.hf_config.get(key), b.hf_config.get(key)
+    if va == vb:
+      continue
+    swapped = {k: v for k, v in a.hf_config.items() if k != key}
+    if key in b.hf_config:
+      swapped[key] = vb
+    try:
+      changes = convert.config_from_hf(swapped, head) != a.config
+    except ValueError:
+      changes = True
+    if changes:
+      return f"config.json's {key} is {va!r} in {a.name} but {vb!r} in {b.name}"
+  field = next(f.name for f in dataclasses.fields(a.config)
+               if getattr(a.config, f.name) != getattr(b.config, f.name))
+  return (f"{field} is {getattr(a.config, field)!r} in {a.name} but {getattr(b.config, field)!r} "
+          f"in {b.name}")
+
+
+def _check_out(out: str, overwrite: bool, inputs: Sequence[safetensors_io.Checkpoint]) -> None:
+  real = os.path.realpath(out)
+  for ckpt in inputs:
+    model = os.path.realpath(ckpt.path)
+    if real == model or real.startswith(model + os.sep) or model.startswith(real + os.sep):
+      raise InputError(f"--out {out} overlaps {ckpt.name}: nothing is written in or around an "
+                       "input folder")
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise InputError(f"--out {out} is a file")
+  if os.path.isdir(out) and os.listdir(out) and not overwrite:
+    raise InputError(f"--out {out} already holds {len(os.listdir(out))} entries; pass --overwrite "
+                     "to replace this tool's outputs there")
+  parent = real
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise InputError(f"--out {out}: {parent} is not writable")
+
+
+def gb(nbytes: float) -> str:
+  """``nbytes`` in decimal gigabytes, as the messages and ``--memory-budget`` count them."""
+  return f"{nbytes / 1e9:.2f} GB"
+
+
+def whole_bytes(model: Model) -> int:
+  """Bytes of one whole model in float32."""
+  return 4 * sum(math.prod(s) for s in model.param_shapes.values())
+
+
+def _group_bytes(model: Model) -> tuple[int, tuple[str, ...]]:
+  """(bytes in float32, paths) of the largest group that the streamed alignment reads at a
+  time (``matching.stream_groups``), of one model."""
+  size = lambda paths: 4 * sum(math.prod(model.param_shapes[p]) for p in paths)
+  paths = max(matching.stream_groups(model.spec), key=size)
+  return size(paths), paths
+
+
+def keeps_models(model: Model, options: Options) -> bool:
+  """Whether A, B and their aligned copies are held whole in float32, four models: always
+  with an evaluation or "learned"; when streamed, only where they fit ``options.budget``,
+  for the function check and ``Alignment.params``."""
+  return not options.streamed or 4 * whole_bytes(model) <= options.budget
+
+
+def check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, model: Model,
+                 options: Options) -> None:
+  """Refuses, before any work, an alignment that needs more than ``options.budget``: the
+  streamed one holds two groups of leaves of each model in float32 (as read and aligned:
+  ``_group_bytes``); "learned" and an evaluation hold both whole models twice in float32.
+
+  Raises:
+    InputError: naming the checkpoints' size, what the alignment needs, and the budget.
+  """
+  sizes = f"MODEL_A {gb(a.nbytes)}, MODEL_B {gb(b.nbytes)} as stored"
+  budget = f"the memory budget {gb(options.budget)} (--memory-budget)"
+  if options.streamed:
+    group, paths = _group_bytes(model)
+    if 4 * group > options.budget:
+      top = sorted({p.split("/")[0] for p in paths}, key=natural_order)
+      raise InputError(f"the checkpoints ({sizes}) are read a group of tensors at a time, and "
+                       f"the largest ({', '.join(top)}: {gb(group)} per model in float32) "
+                       f"needs {gb(4 * group)} as read and aligned, above {budget}")
+  elif 4 * whole_bytes(model) > options.budget:
+    why = "--method learned" if options.method == "learned" else "the evaluation"
+    raise InputError(f"{why} holds both whole models in float32, read and aligned: "
+                     f"{gb(4 * whole_bytes(model))} for the checkpoints ({sizes}), above "
+                     f"{budget}; without an evaluation, methods "
+                     f"{', '.join(matching.STREAMED_METHODS)} read one layer at a time")
+
+
+def _scope(model: Model, scope: str | Sequence[str]) -> list[str]:
+  """Parameter path prefixes of a scope name (``models.SCOPES``) or of prefixes."""
+  prefixes = _scope_prefixes(scope)
+  if prefixes is None:
+    prefixes = model.scope_paths(scope)
+  try:
+    names = matching.active_names(model.spec, prefixes)
+  except ValueError as e:
+    raise InputError(f"--scope: {e} (scopes: {', '.join(SCOPES)}, or path prefixes)") from None
+  if not names:
+    raise InputError(f"--scope {','.join(prefixes)} holds no whole attention site or factor to "
+                     "align")
+  return prefixes
+
+
+def factors_in_scope(model: Model, prefixes: list[str], factors: Sequence[str]) -> None:
+  """Refuses a factor of ``--factors`` that ``model`` has no symmetry for in the scope."""
+  try:
+    matching.learned_factors(model.spec, matching.active_names(model.spec, prefixes), factors)
+  except ValueError as e:
+    message = str(e).removeprefix("factors: ")
+    raise InputError(f"--factors: {message} ({model.config.family} model, scope "
+                     f"{','.join(prefixes) or 'full'})") from None
+
+
+def _same_tokenizer(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint) -> None:
+  files = [os.path.join(c.path, "tokenizer.json") for c in (a, b)]
+  if all(os.path.isfile(f) for f in files):
+    with open(files[0], "rb") as fa, open(files[1], "rb") as fb:
+      if fa.read() != fb.read():
+        raise InputError(f"{a.name} and {b.name} have different tokenizer.json files")
+
+
+def _read_pair(path_a: str | os.PathLike, path_b: str | os.PathLike
+               ) -> tuple[safetensors_io.Checkpoint, safetensors_io.Checkpoint, Model]:
+  """Both folders' configs and tensor tables, checked to be of one architecture whose zoo model
+  their tensors fit (ValueError naming the folder otherwise)."""
+  a = safetensors_io.Checkpoint(path_a, "MODEL_A " + os.fspath(path_a))
+  b = safetensors_io.Checkpoint(path_b, "MODEL_B " + os.fspath(path_b))
+  difference = _architecture_difference(a, b)
+  if difference:
+    raise InputError(f"MODEL_A and MODEL_B have different architectures: {difference}")
+  model = Model(a.config)
+  safetensors_io.check_layout(a, model)
+  safetensors_io.check_layout(b, model)
+  return a, b, model
+
+
+def _evaluation_batches(options: Options, a: safetensors_io.Checkpoint,
+                        b: safetensors_io.Checkpoint, model: Model
+                        ) -> list[dict[str, np.ndarray]] | None:
+  """The evaluation file's batches (``_eval_files``, with A's tokenizer or image processor
+  config), or None without one."""
+  if options.eval_text is not None:
+    _same_tokenizer(a, b)
+    return _eval_files.text_batches(options.eval_text, a.path, model, a.hf_config,
+                                    batch_size=options.batch_size, seq_len=options.seq_len,
+                                    max_batches=options.eval_batches)
+  if options.eval_images is not None:
+    return _eval_files.image_batches(options.eval_images, a.path, model, a.hf_config,
+                                     batch_size=options.batch_size,
+                                     max_batches=options.eval_batches)
+  return None
+
+
+def split_for_learning(batches: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+  """Method "learned"'s split of the evaluation batches: (curve, training, held out), the first
+  half for training, the next quarter held out to choose the iterate, the rest for the curve.
+
+  Raises:
+    InputError: fewer than 3 batches.
+  """
+  if len(batches) < 3:
+    raise InputError(f"--method learned needs at least 3 evaluation batches (training, held out, "
+                     f"curve); the data gives {len(batches)}")
+  train, holdout = len(batches) // 2, (len(batches) - len(batches) // 2) // 2
+  return batches[train + holdout:], batches[:train], batches[train:train + holdout]
+
+
+def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Options) -> Inputs:
+  """The checks that read files: both folders (``_read_pair``), the output folder, the scope on
+  the model, the evaluation file and its batches. Nothing is written.
+
+  Raises:
+    InputError: the first problem (every ValueError of the readers becomes one).
+  """
+  try:
+    a, b, model = _read_pair(path_a, path_b)
+    check_memory(a, b, model, options)
+    if options.out is not None:
+      _check_out(options.out, options.overwrite, (a, b))
+    prefixes = _scope(model, options.scope)
+    if "factors" in options.matching:
+      factors_in_scope(model, prefixes, options.matching["factors"])
+    batches = _evaluation_batches(options, a, b, model)
+  except InputError:
+    raise
+  except ValueError as e:
+    raise InputError(str(e)) from None
+  if options.method != "learned":
+    return Inputs(a, b, model, prefixes, batches)
+  return Inputs(a, b, model, prefixes, *split_for_learning(batches))
+
+
+def check(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Options) -> Inputs:
+  """The check stage: the options (``check_options``), the evaluation's packages
+  (``check_extras``), then the files (``_inspect``)."""
+  check_options(options)
+  check_extras(options)
+  return _inspect(path_a, path_b, options)

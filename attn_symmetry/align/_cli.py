@@ -1,0 +1,128 @@
+"""The command line: ``attn-symmetry align`` and ``python -m attn_symmetry.align``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+import jax
+
+from attn_symmetry import matching
+from attn_symmetry import runtime
+from attn_symmetry.align import _pipeline
+from attn_symmetry.align._records import DTYPES, MATCHING_OPTIONS, InputError
+from attn_symmetry.models import SCOPES
+
+DESCRIPTION = "Align and merge two Hugging Face checkpoints"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("model_a", metavar="MODEL_A", help="HF model folder A (the reference)")
+  parser.add_argument("model_b", metavar="MODEL_B", help="HF model folder B (aligned to A)")
+  parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
+  parser.add_argument("--method", default="full",
+                      help="full (default), ortho, perm, naive, or learned (with an evaluation "
+                           "file: trained on its first half, chosen on the next quarter, the curve "
+                           "on the last quarter), or a method that an --import module registers")
+  parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                      help="import MODULE first (repeatable; the current folder is on the path): "
+                           "a module that registers a matching method or a model family")
+  parser.add_argument("--scope", default="full",
+                      help=f"{', '.join(SCOPES)} (default full), or comma-separated parameter "
+                           "path prefixes such as layers_0/attention")
+  parser.add_argument("--merge", type=float, metavar="LAMBDA",
+                      help="also write (1 - LAMBDA) A + LAMBDA aligned B to DIR/merged")
+  data = parser.add_mutually_exclusive_group()
+  data.add_argument("--eval-text", metavar="FILE", help="text to evaluate the paths on")
+  data.add_argument("--eval-images", metavar="DIR", help="DIR/LABEL/*.png images (ViT)")
+  parser.add_argument("--dtype", default="keep", choices=DTYPES,
+                      help="keep each tensor's stored dtype (default) or write float32")
+  parser.add_argument("--function-tolerance", type=float, metavar="TOL",
+                      help="most relative logit difference between B and aligned B (A and "
+                           "aligned A) on a few random inputs before anything is written "
+                           "(default: sqrt of the written dtype's epsilon, 3.5e-4 in float32)")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="replace this tool's earlier outputs in DIR")
+  parser.add_argument("--lambdas", type=int, default=11, help="points on each path (default 11)")
+  parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--seq-len", type=int, default=128, help="tokens per text sequence")
+  parser.add_argument("--eval-batches", type=int, default=8, help="most evaluation batches")
+  parser.add_argument("--steps", type=int, help="Stage 2 Adam steps of the full method")
+  parser.add_argument("--learning-rate", type=float, help="Stage 2 Adam learning rate")
+  parser.add_argument("--max-rounds", type=int, help="most rounds of coordinate descent")
+  parser.add_argument("--init", help="start of the full method's refinement: procrustes, best")
+  parser.add_argument("--refine", help="when full refines: every_round, final")
+  parser.add_argument("--solver", help="the full method's refinement: gauss_newton, adam")
+  parser.add_argument("--distance", help="Stage 1 head distance")
+  parser.add_argument("--factors", type=lambda text: tuple(f for f in text.split(",") if f),
+                      help="what --method learned trains, comma-separated: some of "
+                           f"{','.join(matching.LEARNED_FACTORS)} (default: every one the "
+                           "scope has)")
+  parser.add_argument("--memory-budget", type=float, metavar="GB",
+                      help="most memory the alignment may hold, in GB (default: the machine's); "
+                           "an alignment that needs more is refused before any work")
+  parser.add_argument("--quiet", action="store_true", help="no progress lines")
+  parser.add_argument("--compilation-cache", metavar="DIR", default=runtime.COMPILATION_CACHE,
+                      help="JAX's persistent compilation cache: a later alignment of the same "
+                           "architecture skips compiling (default "
+                           f"{runtime.COMPILATION_CACHE}; '' off)")
+
+
+def _run(args: argparse.Namespace, prog: str) -> int:
+  options = {k: getattr(args, k) for k in MATCHING_OPTIONS if getattr(args, k) is not None}
+  if args.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+  say = None if args.quiet else lambda line: print(f"[align] {line}", file=sys.stderr, flush=True)
+  try:
+    _import_modules(args.imports)
+    budget = None if args.memory_budget is None else args.memory_budget * 1e9
+    _pipeline.align_checkpoints(
+        args.model_a, args.model_b, out=args.out, method=args.method, scope=args.scope,
+        merge=args.merge, eval_text=args.eval_text, eval_images=args.eval_images,
+        dtype=args.dtype, function_tolerance=args.function_tolerance, overwrite=args.overwrite,
+        num_lambdas=args.lambdas, batch_size=args.batch_size, seq_len=args.seq_len,
+        eval_batches=args.eval_batches, progress=say, memory_budget=budget, **options)
+  except InputError as e:
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+def _import_modules(names: Sequence[str]) -> None:
+  """Imports the ``--import`` modules, the current folder first on the path, so that the
+  methods and families they register are known to the alignment.
+
+  Raises:
+    InputError: a module is not found (an error inside a module that is found propagates
+      with its traceback).
+  """
+  if names and os.getcwd() not in sys.path:
+    sys.path.insert(0, os.getcwd())
+  for name in names:
+    try:
+      importlib.import_module(name)
+    except ModuleNotFoundError as e:
+      if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+        raise  # the module was found and fails on an import of its own
+      raise InputError(f"--import {name}: no module named {e.name!r} in the current folder or "
+                       "on the Python path") from e
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``python -m attn_symmetry.align MODEL_A MODEL_B --out DIR ...``."""
+  parser = argparse.ArgumentParser(prog="python -m attn_symmetry.align",
+                                   description=DESCRIPTION)
+  add_arguments(parser)
+  return _run(parser.parse_args(argv), parser.prog)
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+  """The ``attn-symmetry`` console script: ``attn-symmetry align MODEL_A MODEL_B --out DIR ...``."""
+  parser = argparse.ArgumentParser(prog="attn-symmetry")
+  commands = parser.add_subparsers(dest="command", required=True)
+  add_arguments(commands.add_parser("align", help="align (and merge) two HF checkpoints",
+                                    description=DESCRIPTION))
+  return _run(parser.parse_args(argv), "attn-symmetry align")

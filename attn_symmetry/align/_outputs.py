@@ -1,0 +1,231 @@
+"""The evaluate and save stages: the interpolation curves, the merged model, the plot, the report,
+and the outputs written through a staging folder that never loses what a user had."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from attn_symmetry import _eval_files
+from attn_symmetry import lmc
+from attn_symmetry import runtime
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.align._clock import Stage
+from attn_symmetry.align._records import Aligned, Inputs, Loaded, OUTPUTS, Options, Params
+from attn_symmetry.models import Model
+from attn_symmetry.models import safetensors_io
+
+
+# One fused program per leaf shape: the merged model is written leaf by leaf, and eagerly each
+# leaf would take three leaf-sized buffers ((1 - lam) a, lam b and their sum).
+interpolate = jax.jit(lmc.interpolate)
+
+
+def evaluate(inputs: Inputs, options: Options, aligned: Aligned, loaded: Loaded
+              ) -> dict[str, Any]:
+  """The evaluate stage: the curves of A to B ("before") and A to B' ("after") on the
+  evaluation batches (``_curves``). A and B are taken out of ``loaded``: released after it."""
+  paths = {"before": loaded.take(), "after": (aligned.params_a, aligned.params)}
+  return _curves(inputs.model, inputs.batches, paths, options.num_lambdas, options.merge)
+
+
+def _curves(model: Model, batches, paths: dict[str, tuple[Params, Params]], num_lambdas: int,
+            merge: float | None = None) -> dict[str, Any]:
+  """Loss and accuracy along each path, and the path's barriers; with ``merge``, the merged
+  model's (``_merged``)."""
+  evaluator = lmc.path_evaluator(_eval_files.metric_fn(model))
+  metrics = lambda path, lams: _path_metrics(evaluator, *paths[path], batches, lams)
+  lams = lmc.lambdas(num_lambdas)
+  out: dict[str, Any] = {"lambdas": lams.tolist()}
+  for name in paths:
+    loss, accuracy = metrics(name, lams)
+    out[name] = {"loss": loss.tolist(), "accuracy": accuracy.tolist(),
+                 "barrier": {"loss": lmc.barrier(lams, loss),
+                             "accuracy": lmc.barrier(lams, accuracy, higher_is_better=True)}}
+  if merge is not None:
+    out["merged"] = _merged(out, merge, lambda lam: metrics("after", np.array([lam])))
+  return out
+
+
+def merged_line(curves: dict[str, Any]) -> str:
+  """"; merged model (lambda 0.5): loss 2.31 (A 2.25, B 2.27), accuracy ..." or "" when
+  nothing is merged."""
+  if "merged" not in curves:
+    return ""
+  m = curves["merged"]
+  loss, accuracy = (f"{k} {m[k]:.4g} (A {m['a'][k]:.4g}, B {m['b'][k]:.4g})"
+                    for k in ("loss", "accuracy"))
+  return f"; merged model (lambda {m['lambda']:g}): {loss}, {accuracy}"
+
+
+def _path_metrics(evaluator, params_a: Params, params_b: Params, batches, lams: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+  """([P] loss, [P] accuracy) of (1 - lam) A + lam B at each of ``lams``, over ``batches``."""
+  sums = lmc.evaluate_path(evaluator, params_a, params_b, batches, lams, chunk_size=1)
+  return sums["loss"] / sums["count"], sums["correct"] / sums["count"]
+
+
+def _merged(curves: dict[str, Any], merge: float,
+            evaluate: Callable[[float], tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+  """The merged model (1 - merge) A' + merge B' (what out/merged holds) beside its endpoints:
+  {"lambda", "loss", "accuracy", "a": {"loss", "accuracy"}, "b": {...}} on the evaluation
+  batches. Read off the "after" curve when ``merge`` is one of its lambdas, else evaluated
+  (``evaluate(merge)``); the endpoints are the curve's ends (A' computes A's function, B' B's)."""
+  after, lams = curves["after"], np.asarray(curves["lambdas"])
+  at = lambda i: {"loss": after["loss"][i], "accuracy": after["accuracy"][i]}
+  hit = np.flatnonzero(np.abs(lams - merge) <= 1e-12)
+  point = at(hit[0]) if hit.size else dict(zip(("loss", "accuracy"),
+                                               (float(x[0]) for x in evaluate(merge))))
+  return {"lambda": merge, **point, "a": at(0), "b": at(-1)}
+
+
+def plot(curves: dict[str, Any], path: str) -> None:
+  # A bare Figure (no pyplot): the caller's plotting backend, in a notebook say, stays as it is.
+  from matplotlib import figure  # pylint: disable=g-import-not-at-top
+
+  fig = figure.Figure(figsize=(9, 3.5), layout="constrained")
+  axes = fig.subplots(1, 2)
+  for ax, metric in zip(axes, ("loss", "accuracy")):
+    for name, style in (("before", "--"), ("after", "-")):
+      barrier = curves[name]["barrier"][metric]
+      ax.plot(curves["lambdas"], curves[name][metric], style, marker=".",
+              label=f"{name} alignment (barrier {barrier:.4g})")
+    ax.set_xlabel("lambda (0: A, 1: B)")
+    ax.set_ylabel(metric)
+    ax.legend()
+  fig.savefig(path, dpi=120)
+
+
+def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str, Any] | None,
+           seconds: dict[str, float]) -> dict[str, Any]:
+  """The report (DIR/report.json); ``seconds`` (the clock's, still filling) is its "time_s"."""
+  a, b, model = inputs.a, inputs.b, inputs.model
+  info = aligned.info
+  report = {
+      "model_a": os.path.abspath(a.path), "model_b": os.path.abspath(b.path),
+      "model_type": a.hf_config.get("model_type"), "config": dataclasses.asdict(model.config),
+      "parameters": inputs.parameters, "stored_dtypes": {"a": a.dtypes, "b": b.dtypes},
+      "dtype": options.dtype, "checkpoint_bytes": {"a": a.nbytes, "b": b.nbytes},
+      "method": options.method,
+      "scope": options.scope if isinstance(options.scope, str) else list(options.scope),
+      "scope_paths": inputs.scope, "merge": options.merge, "options": dict(options.matching),
+      "folded_norm_scales": aligned.folded, "compare": aligned.compare,
+      "rounds": int(info["rounds"]) if "rounds" in info else 0,
+      "distance": aligned.distance, "function_check": aligned.function,
+  }
+  if "learned" in info:
+    report["learned"] = runtime.jsonable(info["learned"])
+  if "devices" in info:  # the streamed alignment: the devices each group was split over
+    report["devices"] = info["devices"]
+  if curves is not None:
+    report["barrier"] = {name: curves[name]["barrier"] for name in ("before", "after")}
+    if "merged" in curves:
+      report["merged"] = curves["merged"]
+    report["eval"] = {"text": options.eval_text or None, "images": options.eval_images or None,
+                      "batches": len(inputs.batches), "batch_size": options.batch_size,
+                      "predictions": float(sum(np.sum(x["weights"]) for x in inputs.batches))}
+    if options.method == "learned":
+      report["eval"] |= {"training_batches": len(inputs.train),
+                         "holdout_batches": len(inputs.holdout)}
+  report["time_s"] = seconds
+  return report
+
+
+def save(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str, Any] | None,
+         report: dict[str, Any], stage: Stage) -> list[str]:
+  """The save stage: A' (A with its norm scales folded, if they are) to out/aligned_a, B' to
+  out/aligned_b, with ``merge`` the merged model to out/merged, the curves to
+  out/interpolation.json and .png, and last the report, its clock stopped just before
+  (``_replace_outputs``). Returns the paths written."""
+  a, b, model, dtype = inputs.a, inputs.b, inputs.model, options.dtype
+  writers = {}
+  if aligned.folded:
+    writers["aligned_a"] = lambda p: safetensors_io.save_params(p, a, model, aligned.params_a,
+                                                                dtype=dtype)
+  writers["aligned_b"] = lambda p: safetensors_io.save_params(p, b, model, aligned.params,
+                                                              dtype=dtype)
+  if options.merge is not None:
+    flat_a, merge = spec_lib.flatten(aligned.params_a), options.merge
+    writers["merged"] = lambda p: safetensors_io.save_params(
+        p, a, model, aligned.params, dtype=dtype,
+        leaf_fn=lambda path, leaf: interpolate(flat_a[path], leaf, merge))
+  if curves is not None:
+    writers["interpolation.json"] = write_json(curves)
+    writers["interpolation.png"] = lambda p: plot(curves, p)
+
+  def write_report(path):
+    stage.stop()
+    write_json(report)(path)
+
+  writers["report.json"] = write_report
+  _replace_outputs(options.out, options.overwrite, writers)
+  return [os.path.join(options.out, name) for name in writers]
+
+
+def _replace_outputs(out: str, overwrite: bool, writers: dict[str, Callable[[str], None]]) -> None:
+  """Runs ``writers[name](tmp/name)`` in a temporary folder inside ``out`` (``staging``), then
+  moves each result to ``out/name``."""
+  with staging(out, overwrite) as tmp:
+    for name, write in writers.items():
+      write(os.path.join(tmp, name))
+      runtime.release_free_memory()
+
+
+@contextlib.contextmanager
+def staging(out: str, overwrite: bool) -> Iterator[str]:
+  """A temporary folder inside ``out`` to write the outputs in; when the block ends without
+  an error, its entries are moved to ``out`` (with ``overwrite``, every earlier ``OUTPUTS``
+  moved aside first and removed once the new ones are in place).
+
+  Nothing a user had is ever removed by an error: the temporary folders go, earlier outputs
+  moved aside come back, and ``out`` itself is removed only if this call made it and it is
+  empty again (``os.rmdir``)."""
+  made = not os.path.exists(out)
+  os.makedirs(out, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".attn-symmetry-", dir=out)
+  aside, done = None, False
+  try:
+    yield tmp
+    aside = tempfile.mkdtemp(prefix=".attn-symmetry-old-", dir=out)
+    kept = [name for name in (OUTPUTS if overwrite else ())
+            if os.path.lexists(os.path.join(out, name))]
+    placed: list[str] = []
+    try:
+      for name in kept:
+        os.replace(os.path.join(out, name), os.path.join(aside, name))
+      for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(out, name))
+        placed.append(name)
+    except BaseException:
+      for name in placed:
+        os.replace(os.path.join(out, name), os.path.join(tmp, name))
+      for name in os.listdir(aside):
+        os.replace(os.path.join(aside, name), os.path.join(out, name))
+      raise
+    done = True
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if aside is not None and done:  # the earlier outputs, replaced
+      shutil.rmtree(aside, ignore_errors=True)
+    elif aside is not None:  # emptied by the restore above; kept if anything is left in it
+      with contextlib.suppress(OSError):
+        os.rmdir(aside)
+    if made and not os.listdir(out):  # an error before anything was placed
+      os.rmdir(out)
+
+
+def write_json(value: Any) -> Callable[[str], None]:
+  def write(path):
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump(value, f, indent=2)
+      f.write("\n")
+  return write
