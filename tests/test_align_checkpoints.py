@@ -28,9 +28,11 @@ import attn_symmetry
 from attn_symmetry import align
 from attn_symmetry import group_action
 from attn_symmetry import matching
+from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.align import _check, _clock, _in_memory, _outputs, _records
 from attn_symmetry.models import convert
+from attn_symmetry.models import safetensors_io
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -598,12 +600,23 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_a_broken_alignment_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("check", ["in memory", "read back"])
+def test_a_broken_alignment_is_refused_before_anything_is_written(check, tmp_path, capsys,
+                                                                  monkeypatch):
   """An alignment whose B' is not B's function (one leaf of B' scaled: not a symmetry) stops the
   command after the function check with one line that names the measured difference; no folder
-  is made. With a tolerance above it, the same difference is what report.json records."""
+  is made. With a tolerance above it, the same difference is what report.json records. Both
+  checks of the streamed alignment: on A' and B' held in memory, and ("read back", under a
+  memory budget that four float32 models exceed and two groups of each fit) on the folders
+  written to the staging folder, read back a layer at a time."""
   a = _save_model("gpt2", str(tmp_path / "a"))
   b = _plant("gpt2", a, str(tmp_path / "b"), seed=5)
+  budget = []
+  if check == "read back":
+    model = models.Model(safetensors_io.Checkpoint(a).config)
+    group, whole = _check.group_bytes(model)[0], _check.whole_bytes(model)
+    assert group < whole
+    budget = ["--memory-budget", repr(2 * (group + whole) / 1e9)]
   apply_model = group_action.apply_model
   broken_leaf = "layers_1/attention/out/kernel"
 
@@ -615,7 +628,7 @@ def test_a_broken_alignment_is_refused_before_anything_is_written(tmp_path, caps
 
   monkeypatch.setattr(group_action, "apply_model", broken)
   out = tmp_path / "out"
-  args = [a, b, "--out", str(out), "--method", "naive"]
+  args = [a, b, "--out", str(out), "--method", "naive", *budget]
   line = _refusal(capsys, *args)
   refused = re.fullmatch(r"attn-symmetry align: error: aligned B does not compute B's function: "
                          r"on 2 random inputs its logits differ from B's by up to (\S+) \((\S+) of "
@@ -625,6 +638,7 @@ def test_a_broken_alignment_is_refused_before_anything_is_written(tmp_path, caps
   assert not os.path.exists(out)
   assert align.cli(["align", *args, "--function-tolerance", "100", "--quiet"]) == 0
   report = json.load(open(out / "report.json"))
+  assert report["function_check"].get("streamed", False) == (check == "read back")
   measured = report["function_check"]["aligned_b"]
   assert measured["tolerance"] == 100 and measured["relative"] > 0.01
   assert float(refused[1]) == pytest.approx(measured["max_abs"], rel=1e-3)

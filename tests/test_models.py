@@ -102,6 +102,26 @@ def test_logits_invariant_under_full_group(x64, case):
                              atol=1e-8)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_apply_streamed_is_apply_reading_one_layer_at_a_time(x64, case):
+  """``apply_streamed`` gives ``apply``'s logits (float64, with BERT's mask and segments) while
+  reading the parameters outside the layers once and then each layer once, in order."""
+  model = _build(case)
+  flat = spec_lib.flatten(_params64(model, 0))
+  inputs, kwargs = _batch(model, 1)
+  reads = []
+
+  def read(paths):
+    paths = list(paths)
+    reads.append({p.split("/")[0] for p in paths if p.startswith("layers_")} or {"outside"})
+    return {p: flat[p] for p in paths}
+
+  logits = model.apply_streamed(read, inputs, **kwargs)
+  assert logits.dtype == jnp.float64
+  assert _max_diff(logits, model.apply(spec_lib.unflatten(flat), inputs, **kwargs)[0]) <= 1e-12
+  assert reads == [{"outside"}] + [{f"layers_{i}"} for i in range(model.config.depth)]
+
+
 def test_spec_factors_per_family():
   expect = {"vit": "permutation", "bert": "permutation", "gpt2": "permutation",
             "llama": "orthogonal"}

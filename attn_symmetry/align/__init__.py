@@ -62,11 +62,14 @@ computed in float32; a round is a pass over the layers plus the residual's
 reduction) and "apply" (a last pass: each group of B' = g . B computed, rounded
 and written tensor by tensor into the output folders, ``safetensors_io.FolderWriter``,
 with the distances summed). Memory then holds a group of each model, not the
-models, and does not grow with depth. The function check, ``Alignment.params``
-and ``params_a`` need A, B and their aligned copies whole in float32: they are
-computed only where four float32 models fit the memory budget
-(``memory_budget``, ``--memory-budget``; default the machine's memory), and
-otherwise the report's "function_check" says why it was skipped. "learned" trains
+models, and does not grow with depth. ``Alignment.params`` and ``params_a`` need
+A, B and their aligned copies whole in float32: they are kept only where four
+float32 models fit the memory budget (``memory_budget``, ``--memory-budget``;
+default the machine's memory), and the function check then runs on them.
+Otherwise the folders written into the staging folder are read back beside
+their sources a layer at a time (``Model.apply_streamed``) and checked so, before
+anything is moved into DIR; without ``out`` the check is skipped and the
+report's "function_check" says why. "learned" trains
 on the interpolated model's loss and an evaluation runs whole models: both load
 the models whole (the stages below), and are refused before any work where that
 does not fit the budget; so is a streamed alignment whose largest group does not.

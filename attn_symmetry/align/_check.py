@@ -168,7 +168,7 @@ def whole_bytes(model: Model) -> int:
   return 4 * sum(math.prod(s) for s in model.param_shapes.values())
 
 
-def _group_bytes(model: Model) -> tuple[int, tuple[str, ...]]:
+def group_bytes(model: Model) -> tuple[int, tuple[str, ...]]:
   """(bytes in float32, paths) of the largest group that the streamed alignment reads at a
   time (``matching.stream_groups``), of one model."""
   size = lambda paths: 4 * sum(math.prod(model.param_shapes[p]) for p in paths)
@@ -187,7 +187,7 @@ def check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, mod
                  options: Options) -> None:
   """Refuses, before any work, an alignment that needs more than ``options.budget``: the
   streamed one holds two groups of leaves of each model in float32 (as read and aligned:
-  ``_group_bytes``); "learned" and an evaluation hold both whole models twice in float32.
+  ``group_bytes``); "learned" and an evaluation hold both whole models twice in float32.
 
   Raises:
     InputError: naming the checkpoints' size, what the alignment needs, and the budget.
@@ -195,7 +195,7 @@ def check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, mod
   sizes = f"MODEL_A {gb(a.nbytes)}, MODEL_B {gb(b.nbytes)} as stored"
   budget = f"the memory budget {gb(options.budget)} (--memory-budget)"
   if options.streamed:
-    group, paths = _group_bytes(model)
+    group, paths = group_bytes(model)
     if 4 * group > options.budget:
       top = sorted({p.split("/")[0] for p in paths}, key=natural_order)
       raise InputError(f"the checkpoints ({sizes}) are read a group of tensors at a time, and "

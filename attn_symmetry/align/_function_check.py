@@ -42,7 +42,7 @@ def logits(model: Model, params: Params, inputs: jax.Array) -> jax.Array:
 
 
 def written_dtypes(ckpt: safetensors_io.Checkpoint, model: Model, dtype: str
-                    ) -> dict[str, np.dtype]:
+                   ) -> dict[str, np.dtype]:
   """{parameter path: the dtype ``safetensors_io.save_params`` writes its tensor in}, laid out
   as ``ckpt``: the tensor's stored dtype (``dtype="keep"``) or float32."""
   table, _ = convert.param_table(model.config)
@@ -97,7 +97,7 @@ def function_difference(reference: jax.Array, logits: jax.Array, tolerance: floa
 def function_check(model: Model, options: Options, inputs: jax.Array,
                    reference: Mapping[str, jax.Array],
                    written: Mapping[str, tuple[safetensors_io.Checkpoint, Params]]
-                    ) -> dict[str, Any]:
+                   ) -> dict[str, Any]:
   """Checks that each folder to be written computes its source's function.
 
   Args:
@@ -121,15 +121,67 @@ def function_check(model: Model, options: Options, inputs: jax.Array,
   for folder, (ckpt, params) in written.items():
     dtypes = written_dtypes(ckpt, model, options.dtype)
     round_to(params, dtypes)
-    tolerance = options.function_tolerance or default_tolerance(set(dtypes.values()))
-    out[folder] = d = function_difference(reference[folder], logits(model, params, inputs),
-                                          tolerance)
-    if not d["relative"] <= tolerance:
-      source = {"aligned_b": "B", "aligned_a": "A"}[folder]
-      what = "aligned B" if folder == "aligned_b" else "aligned A (A with its norm scales folded)"
-      raise FunctionCheckError(
-          f"{what} does not compute {source}'s function: on {inputs.shape[0]} random inputs its "
-          f"logits differ from {source}'s by up to {d['max_abs']:.4g} ({d['relative']:.3g} of the "
-          f"logits' scale {d['scale']:.4g}), above --function-tolerance {tolerance:.3g}; nothing "
-          "is written")
+    out[folder] = _judge(folder, reference[folder], logits(model, params, inputs), options,
+                         dtypes.values())
   return out
+
+
+def streamed_logits(model: Model, ckpt: safetensors_io.Checkpoint, inputs: jax.Array
+                    ) -> jax.Array:
+  """``model``'s float32 logits on ``inputs`` with ``ckpt``'s parameters read a layer at a
+  time (``Model.apply_streamed``), computed in float32."""
+  def read(paths):
+    return {p: jnp.asarray(x, jnp.float32)
+            for p, x in safetensors_io.read_leaves(ckpt, model, paths)}
+  return model.apply_streamed(read, inputs).astype(jnp.float32)
+
+
+def streamed_function_check(model: Model, options: Options, inputs: jax.Array,
+                            written: Mapping[str, tuple[safetensors_io.Checkpoint,
+                                                        safetensors_io.Checkpoint]]
+                            ) -> dict[str, Any]:
+  """``function_check`` of folders already written, read back a layer at a time with their
+  sources (``streamed_logits``): memory holds one model's parameters outside the layers and one
+  layer, never a whole model.
+
+  Args:
+    model, options, inputs: as for ``function_check``.
+    written: {folder: (its source checkpoint, the written folder)}: "aligned_b" (B, B') and, if
+      folded, "aligned_a" (A, A').
+
+  Returns:
+    ``function_check``'s dict, with "streamed": True.
+
+  Raises:
+    FunctionCheckError: as ``function_check``.
+  """
+  out: dict[str, Any] = {"inputs": {"seed": CHECK_SEED, "shape": list(inputs.shape)},
+                         "streamed": True}
+  for folder, (source, folder_ckpt) in written.items():
+    reference = streamed_logits(model, source, inputs)
+    dtypes = written_dtypes(source, model, options.dtype).values()
+    out[folder] = _judge(folder, reference, streamed_logits(model, folder_ckpt, inputs), options,
+                         dtypes)
+  return out
+
+
+def _judge(folder: str, reference: jax.Array, candidate: jax.Array, options: Options,
+           dtypes: Iterable[np.dtype]) -> dict[str, float]:
+  """``function_difference`` of a folder's logits (``candidate``) from its source's, against
+  the tolerance (``options.function_tolerance``, else ``default_tolerance`` of the folder's
+  ``dtypes``).
+
+  Raises:
+    FunctionCheckError: the relative difference is above the tolerance (or NaN), naming it.
+  """
+  tolerance = options.function_tolerance or default_tolerance(set(dtypes))
+  d = function_difference(reference, candidate, tolerance)
+  if not d["relative"] <= tolerance:
+    source = {"aligned_b": "B", "aligned_a": "A"}[folder]
+    what = "aligned B" if folder == "aligned_b" else "aligned A (A with its norm scales folded)"
+    raise FunctionCheckError(
+        f"{what} does not compute {source}'s function: on {reference.shape[0]} random inputs its "
+        f"logits differ from {source}'s by up to {d['max_abs']:.4g} ({d['relative']:.3g} of the "
+        f"logits' scale {d['scale']:.4g}), above --function-tolerance {tolerance:.3g}; nothing "
+        "is written")
+  return d

@@ -108,8 +108,10 @@ def _apply_streamed(inputs: Inputs, options: Options, element: dict[str, Any],
   distances before and after summed, and the unit written to the folders of ``_writers`` in
   ``tmp``; so this pass holds a few leaves of each model, not a group. A' and B' are kept
   whole only where four float32 models fit the memory budget (``_check.keeps_models``): then
-  the function check (``_function_check.function_check``) runs on them, and otherwise it is
-  skipped, which the report says.
+  the function check (``_function_check.function_check``) runs on them. Otherwise the folders
+  written into ``tmp`` are read back with their sources a layer at a time and checked so
+  (``_function_check.streamed_function_check``); without ``tmp`` the check is skipped, which
+  the report says.
 
   Raises:
     FunctionCheckError: B' (or A') does not compute B's (or A's) function to the tolerance.
@@ -171,10 +173,17 @@ def _apply_streamed(inputs: Inputs, options: Options, element: dict[str, Any],
                                                     else {})
     with stage.part("function_check", "function check"):
       function = _function_check.function_check(model, options, check_inputs, reference, written)
+  elif tmp is not None:
+    written = {name: (source, safetensors_io.Checkpoint(os.path.join(tmp, name), name))
+               for name, source in (("aligned_b", inputs.b), ("aligned_a", inputs.a))
+               if name in writers}
+    with stage.part("function_check", "function check"):
+      function = _function_check.streamed_function_check(model, options, check_inputs, written)
   else:
     four = _check.gb(4 * _check.whole_bytes(model))
     function = {"skipped": f"A, B and their aligned copies in float32 ({four}) do not fit the "
-                           f"memory budget {_check.gb(options.budget)}"}
+                           f"memory budget {_check.gb(options.budget)}, and without an output "
+                           "folder nothing is written to read back a layer at a time"}
   distance = {when: _distances.distance_report(*value) for when, value in squares.items()}
   return Aligned(element, info, folded, params_a, params, distance, function)
 
@@ -202,7 +211,9 @@ def stream(inputs: Inputs, options: Options, clock: Clock) -> Alignment:
     stage.summary = (f"B' = g . B group by group, distance {before['total']:.6g} -> "
                      f"{after['total']:.6g} (relative {before['relative']:.4g} -> "
                      f"{after['relative']:.4g}), " +
-                     (f"aligned B's logits within {check['relative']:.2g} of B's" if check else
+                     (f"aligned B's logits within {check['relative']:.2g} of B's" +
+                      (" (read back a layer at a time)" if aligned.function.get("streamed")
+                       else "") if check else
                       f"function check skipped: {aligned.function['skipped']}") +
                      (f"; written to {options.out}" if options.out else ""))
   return Alignment(inputs.model, aligned.params_a, aligned.params, element, report)

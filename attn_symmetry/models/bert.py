@@ -60,8 +60,8 @@ class Bert(core.TextCore):
     if cfg.head == "pretraining":
       self.nsp = core.Dense((d,), (2,), use_bias=True, init_std=std, rngs=rngs)
 
-  def __call__(self, tokens, *, mask=None, segments=None):
-    x, inter = self.encode_tokens(tokens, mask=mask, segments=segments)
+  def __call__(self, tokens, *, mask=None, segments=None, layers=None):
+    x, inter = self.encode_tokens(tokens, mask=mask, segments=segments, layers=layers)
     if self.cfg.head == "classifier":
       pooled = jnp.tanh(self.pooler(x[:, 0]))
       inter["features"] = pooled

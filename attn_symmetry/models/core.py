@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -197,8 +197,13 @@ class TransformerCore(nnx.Module):
     self.final_norm = None if cfg.post_norm else make_norm(cfg)
 
   def encode(self, x: jax.Array, *, positions: jax.Array | None = None,
-             mask: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+             mask: jax.Array | None = None, layers: Callable[..., jax.Array] | None = None
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Runs the layers on x [B, T, D].
+
+    ``layers(x, positions=..., mask=...)``, when given, runs in place of this module's own
+    layers (``Model.apply_streamed``, which reads them one at a time); the intermediates then
+    hold only "embed".
 
     Returns:
       The final stream [B, T, D] (after ``final_norm`` when pre-norm) and the
@@ -208,7 +213,9 @@ class TransformerCore(nnx.Module):
       the spec's factors "residual" and "layers_i/mlp" act on.
     """
     inter = {"embed": x}
-    for i in range(self.cfg.depth):
+    if layers is not None:
+      x = layers(x, positions=positions, mask=mask)
+    for i in range(self.cfg.depth if layers is None else 0):
       x, parts = getattr(self, f"layers_{i}")(x, positions=positions, mask=mask)
       inter |= {f"layers_{i}/{k}": v for k, v in parts.items()}
       inter[f"layers_{i}"] = x
@@ -255,8 +262,10 @@ class TextCore(TransformerCore):
                       if cfg.pos_encoding == "learned" else None)
     self.embed_norm = make_norm(cfg) if cfg.post_norm else None
 
-  def encode_tokens(self, tokens, *, mask, segments) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """int tokens [B, T] -> (final stream [B, T, D], intermediates of ``encode``)."""
+  def encode_tokens(self, tokens, *, mask, segments, layers=None
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """int tokens [B, T] -> (final stream [B, T, D], intermediates of ``encode``; ``layers``
+    as there)."""
     cfg = self.cfg
     tokens = check_tokens(cfg, tokens)
     if mask is not None and jnp.shape(mask) != tokens.shape:
@@ -273,7 +282,7 @@ class TextCore(TransformerCore):
     x = x + absolute_positions(cfg, self.pos_embed, tokens.shape[1], x.dtype)
     if self.embed_norm is not None:
       x = self.embed_norm(x)
-    return self.encode(x, mask=mask)
+    return self.encode(x, mask=mask, layers=layers)
 
 
 # ----------------------------------------------------------------------------- symmetry spec

@@ -31,8 +31,8 @@ class Decoder(core.TextCore):
                  core.Dense((cfg.width,), (cfg.vocab_size,), use_bias=False,
                             init_std=cfg.init_std, rngs=rngs))
 
-  def __call__(self, tokens, *, mask=None, segments=None):
-    x, inter = self.encode_tokens(tokens, mask=mask, segments=segments)
+  def __call__(self, tokens, *, mask=None, segments=None, layers=None):
+    x, inter = self.encode_tokens(tokens, mask=mask, segments=segments, layers=layers)
     inter["features"] = x
     logits = self.embed.attend(x) if self.head is None else self.head(x)
     return logits, inter

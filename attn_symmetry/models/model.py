@@ -8,11 +8,16 @@ Everything outside this package sees them through ``Model``:
 * ``apply(params, inputs)`` rebuilds the module from that dict with
   ``nnx.merge`` and calls it. This is a pure function of (params, inputs), so
   it can be jitted, differentiated, vmapped, and fed parameters that symmetry
-  code has transformed, with no NNX objects leaking out.
+  code has transformed, with no NNX objects leaking out;
+* ``apply_streamed(read, inputs)`` gives the same logits with the parameters
+  read a layer at a time (a checkpoint too large to hold), the layers run in
+  place of the module's own (``TransformerCore.encode``'s ``layers``).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -20,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from attn_symmetry import spec as spec_lib
+from attn_symmetry.models import core
 from attn_symmetry.models.config import Config, get_family, make_config
 
 Params = dict[str, Any]
@@ -46,6 +52,8 @@ class Model:
     self.param_shapes: dict[str, tuple[int, ...]] = {
         path: tuple(leaf.shape) for path, leaf in spec_lib.flatten(nnx.to_pure_dict(state)).items()}
     self.spec = family.symmetry_spec(config)
+    self._layer_graphdef = nnx.split(nnx.eval_shape(lambda: core.Block(config,
+                                                                        rngs=nnx.Rngs(0))))[0]
 
   def __repr__(self) -> str:
     return f"Model({self.config})"
@@ -97,6 +105,41 @@ class Model:
     module = nnx.merge(self._graphdef, params)
     return module(inputs, mask=mask, segments=segments)
 
+  def apply_streamed(self, read: Callable[[Iterable[str]], Mapping[str, Any]], inputs: jax.Array,
+                     *, mask: jax.Array | None = None, segments: jax.Array | None = None
+                     ) -> jax.Array:
+    """The logits of ``apply`` with the parameters read a layer at a time.
+
+    ``read(paths)`` returns {path: array} for those parameter paths. The parameters outside
+    the layers (embeddings, final norm, heads) are read first and held throughout; then each
+    ``layers_i`` is read, run on the stream and released before the next is read: memory holds
+    the outside and one layer, not the model. The outside runs eagerly, each layer as one
+    program (compiled once for all layers of one shape).
+
+    Args:
+      read: the parameters, by path (any float dtype; computed in the arrays' dtype).
+      inputs, mask, segments: as for ``apply``.
+
+    Returns:
+      logits as ``apply`` returns them (its intermediates are not kept).
+    """
+    depth = self.config.depth
+    layers = [[p for p in self.param_shapes if p.split("/")[0] == f"layers_{i}"]
+              for i in range(depth)]
+    inside = {p for paths in layers for p in paths}
+    outside = dict(read([p for p in self.param_shapes if p not in inside]))
+    # The layers' places in the module hold empty arrays: ``encode`` runs ``stack`` instead.
+    placeholders = {p: np.zeros((0,), np.float32) for p in inside}
+    module = nnx.merge(self._graphdef, spec_lib.unflatten(outside | placeholders))
+
+    def stack(x, *, positions, mask):
+      for i, paths in enumerate(layers):
+        params = spec_lib.unflatten(dict(read(paths)))[f"layers_{i}"]
+        x = _run_layer(self._layer_graphdef, params, x, positions, mask)
+      return x
+
+    return module(inputs, mask=mask, segments=segments, layers=stack)[0]
+
   def scope_paths(self, scope: str) -> list[str]:
     """Parameter path prefixes that re-initialisation ``scope`` covers.
 
@@ -112,6 +155,13 @@ class Model:
     if scope == "full":
       return [""]
     raise ValueError(f"unknown scope {scope!r}; choose from {SCOPES}")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _run_layer(graphdef: nnx.GraphDef, params: Params, x: jax.Array, positions: Any,
+               mask: jax.Array | None) -> jax.Array:
+  """One layer (``core.Block``) of ``Model.apply_streamed`` on the stream x [B, T, D]."""
+  return nnx.merge(graphdef, params)(x, positions=positions, mask=mask)[0]
 
 
 def build(family: str, preset: str = "tiny", **overrides: Any) -> Model:

@@ -64,7 +64,7 @@ class VisionTransformer(core.TransformerCore):
     self.head = core.Dense((d,), (cfg.num_classes,), use_bias=True, init_std=cfg.init_std,
                            rngs=rngs)
 
-  def __call__(self, images, *, mask=None, segments=None):
+  def __call__(self, images, *, mask=None, segments=None, layers=None):
     cfg = self.cfg
     images = jnp.asarray(images)
     want = (cfg.image_size, cfg.image_size, cfg.num_channels)
@@ -80,7 +80,7 @@ class VisionTransformer(core.TransformerCore):
       x = jnp.concatenate([cls, x], axis=1)
     x = x + core.absolute_positions(cfg, self.pos_embed, x.shape[1], dtype)
     positions = rope_positions(cfg) if cfg.rotary else None
-    x, inter = self.encode(x, positions=positions)
+    x, inter = self.encode(x, positions=positions, layers=layers)
     features = x[:, 0] if cfg.pooling == "cls" else jnp.mean(x, axis=1)
     inter["features"] = features
     return self.head(features), inter
