@@ -11,7 +11,13 @@ METHOD`` in a child and prints its wall time, its stages' times (from its report
 RSS (``os.wait4``) against both checkpoints' size. The helpers write (and plant) tensor by
 tensor; the alignment holds one layer of each at a time.
 ``--memory-budget`` (default 6 GB) is passed on: below the four float32 models that the
-function check holds (7 GB at one layer), so that every depth streams end to end.
+in-memory function check holds (7 GB at one layer), so that every depth streams end to end and
+the function check reads the written folders back a layer at a time.
+
+    python benchmarks/bench_streamed_alignment.py --check-only --workdir=DIR
+
+runs only that read-back function check (``align._function_check.streamed_function_check``) on
+the pair and the outputs that an earlier run left in DIR, in a child: its time and peak RSS.
 """
 
 import argparse
@@ -23,9 +29,48 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tests import test_streamed_alignment as helpers  # pylint: disable=g-import-not-at-top
+sys.path.insert(0, os.path.dirname(__file__))
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import bench_align_checkpoints
+from tests import test_streamed_alignment as helpers
 
 GIB = 2 ** 30
+
+
+def check_written(a: str, b: str, out: str) -> None:
+  """The read-back function check of ``out``/aligned_b against ``b`` (and aligned_a against
+  ``a`` where it was written), as ``attn-symmetry align`` runs it: prints its result and
+  seconds as one JSON line on stderr."""
+  from attn_symmetry.align import _function_check, _records
+  from attn_symmetry.models import Model, safetensors_io
+  sources = {"aligned_a": safetensors_io.Checkpoint(a), "aligned_b": safetensors_io.Checkpoint(b)}
+  model = Model(sources["aligned_a"].config)
+  written = {name: (source, safetensors_io.Checkpoint(os.path.join(out, name)))
+             for name, source in sources.items() if os.path.isdir(os.path.join(out, name))}
+  options = _records.Options(method="perm", scope="full", merge=None, dtype="keep",
+                             function_tolerance=None, out=out, overwrite=False, eval_text=None,
+                             eval_images=None, num_lambdas=11, batch_size=8, seq_len=128,
+                             eval_batches=8, matching={})
+  start = time.perf_counter()
+  result = _function_check.streamed_function_check(model, options,
+                                                   _function_check.check_inputs(model), written)
+  print(json.dumps(result | {"seconds": time.perf_counter() - start}), file=sys.stderr)
+
+
+def _check_only(work: str) -> None:
+  """``--check-only``: ``check_written`` on ``work``'s a, b and out in a child."""
+  here, root = os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))
+  code = (f"sys.path[:0] = [{here!r}, {root!r}]; import bench_streamed_alignment; "
+          "bench_streamed_alignment.check_written(*sys.argv[1:])")
+  peak, wall, log = bench_align_checkpoints.child_peak_rss(
+      code, *(os.path.join(work, x) for x in ("a", "b", "out")))
+  result = json.loads(log.strip().splitlines()[-1])
+  size = sum(os.path.getsize(os.path.join(work, x, "model.safetensors")) for x in ("a", "b"))
+  folders = ", ".join(f"{k} {v['relative']:.2g} of its source's logits"
+                      for k, v in result.items() if k.startswith("aligned_"))
+  print(f"read-back function check: {result['seconds']:.0f} s ({wall:.0f} s with the child's "
+        f"start); peak RSS {peak / GIB:.2f} GiB, checkpoints {size / GIB:.2f} GiB; {folders}")
 
 
 def main() -> None:
@@ -37,7 +82,14 @@ def main() -> None:
   parser.add_argument("--memory-budget", default="6",
                       help="the command's --memory-budget in GB (default 6: streams every depth)")
   parser.add_argument("--workdir", default=None)
+  parser.add_argument("--check-only", action="store_true",
+                      help="only the read-back function check on an earlier run's --workdir")
   args = parser.parse_args()
+  if args.check_only:
+    if args.workdir is None:
+      parser.error("--check-only reads an earlier run's outputs: give its --workdir")
+    _check_only(args.workdir)
+    return
   work = args.workdir or tempfile.mkdtemp(prefix="bench_streamed_")
   a, b, out = (os.path.join(work, x) for x in ("a", "b", "out"))
   start = time.perf_counter()
