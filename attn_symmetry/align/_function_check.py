@@ -80,7 +80,7 @@ def default_tolerance(dtypes: Iterable[np.dtype]) -> float:
 
 
 def function_difference(reference: jax.Array, logits: jax.Array, tolerance: float
-                         ) -> dict[str, float]:
+                        ) -> dict[str, float]:
   """How far ``logits`` lie from the ``reference`` logits (both [B, ...]).
 
   Returns:

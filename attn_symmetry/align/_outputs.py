@@ -31,7 +31,7 @@ interpolate = jax.jit(lmc.interpolate)
 
 
 def evaluate(inputs: Inputs, options: Options, aligned: Aligned, loaded: Loaded
-              ) -> dict[str, Any]:
+             ) -> dict[str, Any]:
   """The evaluate stage: the curves of A to B ("before") and A to B' ("after") on the
   evaluation batches (``_curves``). A and B are taken out of ``loaded``: released after it."""
   paths = {"before": loaded.take(), "after": (aligned.params_a, aligned.params)}
