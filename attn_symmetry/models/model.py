@@ -52,8 +52,6 @@ class Model:
     self.param_shapes: dict[str, tuple[int, ...]] = {
         path: tuple(leaf.shape) for path, leaf in spec_lib.flatten(nnx.to_pure_dict(state)).items()}
     self.spec = family.symmetry_spec(config)
-    self._layer_graphdef = nnx.split(nnx.eval_shape(lambda: core.Block(config,
-                                                                        rngs=nnx.Rngs(0))))[0]
 
   def __repr__(self) -> str:
     return f"Model({self.config})"
@@ -139,6 +137,11 @@ class Model:
       return x
 
     return module(inputs, mask=mask, segments=segments, layers=stack)[0]
+
+  @functools.cached_property
+  def _layer_graphdef(self) -> nnx.GraphDef:
+    """The graph of one layer (``core.Block``), for ``apply_streamed``."""
+    return nnx.split(nnx.eval_shape(lambda: core.Block(self.config, rngs=nnx.Rngs(0))))[0]
 
   def scope_paths(self, scope: str) -> list[str]:
     """Parameter path prefixes that re-initialisation ``scope`` covers.
