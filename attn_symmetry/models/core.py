@@ -215,10 +215,11 @@ class TransformerCore(nnx.Module):
     inter = {"embed": x}
     if layers is not None:
       x = layers(x, positions=positions, mask=mask)
-    for i in range(self.cfg.depth if layers is None else 0):
-      x, parts = getattr(self, f"layers_{i}")(x, positions=positions, mask=mask)
-      inter |= {f"layers_{i}/{k}": v for k, v in parts.items()}
-      inter[f"layers_{i}"] = x
+    else:
+      for i in range(self.cfg.depth):
+        x, parts = getattr(self, f"layers_{i}")(x, positions=positions, mask=mask)
+        inter |= {f"layers_{i}/{k}": v for k, v in parts.items()}
+        inter[f"layers_{i}"] = x
     if self.final_norm is not None:
       x = self.final_norm(x)
     return x, inter
