@@ -111,7 +111,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
   dataset = config.reinit.dataset or config.dataset.name
   batches = path_evaluation.evaluation_examples(config, dataset)
   # Host copies: matching runs on one device of each process (the module docstring says why).
-  checkpoints = inputs.to_host(train.load_checkpoints(config, workdir, require_complete=True))
+  checkpoints = train.load_checkpoints(config, workdir, require_complete=True, on_host=True)
   data_fp = fingerprints.key({"dataset": dataset,
                               "examples": path_evaluation.examples_digest(batches)})
   info = inputs.dataset_info(config, dataset)

@@ -810,18 +810,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 
 def load_checkpoints(config: ml_collections.ConfigDict, workdir: str, *,
-                     require_complete: bool = False) -> dict[str, Params]:
+                     require_complete: bool = False, on_host: bool = False
+                     ) -> dict[str, Params]:
   """The parameters of the latest checkpoint of every run of ``config``, by run name.
 
   Names are those of ``runs(config)``: "base", "reinit/<scope>/seed_<s>".
-  Arrays are replicated over all devices, and verified against the content
-  hash saved with them.
+  Arrays are placed on the devices as training places them
+  (``config.train.param_sharding``: replicated, or split), and verified against
+  the content hash saved with them.
 
   Args:
     config: the setting.
     workdir: where it was trained.
     require_complete: refuse a run that is unfinished: neither at the last
       step of its schedule nor stopped by the stopping rule.
+    on_host: each run as numpy arrays (``inputs.to_host``), copied off the
+      devices as soon as it is verified, so that the devices hold one run at a
+      time, not every run (the study's host copies).
 
   Raises:
     ValueError: a run has no checkpoint (not trained yet), checkpoints of
@@ -834,7 +839,8 @@ def load_checkpoints(config: ml_collections.ConfigDict, workdir: str, *,
   model = inputs.create_model(config)
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   arch = checkpoints.architecture(model.config.family, shapes)
-  abstract = checkpoints.abstract_like(shapes, inputs.placement(inputs.create_mesh()))
+  place = inputs.placement(inputs.create_mesh(), config.train.param_sharding)
+  abstract = checkpoints.abstract_like(shapes, place)
   out, base_digest = {}, None
   for run in runs(config):
     directory = run_dir(workdir, run)
@@ -845,6 +851,8 @@ def load_checkpoints(config: ml_collections.ConfigDict, workdir: str, *,
                                         require_complete)
     finally:
       ckpts.close()
+    if on_host:
+      out[run.name] = inputs.to_host(out[run.name])
     if run.name == "base":
       base_digest = digest
   return out

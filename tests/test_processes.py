@@ -193,11 +193,13 @@ config.study.methods, config.study.distances, config.study.noise_levels = ("naiv
 model = inputs.create_model(config)
 mesh = inputs.create_mesh()
 # Untrained endpoints, placed as train.load_checkpoints places trained ones: replicated on
-# both devices. The study's Stage 1 ablation (24 head permutations, each with Stage 2's
-# batched LAPACK calls) deadlocked on them before it matched on one device.
+# both devices, or host copies of them where the study asks (on_host). The study's Stage 1
+# ablation (24 head permutations, each with Stage 2's batched LAPACK calls) deadlocked on
+# replicated endpoints before it matched host copies on one device.
 params = {run.name: jax.device_put(model.init(jax.random.key(run.seed)), inputs.replicated(mesh))
           for run in train.runs(config)}
-train.load_checkpoints = lambda config, workdir, require_complete: params
+train.load_checkpoints = lambda config, workdir, *, require_complete, on_host: (
+    inputs.to_host(params) if on_host else params)
 paths = study.run_study(config, sys.argv[1])
 with open(paths["first_attention/results.json"]) as f:
   ablation = json.load(f)["ablation"]["permutations"]
