@@ -8,9 +8,9 @@ dim 128, vocabulary 32000, ``--layers`` layers; norm gains one) and B = g . A (h
 within kv groups, FFN units permuted) with the test helpers of
 ``tests/test_streamed_alignment.py``, then runs ``attn-symmetry align A B --out DIR --method
 METHOD`` in a child and prints its wall time, its stages' times (from its report) and its peak
-RSS (``os.wait4``) against both checkpoints' size. The helpers write (and plant) tensor by
-tensor; the alignment holds one layer of each at a time.
-``--memory-budget`` (default 6 GB) is passed on: below the four float32 models that the
+RSS (``os.wait4``) against both checkpoints' size, and the RSS sampled every second up to each
+progress line (``align_with_timeline``; all samples in DIR/rss.tsv). The helpers write (and
+plant) tensor by tensor; the alignment holds one layer of each at a time. ``--memory-budget`` (default 6 GB) is passed on: below the four float32 models that the
 in-memory function check holds (7 GB at one layer), so that every depth streams end to end and
 the function check reads the written folders back a layer at a time.
 
@@ -24,8 +24,10 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -35,6 +37,44 @@ import bench_align_checkpoints
 from tests import test_streamed_alignment as helpers
 
 GIB = 2 ** 30
+
+
+def align_with_timeline(work: str, *args: str) -> tuple[int, int, str]:
+  """(exit status, peak RSS in bytes, stderr) of ``attn-symmetry align ARGS`` in a child, as
+  ``helpers._align_in_child``, with its RSS sampled every second: written to WORK/rss.tsv
+  (seconds, GiB) and summarised as the largest sample before each progress line, so that a
+  peak is placed in its stage."""
+  start = time.perf_counter()
+  with open(os.devnull, "wb") as null:
+    child = subprocess.Popen([sys.executable, "-c", helpers._ALIGN, *args], stdout=null,  # pylint: disable=protected-access
+                             stderr=subprocess.PIPE, text=True)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend(
+        (time.perf_counter() - start, line.rstrip()) for line in child.stderr))
+    reader.start()
+    samples = []
+    while True:
+      pid, status, usage = os.wait4(child.pid, os.WNOHANG)  # (0, 0, _) while it runs
+      if pid:
+        break
+      try:
+        with open(f"/proc/{child.pid}/status", encoding="utf-8") as f:
+          kib = next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
+        samples.append((time.perf_counter() - start, kib * 1024 / GIB))
+      except (OSError, StopIteration):
+        pass
+      time.sleep(1.0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    reader.join()
+  with open(os.path.join(work, "rss.tsv"), "w", encoding="utf-8") as f:
+    f.writelines(f"{t:.1f}\t{g:.3f}\n" for t, g in samples)
+  begin = 0.0
+  for at, line in lines:
+    if line.startswith("[align]"):
+      inside = [g for t, g in samples if begin <= t <= at]
+      print(f"  {at:7.0f} s  {line}  (RSS sampled up to {max(inside, default=0):.2f} GiB)")
+      begin = at
+  return child.returncode, usage.ru_maxrss * 1024, "\n".join(l for _, l in lines)
 
 
 def check_written(a: str, b: str, out: str) -> None:
@@ -100,8 +140,8 @@ def main() -> None:
         f"{time.perf_counter() - start:.0f} s", flush=True)
   start = time.perf_counter()
   rounds = [] if args.max_rounds is None else ["--max-rounds", str(args.max_rounds)]
-  status, peak, err = helpers._align_in_child(a, b, "--out", out, "--method", args.method,  # pylint: disable=protected-access
-                                              "--memory-budget", args.memory_budget, *rounds)
+  status, peak, err = align_with_timeline(work, a, b, "--out", out, "--method", args.method,
+                                          "--memory-budget", args.memory_budget, *rounds)
   wall = time.perf_counter() - start
   if status:
     raise SystemExit(err)
