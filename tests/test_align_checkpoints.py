@@ -645,6 +645,33 @@ def test_a_broken_alignment_is_refused_before_anything_is_written(check, tmp_pat
   assert float(refused[2]) == pytest.approx(measured["relative"], rel=1e-2)
 
 
+@pytest.mark.slow
+def test_a_non_finite_aligned_tensor_is_refused_by_the_read_back_check(tmp_path, capsys,
+                                                                       monkeypatch):
+  """A B' with a NaN tensor, under a memory budget that four float32 models exceed (so the
+  written folder is read back to be checked): one line naming the tensor; no folder is made."""
+  a = _save_model("gpt2", str(tmp_path / "a"))
+  b = _plant("gpt2", a, str(tmp_path / "b"), seed=5)
+  model = models.Model(safetensors_io.Checkpoint(a).config)
+  budget = 2 * (_check.group_bytes(model)[0] + _check.whole_bytes(model)) / 1e9
+  apply_model = group_action.apply_model
+
+  def broken(spec, params, element, **options):
+    out = spec_lib.flatten(apply_model(spec, params, element, **options))
+    if "layers_1/mlp/wo/kernel" in out:
+      out["layers_1/mlp/wo/kernel"] = out["layers_1/mlp/wo/kernel"] * float("nan")
+    return spec_lib.unflatten(out)
+
+  monkeypatch.setattr(group_action, "apply_model", broken)
+  out = tmp_path / "out"
+  line = _refusal(capsys, a, b, "--out", str(out), "--method", "naive", "--memory-budget",
+                  repr(budget))
+  assert re.fullmatch(r"attn-symmetry align: error: aligned B does not compute its source's "
+                      r"function: .*h\.1\.mlp\.c_proj\.weight holds NaN or Inf; nothing is "
+                      r"written", line), line
+  assert not os.path.exists(out)
+
+
 METHOD_MODULE = """
 from attn_symmetry import matching
 

@@ -153,15 +153,20 @@ def streamed_function_check(model: Model, options: Options, inputs: jax.Array,
     ``function_check``'s dict, with "streamed": True.
 
   Raises:
-    FunctionCheckError: as ``function_check``.
+    FunctionCheckError: as ``function_check``, or a written tensor holds NaN or Inf.
   """
   out: dict[str, Any] = {"inputs": {"seed": CHECK_SEED, "shape": list(inputs.shape)},
                          "streamed": True}
   for folder, (source, folder_ckpt) in written.items():
     reference = streamed_logits(model, source, inputs)
     dtypes = written_dtypes(source, model, options.dtype).values()
-    out[folder] = _judge(folder, reference, streamed_logits(model, folder_ckpt, inputs), options,
-                         dtypes)
+    try:
+      candidate = streamed_logits(model, folder_ckpt, inputs)
+    except ValueError as e:  # read_leaves refuses a tensor that is not finite
+      what = "aligned B" if folder == "aligned_b" else "aligned A"
+      raise FunctionCheckError(f"{what} does not compute its source's function: {e}; nothing "
+                               "is written") from None
+    out[folder] = _judge(folder, reference, candidate, options, dtypes)
   return out
 
 
