@@ -10,9 +10,10 @@ within kv groups, FFN units permuted) with the test helpers of
 METHOD`` in a child and prints its wall time, its stages' times (from its report) and its peak
 RSS (``os.wait4``) against both checkpoints' size, and the RSS sampled every second up to each
 progress line (``align_with_timeline``; all samples in DIR/rss.tsv). The helpers write (and
-plant) tensor by tensor; the alignment holds one layer of each at a time. ``--memory-budget`` (default 6 GB) is passed on: below the four float32 models that the
-in-memory function check holds (7 GB at one layer), so that every depth streams end to end and
-the function check reads the written folders back a layer at a time.
+plant) tensor by tensor; the alignment holds one layer of each at a time. ``--memory-budget``
+(default 6 GB) is passed on: below the four float32 models that the in-memory function check
+holds (7 GB at one layer), so that every depth streams end to end and the function check reads
+the written folders back a layer at a time.
 
     python benchmarks/bench_streamed_alignment.py --check-only --workdir=DIR
 
@@ -46,8 +47,8 @@ def align_with_timeline(work: str, *args: str) -> tuple[int, int, str]:
   peak is placed in its stage."""
   start = time.perf_counter()
   with open(os.devnull, "wb") as null:
-    child = subprocess.Popen([sys.executable, "-c", helpers._ALIGN, *args], stdout=null,  # pylint: disable=protected-access
-                             stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-c", helpers._ALIGN, *args]  # pylint: disable=protected-access
+    child = subprocess.Popen(command, stdout=null, stderr=subprocess.PIPE, text=True)
     lines: list[tuple[float, str]] = []
     reader = threading.Thread(target=lambda: lines.extend(
         (time.perf_counter() - start, line.rstrip()) for line in child.stderr))
