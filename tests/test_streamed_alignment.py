@@ -10,6 +10,7 @@ tensor for tensor.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -196,7 +197,9 @@ def test_peak_memory_grows_with_depth_by_less_than_the_added_layers(tmp_path):
 def test_streamed_descent_is_the_in_memory_one(family, method):
   """Random tiny pairs (GPT-2's permutation residual; Llama's orthogonal one, norm scales
   folded): the streamed descent gives ``align_model``'s element, identical permutations and
-  matrices within 1e-5, after the same rounds and with the same distances (to rounding)."""
+  matrices within 1e-5, after the same rounds and with the same distances (to rounding). Each
+  pass over the groups says one progress line: the first pass, the passes of each round, the
+  distance."""
   model = models.build(family, "tiny")
   params_a, params_b = model.init(jax.random.key(0)), model.init(jax.random.key(1))
   flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
@@ -209,9 +212,18 @@ def test_streamed_descent_is_the_in_memory_one(family, method):
   shapes = {p: (x.shape, x.dtype) for p, x in flat_a.items()}
   with runtime.single_threaded_blas():
     want, want_info = matching.align_model(model.spec, params_a, params_b, method=method)
-    got, info = matching.align_model_streamed(model.spec, read, shapes, method=method)
+    lines = []
+    got, info = matching.align_model_streamed(model.spec, read, shapes, method=method,
+                                              progress=lines.append)
+  groups = len(matching.stream_groups(model.spec))
   assert set(reads) == set(matching.stream_groups(model.spec))  # one group per read
   assert info["rounds"] == int(want_info["rounds"]) > 1
+  passes = [re.fullmatch(rf"(.+): a pass over {groups} groups \(\d+\.\d s\)", l) for l in lines]
+  assert all(passes), lines
+  what = [m[1] for m in passes]
+  assert what[0].startswith("first pass") and what[-1] == "the distance", what
+  rounds = [int(w.split(",")[0].removeprefix("round ")) for w in what[1:-1]]
+  assert rounds == sorted(rounds) and set(rounds) == set(range(1, info["rounds"] + 1)), what
   assert info["folded_norm_scales"] == want_info["folded_norm_scales"] == (family == "llama")
   for when in ("initial", "final"):
     np.testing.assert_allclose(info["distance"][when], want_info["distance"][when], rtol=1e-5)

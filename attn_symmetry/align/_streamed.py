@@ -49,10 +49,12 @@ def _local_mesh() -> jax.sharding.Mesh | None:
   return jax.sharding.Mesh(np.array(devices), ("devices",)) if len(devices) > 1 else None
 
 
-def _match_streamed(inputs: Inputs, options: Options) -> tuple[dict[str, Any], dict[str, Any]]:
+def _match_streamed(inputs: Inputs, options: Options, stage: Stage
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
   """(g, info) of ``matching.align_model_streamed`` of B to A on the scope, the models read
   a group of leaves at a time (``_reader``), each group split over this process's devices
-  where it has several (``_local_mesh``; info["devices"] says how many)."""
+  where it has several (``_local_mesh``; info["devices"] says how many); each pass over the
+  groups says one line to the stage."""
   try:
     for ckpt in (inputs.a, inputs.b):
       safetensors_io.check_tied(ckpt, inputs.model)
@@ -63,7 +65,8 @@ def _match_streamed(inputs: Inputs, options: Options) -> tuple[dict[str, Any], d
   with runtime.release_memory_after_compiles():
     element, info = matching.align_model_streamed(inputs.model.spec, _reader(inputs), shapes,
                                                   scope=inputs.scope, method=options.method,
-                                                  mesh=mesh, **options.matching)
+                                                  mesh=mesh, progress=stage.say,
+                                                  **options.matching)
     jax.block_until_ready(element)
   return element, info | {"devices": 1 if mesh is None else mesh.devices.size}
 
@@ -192,7 +195,7 @@ def stream(inputs: Inputs, options: Options, clock: Clock) -> Alignment:
   """``align_checkpoints``'s streamed stages after the check: "align" (g, ``_match_streamed``)
   and "apply" (B' group by group, ``_apply_streamed``, written with the report into ``out``)."""
   with clock.stage("align") as stage:
-    element, info = _match_streamed(inputs, options)
+    element, info = _match_streamed(inputs, options, stage)
     stage.summary = (f"method {options.method}, {info.get('rounds', 0)} rounds, reading "
                      f"{len(matching.stream_groups(inputs.model.spec))} groups of tensors one at "
                      "a time" + (f", each split over {info['devices']} devices"
