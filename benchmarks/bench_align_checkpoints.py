@@ -10,15 +10,14 @@ safetensors only, then runs ``python -m attn_symmetry.align A B --out DIR
 --merge 0.5`` in a child process twice: with an empty compilation cache (a
 first alignment of the architecture) and with the cache the first run filled.
 Prints each run's load, align (with matching, ``align_model``, on its own) and
-save times (from its report) and its peak
-RSS (the child's VmHWM) against the two checkpoints' size (goal: <= 3x); the
+save times (from its report) and its peak RSS (the child's own VmHWM,
+``tests/child_memory.py``) against the two checkpoints' size (goal: <= 3x); the
 RSS of a child that only imports the command (JAX, Flax) is part of every peak.
 """
 
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,9 +25,12 @@ import time
 import numpy as np
 from safetensors.numpy import save_file
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from attn_symmetry.models import convert
 from attn_symmetry.models import safetensors_io
 from attn_symmetry.models.model import Model
+from tests import child_memory
 
 SIZES = {"full": dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024),
          "quick": dict(n_embd=256, n_layer=4, n_head=4, vocab_size=8192, n_positions=256)}
@@ -57,27 +59,6 @@ def write_checkpoint(folder: str, hf_config: dict, seed: int, dtype: str) -> Non
     json.dump(hf_config, f, indent=2)
 
 
-# Runs python code in a child, then prints the child's peak RSS since exec (VmHWM, kB) last.
-_CHILD = """import sys
-try:
-  {code}
-finally:
-  print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1],
-        file=sys.stderr)"""
-
-
-def child_peak_rss(code: str, *args: str) -> tuple[float, float, str]:
-  """(peak RSS in bytes, wall seconds, stderr) of ``code`` run in a child with ``args``."""
-  start = time.perf_counter()
-  run = subprocess.run([sys.executable, "-c", _CHILD.format(code=code), *args],
-                       capture_output=True, text=True, check=False)
-  wall = time.perf_counter() - start
-  *log, peak = run.stderr.strip().splitlines()
-  if run.returncode:
-    raise SystemExit(f"{code} failed:\n{run.stderr}")
-  return int(peak) * 1024.0, wall, "\n".join(log)
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="width 256, 4 layers")
@@ -99,13 +80,16 @@ def main():
     size = sum(os.path.getsize(os.path.join(d, safetensors_io.WEIGHTS)) for d in (a, b))
     print(f"checkpoints: 2 x GPT-2 {sizes} in {args.dtype}, {size / 2**20:.0f} MiB together "
           f"(written in {time.perf_counter() - start:.1f} s)")
-    base, _, _ = child_peak_rss("import attn_symmetry.align")
+    base = child_memory.run("import attn_symmetry.align").peak
     print(f"importing the command alone: peak RSS {base / 2**20:.0f} MiB")
-    command = "from attn_symmetry import align; align.main(sys.argv[1:])"
+    command = "import sys; from attn_symmetry import align; sys.exit(align.main(sys.argv[1:]))"
     for run in ("empty compilation cache", "warm compilation cache"):
-      peak, wall, log = child_peak_rss(command, a, b, "--out", out, "--merge", "0.5", "--method",
-                                       args.method, "--overwrite", "--compilation-cache",
-                                       os.path.join(work, "jax_cache"))
+      child = child_memory.run(command, a, b, "--out", out, "--merge", "0.5", "--method",
+                               args.method, "--overwrite", "--compilation-cache",
+                               os.path.join(work, "jax_cache"))
+      if child.status:
+        raise SystemExit(f"attn-symmetry align failed:\n{child.stderr}")
+      peak, wall, log = child.peak, child.seconds, child.stderr
       with open(os.path.join(out, "report.json"), encoding="utf-8") as f:
         report = json.load(f)
       t = report["time_s"]

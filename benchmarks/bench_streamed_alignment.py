@@ -7,11 +7,13 @@ Writes A (random, Mistral-7B's shapes: width 4096, FFN 14336, 32 heads in 8 kv g
 dim 128, vocabulary 32000, ``--layers`` layers; norm gains one) and B = g . A (heads permuted
 within kv groups, FFN units permuted) with the test helpers of
 ``tests/test_streamed_alignment.py``, then runs ``attn-symmetry align A B --out DIR --method
-METHOD`` in a child and prints its wall time, its stages' times (from its report) and its peak
-RSS (``os.wait4``) against both checkpoints' size, and the RSS sampled every second up to each
-progress line (``align_with_timeline``; all samples in DIR/rss.tsv). The helpers write (and
-plant) tensor by tensor; the alignment holds one layer of each at a time. ``--memory-budget``
-(default 6 GB) is passed on: below the four float32 models that the in-memory function check
+METHOD`` in a child and prints its wall time, its stages' times (from its report) and its own
+peak RSS (``tests/child_memory.py``: not the writer's) against both checkpoints' size, and the
+RSS sampled every second up to each progress line, one per stage and per pass over the layers
+(``align_with_timeline``; all samples in DIR/rss.tsv). A pair that an earlier run of the same
+depth left in ``--workdir`` is reused (writing it takes 4 minutes at 32 layers). The helpers
+write (and plant) tensor by tensor; the alignment holds one layer of each at a time.
+``--memory-budget`` (default 6 GB) is passed on: below the four float32 models that the in-memory function check
 holds (7 GB at one layer), so that every depth streams end to end and the function check reads
 the written folders back a layer at a time.
 
@@ -25,57 +27,34 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import bench_align_checkpoints
+from tests import child_memory
 from tests import test_streamed_alignment as helpers
 
 GIB = 2 ** 30
 
 
-def align_with_timeline(work: str, *args: str) -> tuple[int, int, str]:
-  """(exit status, peak RSS in bytes, stderr) of ``attn-symmetry align ARGS`` in a child, as
-  ``helpers._align_in_child``, with its RSS sampled every second: written to WORK/rss.tsv
-  (seconds, GiB) and summarised as the largest sample before each progress line, so that a
-  peak is placed in its stage."""
-  start = time.perf_counter()
-  with open(os.devnull, "wb") as null:
-    command = [sys.executable, "-c", helpers._ALIGN, *args]  # pylint: disable=protected-access
-    child = subprocess.Popen(command, stdout=null, stderr=subprocess.PIPE, text=True)
-    lines: list[tuple[float, str]] = []
-    reader = threading.Thread(target=lambda: lines.extend(
-        (time.perf_counter() - start, line.rstrip()) for line in child.stderr))
-    reader.start()
-    samples = []
-    while True:
-      pid, status, usage = os.wait4(child.pid, os.WNOHANG)  # (0, 0, _) while it runs
-      if pid:
-        break
-      try:
-        with open(f"/proc/{child.pid}/status", encoding="utf-8") as f:
-          kib = next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
-        samples.append((time.perf_counter() - start, kib * 1024 / GIB))
-      except (OSError, StopIteration):
-        pass
-      time.sleep(1.0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    reader.join()
+def align_with_timeline(work: str, *args: str) -> child_memory.Child:
+  """``attn-symmetry align ARGS`` in a child (``child_memory.run``: its own peak RSS), its RSS
+  sampled every second: written to WORK/rss.tsv (seconds, GiB) and summarised as the largest
+  sample before each progress line (one per stage and per pass over the layers), so that a
+  peak is placed in its pass."""
+  child = child_memory.run(helpers._ALIGN, *args, sample_every=1.0)  # pylint: disable=protected-access
   with open(os.path.join(work, "rss.tsv"), "w", encoding="utf-8") as f:
-    f.writelines(f"{t:.1f}\t{g:.3f}\n" for t, g in samples)
+    f.writelines(f"{t:.1f}\t{rss / GIB:.3f}\n" for t, rss in child.samples)
   begin = 0.0
-  for at, line in lines:
+  for at, line in child.lines:
     if line.startswith("[align]"):
-      inside = [g for t, g in samples if begin <= t <= at]
-      print(f"  {at:7.0f} s  {line}  (RSS sampled up to {max(inside, default=0):.2f} GiB)")
+      inside = [rss for t, rss in child.samples if begin <= t <= at]
+      print(f"  {at:7.0f} s  {line}  (RSS sampled up to {max(inside, default=0) / GIB:.2f} GiB)",
+            flush=True)
       begin = at
-  return child.returncode, usage.ru_maxrss * 1024, "\n".join(l for _, l in lines)
+  return child
 
 
 def check_written(a: str, b: str, out: str) -> None:
@@ -102,16 +81,30 @@ def _check_only(work: str) -> None:
   """``--check-only``: ``check_written`` on ``work``'s a, b and out in a child."""
   here, root = os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(
       os.path.abspath(__file__)))
-  code = (f"sys.path[:0] = [{here!r}, {root!r}]; import bench_streamed_alignment; "
+  code = (f"import sys; sys.path[:0] = [{here!r}, {root!r}]; import bench_streamed_alignment; "
           "bench_streamed_alignment.check_written(*sys.argv[1:])")
-  peak, wall, log = bench_align_checkpoints.child_peak_rss(
-      code, *(os.path.join(work, x) for x in ("a", "b", "out")))
-  result = json.loads(log.strip().splitlines()[-1])
+  child = child_memory.run(code, *(os.path.join(work, x) for x in ("a", "b", "out")))
+  if child.status:
+    raise SystemExit(child.stderr)
+  peak, wall = child.peak, child.seconds
+  result = json.loads(child.stderr.strip().splitlines()[-1])
   size = sum(os.path.getsize(os.path.join(work, x, "model.safetensors")) for x in ("a", "b"))
   folders = ", ".join(f"{k} {v['relative']:.2g} of its source's logits"
                       for k, v in result.items() if k.startswith("aligned_"))
   print(f"read-back function check: {result['seconds']:.0f} s ({wall:.0f} s with the child's "
         f"start); peak RSS {peak / GIB:.2f} GiB, checkpoints {size / GIB:.2f} GiB; {folders}")
+
+
+def _check_reused(work: str, layers: int) -> None:
+  """Refuses a pair left in ``work`` by an earlier run of another depth, or an output folder."""
+  with open(os.path.join(work, "a", "config.json"), encoding="utf-8") as f:
+    depth = json.load(f)["num_hidden_layers"]
+  if depth != layers:
+    raise SystemExit(f"{work} holds a pair of {depth} layers from an earlier run, not --layers="
+                     f"{layers}: give another --workdir")
+  if os.path.exists(os.path.join(work, "out")):
+    raise SystemExit(f"{work}/out holds an earlier run's outputs: move it away to run again on "
+                     "its pair")
 
 
 def main() -> None:
@@ -122,7 +115,9 @@ def main() -> None:
                       help="most rounds of the descent (default: until it converges)")
   parser.add_argument("--memory-budget", default="6",
                       help="the command's --memory-budget in GB (default 6: streams every depth)")
-  parser.add_argument("--workdir", default=None)
+  parser.add_argument("--workdir", default=None,
+                      help="where the pair and the outputs go (default: a temporary folder, "
+                           "removed after); a pair an earlier run left there is reused")
   parser.add_argument("--check-only", action="store_true",
                       help="only the read-back function check on an earlier run's --workdir")
   args = parser.parse_args()
@@ -134,18 +129,22 @@ def main() -> None:
   work = args.workdir or tempfile.mkdtemp(prefix="bench_streamed_")
   a, b, out = (os.path.join(work, x) for x in ("a", "b", "out"))
   start = time.perf_counter()
-  helpers.write_mistral(a, args.layers, seed=0)
-  helpers.plant(a, b, seed=1)
+  if os.path.isdir(a) and os.path.isdir(b):
+    _check_reused(work, args.layers)
+    what = f"reused the pair in {work}"
+  else:
+    helpers.write_mistral(a, args.layers, seed=0)
+    helpers.plant(a, b, seed=1)
+    what = "wrote the pair"
   size = sum(os.path.getsize(os.path.join(x, "model.safetensors")) for x in (a, b))
-  print(f"wrote the pair ({args.layers} layers, {size / GIB:.2f} GiB) in "
+  print(f"{what} ({args.layers} layers, {size / GIB:.2f} GiB) in "
         f"{time.perf_counter() - start:.0f} s", flush=True)
-  start = time.perf_counter()
   rounds = [] if args.max_rounds is None else ["--max-rounds", str(args.max_rounds)]
-  status, peak, err = align_with_timeline(work, a, b, "--out", out, "--method", args.method,
-                                          "--memory-budget", args.memory_budget, *rounds)
-  wall = time.perf_counter() - start
-  if status:
-    raise SystemExit(err)
+  child = align_with_timeline(work, a, b, "--out", out, "--method", args.method,
+                              "--memory-budget", args.memory_budget, *rounds)
+  if child.status:
+    raise SystemExit(child.stderr)
+  peak, wall = child.peak, child.seconds
   with open(os.path.join(out, "report.json"), encoding="utf-8") as f:
     report = json.load(f)
   stages = ", ".join(f"{k} {v:.0f} s" for k, v in report["time_s"].items())

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from attn_symmetry import matching
 from attn_symmetry import models
 from attn_symmetry.models import convert
+from tests import child_memory
 from tests.conftest import with_xla_flags
 from attn_symmetry import runtime
 from attn_symmetry import spec as spec_lib
@@ -107,7 +108,8 @@ def plant(folder_a, folder_b, seed):
     for name in ("gate_proj", "up_proj"):
       moves[p + f"mlp.{name}.weight"] = lambda w, pi=pi: w[pi]
     moves[p + "mlp.down_proj.weight"] = lambda w, pi=pi: w[:, pi]
-  with safe_open(os.path.join(folder_a, "model.safetensors"), framework="numpy") as f:
+  with safe_open(os.path.join(folder_a, "model.safetensors"), framework="numpy",
+                 backend="pread") as f:  # mmap would count every page read in this RSS
     shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     move = lambda name: moves.get(name, lambda w: w)(f.get_tensor(name))
     _write_tensors(folder_b, shapes, move, config)
@@ -117,8 +119,10 @@ def differing_tensors(folder_x, folder_y):
   """The names of the tensors of ``folder_x``/model.safetensors that ``folder_y``'s lacks or
   holds with other values (or dtype), and those only ``folder_y``'s holds; read one tensor at a
   time."""
-  with (safe_open(os.path.join(folder_x, "model.safetensors"), framework="numpy") as x,
-        safe_open(os.path.join(folder_y, "model.safetensors"), framework="numpy") as y):
+  with (safe_open(os.path.join(folder_x, "model.safetensors"), framework="numpy",
+                  backend="pread") as x,
+        safe_open(os.path.join(folder_y, "model.safetensors"), framework="numpy",
+                  backend="pread") as y):
     names_x, names_y = set(x.keys()), set(y.keys())
     differ = sorted(names_x ^ names_y)
     for name in sorted(names_x & names_y):
@@ -128,21 +132,16 @@ def differing_tensors(folder_x, folder_y):
   return differ
 
 
-# The alignment in a child, so that its peak RSS (os.wait4's ru_maxrss) is its own.
 _ALIGN = ("import sys; from attn_symmetry import align; "
           "sys.exit(align.cli(['align', *sys.argv[1:]]))")
 
 
 def _align_in_child(*args, env=None):
   """(exit status, peak RSS in bytes, stderr) of ``attn-symmetry align ARGS`` in a child (with
-  ``env`` added to this process's environment)."""
-  with open(os.devnull, "wb") as null:
-    child = subprocess.Popen([sys.executable, "-c", _ALIGN, *args], stdout=null,
-                             stderr=subprocess.PIPE, env=os.environ | (env or {}))
-    err = child.stderr.read().decode()
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-  return child.returncode, usage.ru_maxrss * 1024, err
+  ``env`` added to this process's environment): the child's own peak (``child_memory``), not
+  this process's."""
+  child = child_memory.run(_ALIGN, *args, env=env)
+  return child.status, child.peak, child.stderr
 
 
 # A narrower Mistral (width 1024, FFN 3584, 8 query heads in 2 kv groups of 128, vocabulary
