@@ -164,10 +164,9 @@ def test_peak_memory_grows_with_depth_by_less_than_the_added_layers(tmp_path):
   glibc's allocator keeps freed buffers of under 32 MB for reuse once its mmap threshold has
   risen to their size (a layer's tensors are 4-15 MB here; Mistral-7B's are over 32 MB and go
   back to the system when freed), so the child runs with a fixed threshold
-  (``MALLOC_MMAP_THRESHOLD_``): the peak is then what the alignment holds. Measured with it, in
-  three runs: 0.77-0.78 -> 0.91-0.94 GiB, each layer's descent peaking at 0.84-0.87 GiB at
-  depth 8 and the apply pass flat; without it the peak grew by 0.16-0.33 GiB in four runs and by
-  more than the bound in a fifth, retained free memory rising through the apply pass."""
+  (``MALLOC_MMAP_THRESHOLD_``): the peak is then what the alignment holds. The child's own
+  peak (``child_memory``), in three runs with it: 0.72-0.77 -> 0.78-0.85 GiB; in two without
+  it: 0.99-1.06 -> 1.00-1.08 GiB, the retained buffers a quarter of the peak."""
   peaks, added = {}, 0
   for depth in (1, 8):
     a, b, out = (str(tmp_path / f"{x}{depth}") for x in ("a", "b", "out"))
