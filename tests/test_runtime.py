@@ -12,6 +12,7 @@ import pytest
 import threadpoolctl
 
 from attn_symmetry import runtime
+from tests import child_memory
 
 
 def test_jsonable_turns_arrays_and_keys_into_json():
@@ -61,6 +62,46 @@ def test_release_free_memory_returns_freed_heap_pages():
   assert runtime.release_free_memory() is True
   assert held - _rss_bytes() > 50e6
   del last
+
+
+# With malloc itself (as XLA's buffers are allocated): frees a 16 MiB block (glibc's threshold
+# rises to it), then allocates 40 blocks of 8 MiB, each followed by one of 1 MiB that stays (small
+# ones could come from free fragments below, leaving the 40 at the heap's top, which is trimmed),
+# frees the 40 and prints the resident bytes released.
+_FREED_BUFFERS = """
+import ctypes, os, sys
+from attn_symmetry import runtime
+if sys.argv[1] == "fixed":
+  assert runtime.return_freed_buffers()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+libc.free(libc.malloc(16 << 20))
+blocks, pins = [], []
+for _ in range(40):
+  blocks.append(libc.malloc(8 << 20))
+  ctypes.memset(blocks[-1], 1, 8 << 20)
+  pins.append(libc.malloc(1 << 20))
+before = rss()
+for block in blocks:
+  libc.free(block)
+print(before - rss(), file=sys.stderr)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or
+                    getattr(runtime._libc(), "mallopt", None) is None,  # pylint: disable=protected-access
+                    reason="mallopt is glibc's")
+def test_return_freed_buffers_hands_each_large_buffer_back_when_freed():
+  """In a child (the setting is the whole process's): 320 MiB of 8 MiB buffers, freed, stay
+  resident under glibc's default (its threshold has risen to 16 MiB) and leave with
+  ``return_freed_buffers``."""
+  released = {}
+  for how in ("default", "fixed"):
+    child = child_memory.run(_FREED_BUFFERS, how)
+    assert child.status == 0, child.stderr
+    released[how] = int(child.stderr.split()[-1])
+  assert released["default"] < 50 * 2 ** 20 < 300 * 2 ** 20 < released["fixed"], released
 
 
 def test_release_memory_after_compiles_runs_after_each_compile_in_the_block(monkeypatch):

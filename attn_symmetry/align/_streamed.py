@@ -193,7 +193,11 @@ def _apply_streamed(inputs: Inputs, options: Options, element: dict[str, Any],
 
 def stream(inputs: Inputs, options: Options, clock: Clock) -> Alignment:
   """``align_checkpoints``'s streamed stages after the check: "align" (g, ``_match_streamed``)
-  and "apply" (B' group by group, ``_apply_streamed``, written with the report into ``out``)."""
+  and "apply" (B' group by group, ``_apply_streamed``, written with the report into ``out``).
+  Both allocate and free a layer's buffers over and over: from here on the process returns each
+  large buffer to the system as it is freed (``runtime.return_freed_buffers``), so that its
+  resident memory is what it holds."""
+  runtime.return_freed_buffers()
   with clock.stage("align") as stage:
     element, info = _match_streamed(inputs, options, stage)
     stage.summary = (f"method {options.method}, {info.get('rounds', 0)} rounds, reading "

@@ -17,6 +17,7 @@ Everything outside this package sees them through ``Model``:
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -111,8 +112,9 @@ class Model:
     ``read(paths)`` returns {path: array} for those parameter paths. The parameters outside
     the layers (embeddings, final norm, heads) are read first and held throughout; then each
     ``layers_i`` is read, run on the stream and released before the next is read: memory holds
-    the outside and one layer, not the model. The outside runs eagerly, each layer as one
-    program (compiled once for all layers of one shape).
+    the outside and one layer, not the model, and none of it once the logits are returned. The
+    outside runs eagerly, each layer as one program (compiled once for all layers of one
+    shape).
 
     Args:
       read: the parameters, by path (any float dtype; computed in the arrays' dtype).
@@ -133,10 +135,18 @@ class Model:
     def stack(x, *, positions, mask):
       for i, paths in enumerate(layers):
         params = spec_lib.unflatten(dict(read(paths)))[f"layers_{i}"]
-        x = _run_layer(self._layer_graphdef, params, x, positions, mask)
+        # The layer's program has run, and the layer is released, before the next is read:
+        # dispatch is asynchronous, and the queued programs would hold their layers.
+        x = jax.block_until_ready(_run_layer(self._layer_graphdef, params, x, positions, mask))
+        del params
       return x
 
-    return module(inputs, mask=mask, segments=segments, layers=stack)[0]
+    logits = module(inputs, mask=mask, segments=segments, layers=stack)[0]
+    # The module holds the outside in reference cycles (flax's object graph): collected now, it
+    # is not still in memory when the next model is read (a 7B model's embeddings and head: 1 GB).
+    del module, outside
+    gc.collect()
+    return logits
 
   @functools.cached_property
   def _layer_graphdef(self) -> nnx.GraphDef:
