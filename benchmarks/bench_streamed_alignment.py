@@ -13,9 +13,9 @@ RSS sampled every second up to each progress line, one per stage and per pass ov
 (``align_with_timeline``; all samples in DIR/rss.tsv). A pair that an earlier run of the same
 depth left in ``--workdir`` is reused (writing it takes 4 minutes at 32 layers). The helpers
 write (and plant) tensor by tensor; the alignment holds one layer of each at a time.
-``--memory-budget`` (default 6 GB) is passed on: below the four float32 models that the in-memory function check
-holds (7 GB at one layer), so that every depth streams end to end and the function check reads
-the written folders back a layer at a time.
+``--memory-budget`` (default 6 GB) is passed on: below the four float32 models that the
+in-memory function check holds (7 GB at one layer), so that every depth streams end to end and
+the function check reads the written folders back a layer at a time.
 
     python benchmarks/bench_streamed_alignment.py --check-only --workdir=DIR
 
@@ -44,7 +44,8 @@ def align_with_timeline(work: str, *args: str) -> child_memory.Child:
   sampled every second: written to WORK/rss.tsv (seconds, GiB) and summarised as the largest
   sample before each progress line (one per stage and per pass over the layers), so that a
   peak is placed in its pass."""
-  child = child_memory.run(helpers._ALIGN, *args, sample_every=1.0)  # pylint: disable=protected-access
+  align = helpers._ALIGN  # pylint: disable=protected-access
+  child = child_memory.run(align, *args, sample_every=1.0)
   with open(os.path.join(work, "rss.tsv"), "w", encoding="utf-8") as f:
     f.writelines(f"{t:.1f}\t{rss / GIB:.3f}\n" for t, rss in child.samples)
   begin = 0.0
