@@ -9,8 +9,8 @@ quicker proxy at GPT-2 small's width) as Hugging Face folders, with numpy and
 safetensors only, then runs ``python -m attn_symmetry.align A B --out DIR
 --merge 0.5`` in a child process twice: with an empty compilation cache (a
 first alignment of the architecture) and with the cache the first run filled.
-Prints each run's load, align (with matching, ``align_model``, on its own) and
-save times (from its report) and its peak RSS (the child's own VmHWM,
+Prints each run's stage times (from its report: streamed, check, align and apply; in
+memory, also load and matching, ``align_model``, on its own) and its peak RSS (the child's own VmHWM,
 ``tests/child_memory.py``) against the two checkpoints' size (goal: <= 3x); the
 RSS of a child that only imports the command (JAX, Flax) is part of every peak.
 """
@@ -92,11 +92,10 @@ def main():
       peak, wall, log = child.peak, child.seconds, child.stderr
       with open(os.path.join(out, "report.json"), encoding="utf-8") as f:
         report = json.load(f)
-      t = report["time_s"]
+      stages = " | ".join(f"{name} {seconds:.1f} s" for name, seconds in report["time_s"].items())
       print(f"{run}:\n{log}")
-      print(f"  load {t['load']:.1f} s | align {t['align']:.1f} s (matching {t['align_model']:.1f} s, "
-            f"{report['rounds']} rounds) | save {t['save']:.1f} s "
-            f"(aligned_b and merged) | whole command {wall:.1f} s")
+      print(f"  {stages} ({report['rounds']} rounds; aligned_b and merged written) | whole "
+            f"command {wall:.1f} s")
       print(f"  peak RSS {peak / 2**20:.0f} MiB = {peak / size:.2f} x the checkpoints (goal <= 3)")
 
 
