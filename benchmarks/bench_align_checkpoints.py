@@ -9,8 +9,8 @@ quicker proxy at GPT-2 small's width) as Hugging Face folders, with numpy and
 safetensors only, then runs ``python -m attn_symmetry.align A B --out DIR
 --merge 0.5`` in a child process twice: with an empty compilation cache (a
 first alignment of the architecture) and with the cache the first run filled.
-Prints each run's stage times (from its report: streamed, check, align and apply; in
-memory, also load and matching, ``align_model``, on its own) and its peak RSS (the child's own VmHWM,
+Prints each run's stage times (its report's ``time_s``: check, align and apply, as the
+command streams by default) and its peak RSS (the child's own VmHWM,
 ``tests/child_memory.py``) against the two checkpoints' size (goal: <= 3x); the
 RSS of a child that only imports the command (JAX, Flax) is part of every peak.
 """
