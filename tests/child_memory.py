@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 # Runs the code in argv[1] with argv[2:] as its arguments, then says the peak RSS last on stderr.
 _WRAPPER = """import sys
@@ -53,18 +53,15 @@ class Child:
   seconds: float
 
 
-def run(code: str, *args: str, env: Mapping[str, str] | None = None,
-        sample_every: float | None = None) -> Child:
-  """Runs the Python ``code`` in a child with ``sys.argv[1:] == args`` (and ``env`` added to this
-  process's environment), its stdout discarded; its RSS sampled every ``sample_every``
-  seconds where given (``/proc/PID/status``'s VmRSS)."""
+def run(code: str, *args: str, sample_every: float | None = None) -> Child:
+  """Runs the Python ``code`` in a child with ``sys.argv[1:] == args``, its stdout discarded;
+  its RSS sampled every ``sample_every`` seconds where given (``/proc/PID/status``'s VmRSS)."""
   start = time.perf_counter()
   argv: Sequence[str] = [sys.executable, "-c", _WRAPPER, code, *args]
   lines: list[tuple[float, str]] = []
   samples: list[tuple[float, int]] = []
   with open(os.devnull, "wb") as null:
-    child = subprocess.Popen(argv, stdout=null, stderr=subprocess.PIPE, text=True,
-                             env=os.environ | dict(env or {}))
+    child = subprocess.Popen(argv, stdout=null, stderr=subprocess.PIPE, text=True)
     reader = threading.Thread(target=lambda: lines.extend(
         (time.perf_counter() - start, line.rstrip("\n")) for line in child.stderr))
     reader.start()

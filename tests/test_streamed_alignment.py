@@ -136,11 +136,10 @@ _ALIGN = ("import sys; from attn_symmetry import align; "
           "sys.exit(align.cli(['align', *sys.argv[1:]]))")
 
 
-def _align_in_child(*args, env=None):
-  """(exit status, peak RSS in bytes, stderr) of ``attn-symmetry align ARGS`` in a child (with
-  ``env`` added to this process's environment): the child's own peak (``child_memory``), not
-  this process's."""
-  child = child_memory.run(_ALIGN, *args, env=env)
+def _align_in_child(*args):
+  """(exit status, peak RSS in bytes, stderr) of ``attn-symmetry align ARGS`` in a child: the
+  child's own peak (``child_memory``), not this process's."""
+  child = child_memory.run(_ALIGN, *args)
   return child.status, child.peak, child.stderr
 
 
