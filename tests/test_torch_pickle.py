@@ -315,7 +315,7 @@ def test_sharded_bin_folder_reads_and_saves_as_safetensors(tmp_path):
   assert written == ["config.json", *(f"model-{i:05d}-of-{n:05d}.safetensors"
                                       for i in range(1, n + 1)), "model.safetensors.index.json"]
   index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
-  assert index["weight_map"] == {k: safetensors_io.safetensors_name(t.file)
+  assert index["weight_map"] == {k: safetensors_io.output_files(ckpt)[t.file]
                                  for k, t in ckpt.tensors.items()}
   for file in written[1:-1]:
     with safe_open(os.path.join(out, file), framework="numpy") as f:
@@ -372,8 +372,9 @@ def test_alignment_of_bin_folders_without_torch(tmp_path, monkeypatch):
 
   aligned = str(tmp_path / "out_bin" / "aligned_b")
   files = sorted(f for f in os.listdir(aligned) if f.endswith(".safetensors"))
-  assert files == [safetensors_io.safetensors_name(f) for f in sorted(os.listdir(bin_b))
-                   if f.endswith(".bin")] and len(files) > 1
+  bins = sorted(f for f in os.listdir(bin_b) if f.endswith(".bin"))
+  assert files == [f"model-{i:05d}-of-{len(bins):05d}.safetensors"
+                   for i in range(1, len(bins) + 1)] and len(files) > 1
   assert not any(f.endswith(".bin") or f.startswith("pytorch_model") for f in os.listdir(aligned))
   tensors = {}
   for file in files:

@@ -139,13 +139,25 @@ def _architecture_difference(a: safetensors_io.Checkpoint, b: safetensors_io.Che
           f"in {b.name}")
 
 
+def _inside(path: str, folder: str) -> bool:
+  """Whether real path ``path`` is ``folder`` or lies inside it."""
+  return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
 def _check_out(out: str, overwrite: bool, inputs: Sequence[safetensors_io.Checkpoint]) -> None:
+  """Refuses an output folder that overlaps an input folder, or holds a file that is read (a
+  weight file may be a link to a file elsewhere), or is not a writable, empty folder (unless
+  ``overwrite``)."""
   real = os.path.realpath(out)
   for ckpt in inputs:
     model = os.path.realpath(ckpt.path)
-    if real == model or real.startswith(model + os.sep) or model.startswith(real + os.sep):
+    if _inside(real, model) or _inside(model, real):
       raise InputError(f"--out {out} overlaps {ckpt.name}: nothing is written in or around an "
                        "input folder")
+    for file in ckpt.files_read:
+      if _inside(file, real):
+        raise InputError(f"--out {out} holds {file}, which {ckpt.name} reads: nothing is written "
+                         "where an input file lies")
   if os.path.exists(out) and not os.path.isdir(out):
     raise InputError(f"--out {out} is a file")
   if os.path.isdir(out) and os.listdir(out) and not overwrite:

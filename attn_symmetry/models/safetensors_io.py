@@ -17,7 +17,7 @@ stored tensor at a time besides the float32 parameters. bfloat16 tensors come
 as ``ml_dtypes.bfloat16`` arrays; ``save_params`` writes every tensor back in
 its stored dtype (or float32), always as safetensors: a ``.bin`` folder's
 ``pytorch_model[-0000i-of-0000n].bin`` become ``model[-0000i-of-0000n].safetensors``
-(``safetensors_name``) with the same tensor names and shards.
+(``output_files``) with the same tensor names and shards.
 
 Names. Files keep the tensor names of the checkpoint format on the Hub, which
 can differ from the state dict of transformers' current classes, the names of
@@ -32,6 +32,14 @@ must equal what they repeat and are written as it.
 
 Every problem with a folder is a ValueError of one line that starts with the
 folder's name and names the file, tensor or config field.
+
+Paths. Every file read comes from its folder: an index entry must be the plain
+name of a weight file inside the folder (no folder part, absolute path or
+``..``), or the folder is refused before any tensor is read. A weight file may be
+a symbolic link (a Hub cache's snapshot links to its blobs), and is read
+through it. Writers create new files only, by names they compose
+(``output_files``; the side files keep the names ``os.listdir`` gives), and
+never write through a symbolic link.
 """
 
 from __future__ import annotations
@@ -186,8 +194,19 @@ class Checkpoint:
       raise self.error(f"{self.index} has no weight_map")
     files: dict[str, list[str] | None] = {}
     for key, file in weight_map.items():
-      files.setdefault(file, []).append(key)
+      files.setdefault(self._weight_file_name(key, file), []).append(key)
     return files
+
+  def _weight_file_name(self, key: str, file: Any) -> str:
+    """``file``, the index's entry for tensor ``key``, if it is a plain file name of this folder
+    with the weights' extension: no folder part, absolute path or ``..``, so that nothing
+    outside the folder is read (or, by a writer laid out as this folder, written)."""
+    suffix = ".bin" if self.torch else ".safetensors"
+    if (not isinstance(file, str) or os.path.basename(file) != file or file in (".", "..")
+        or "\\" in file or "\0" in file or not file.endswith(suffix) or file == suffix):
+      raise self.error(f"{self.index} puts tensor {key!r} in {file!r}: an index entry must be "
+                       f"the plain name of a {suffix} file inside the folder")
+    return file
 
   def _read_header(self, file: str, keys: list[str] | None) -> None:
     full = os.path.join(self.path, file)
@@ -249,6 +268,21 @@ class Checkpoint:
     return sum(t.nbytes for t in self.tensors.values())
 
   @property
+  def side_files(self) -> list[str]:
+    """The folder's small files that a writer laid out as it copies (``_SIDE_FILES``: the
+    tokenizer, the generation config, ...), by name."""
+    return [file for file in sorted(os.listdir(self.path))
+            if file.endswith(_SIDE_FILES) and file not in (CONFIG, INDEX, BIN_INDEX)
+            and os.path.isfile(os.path.join(self.path, file))]
+
+  @property
+  def files_read(self) -> list[str]:
+    """The real path (symbolic links resolved: a Hub cache's snapshot links to its blobs) of
+    every file that reading this folder and writing a copy of it reads."""
+    names = [CONFIG, *([self.index] if self.index else []), *self.files, *self.side_files]
+    return [os.path.realpath(os.path.join(self.path, name)) for name in names]
+
+  @property
   def dtypes(self) -> list[str]:
     """The numpy names of the stored dtypes of the parameters, most bytes first."""
     size: dict[str, int] = {}
@@ -295,15 +329,23 @@ def check_layout(ckpt: Checkpoint, model: Model) -> None:
                  f"{aliases[k]} {wanted[aliases[k]]}")
 
 
-def safetensors_name(file: str) -> str:
-  """The safetensors file that ``save_params`` writes for weight file ``file``:
-  ``pytorch_model-00001-of-00002.bin`` -> ``model-00001-of-00002.safetensors``."""
-  if not file.endswith(".bin"):
-    return file
-  stem = file[:-len(".bin")]
-  if stem.startswith("pytorch_model"):
-    stem = "model" + stem[len("pytorch_model"):]
-  return stem + ".safetensors"
+def output_files(like: Checkpoint) -> dict[str, str]:
+  """The safetensors file that a writer laid out as ``like`` writes for each of its weight
+  files, by a name composed here, never taken from ``like``: ``model.safetensors``, or
+  ``model-0000i-of-0000n.safetensors`` for the i-th of n shards in name order (the names that
+  transformers gives shards, so that ``pytorch_model-00001-of-00002.bin`` becomes
+  ``model-00001-of-00002.safetensors``)."""
+  files = sorted(like.files)
+  if not like.sharded:
+    return {files[0]: WEIGHTS}
+  return {file: f"model-{i:05d}-of-{len(files):05d}.safetensors"
+          for i, file in enumerate(files, 1)}
+
+
+def _create(path: str) -> int:
+  """A file descriptor of ``path``, a new file opened for writing: refused (FileExistsError)
+  where anything is there already, a symbolic link included."""
+  return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
 
 
 def _by_key(table: Mapping[str, convert.Source]) -> dict[str, list[tuple[str, convert.Source]]]:
@@ -388,6 +430,7 @@ class FolderWriter:
     self._waiting = {source: {path for path, _ in entries} for source, entries in
                      self._by_key.items()}
     self._leaves: dict[str, Any] = {}
+    self._names = output_files(like)
     os.makedirs(self.path)
     self._layout = {file: self._write_header(file, keys) for file, keys in like.files.items()}
     for key in like.tensors:
@@ -414,7 +457,7 @@ class FolderWriter:
       starts[key], offset = offset, offset + nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(os.path.join(self.path, safetensors_name(file)), "wb") as f:
+    with open(_create(os.path.join(self.path, self._names[file])), "wb") as f:
       f.write(len(text).to_bytes(8, "little") + text)
       f.truncate(8 + len(text) + offset)
     return {key: 8 + len(text) + start for key, start in starts.items()}
@@ -422,7 +465,8 @@ class FolderWriter:
   def _write(self, key: str, value: np.ndarray) -> None:
     file = self.like.tensors[key].file
     value = np.ascontiguousarray(value, dtype=self._target(key))
-    with open(os.path.join(self.path, safetensors_name(file)), "r+b") as f:
+    path = os.path.join(self.path, self._names[file])
+    with open(os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0)), "r+b") as f:
       f.seek(self._layout[file][key])
       f.write(value.tobytes())
     self._layout[file].pop(key)
@@ -448,7 +492,7 @@ class FolderWriter:
     like = self.like
     if like.sharded:
       total = sum(math.prod(like.tensors[k].shape) * self._target(k).itemsize for k in like.tensors)
-      weight_map = {key: safetensors_name(like.tensors[key].file) for key in like.tensors}
+      weight_map = {key: self._names[like.tensors[key].file] for key in like.tensors}
       _write_json(os.path.join(self.path, INDEX), {"metadata": {"total_size": total},
                                                    "weight_map": weight_map})
     hf_config = dict(like.hf_config)
@@ -456,11 +500,10 @@ class FolderWriter:
       hf_config.update({k: "float32" for k in ("dtype", "torch_dtype") if k in hf_config} or
                        {"dtype": "float32"})
     _write_json(os.path.join(self.path, CONFIG), hf_config)
-    for file in sorted(os.listdir(like.path)):
-      full = os.path.join(like.path, file)
-      if (file.endswith(_SIDE_FILES) and file not in (CONFIG, INDEX, BIN_INDEX)
-          and os.path.isfile(full)):
-        shutil.copyfile(full, os.path.join(self.path, file))
+    for file in like.side_files:
+      with open(os.path.join(like.path, file), "rb") as src, \
+           open(_create(os.path.join(self.path, file)), "wb") as dst:
+        shutil.copyfileobj(src, dst)
 
 
 def _numpy_dtype(code: str) -> np.dtype:
@@ -470,7 +513,7 @@ def _numpy_dtype(code: str) -> np.dtype:
 def save_params(path: str | os.PathLike, like: Checkpoint, model: Model, params: Mapping[str, Any],
                 *, dtype: str = "keep", leaf_fn: LeafFn | None = None) -> None:
   """Writes ``params`` as a safetensors model folder laid out as ``like``: its tensor names and
-  shards (a ``.bin`` shard's safetensors file is ``safetensors_name`` of it).
+  shards, in files named by ``output_files``.
 
   With ``leaf_fn``, ``leaf_fn(path, leaf)`` is written for each leaf of
   ``params`` instead (its parameter path, e.g. "layers_0/attention/query/kernel"), computed
@@ -495,6 +538,6 @@ def save_params(path: str | os.PathLike, like: Checkpoint, model: Model, params:
 
 
 def _write_json(path: str, value: Any) -> None:
-  with open(path, "w", encoding="utf-8") as f:
+  with open(_create(path), "w", encoding="utf-8") as f:
     json.dump(value, f, indent=2, sort_keys=True)
     f.write("\n")
