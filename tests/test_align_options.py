@@ -65,6 +65,9 @@ def no_file_access(monkeypatch):
     dict(matching=dict(distance="cosine", steps=0, init="best", max_rounds=2)),
     dict(method="learned", matching=dict(factors=("residual",))),
     dict(method="learned", matching=dict(factors=["attention", "heads", "ffn", "residual"])),
+    dict(matching=dict(solver="adam", learning_rate=0.05, steps=np.int64(10), refine="final")),
+    dict(method="learned", matching=dict(learning_rate=1e-3, steps=5, max_rounds=1)),
+    dict(method="perm", matching=dict(distance="squared", max_rounds=1)),
 ], ids=repr)
 def test_good_options_pass_without_reading_a_file(changes, no_file_access):
   _check.check_options(_options(**changes))
@@ -87,6 +90,23 @@ def test_good_options_pass_without_reading_a_file(changes, no_file_access):
     (dict(method="learned", matching=dict(factors="ffn")),
      r"--factors must list some of attention, heads, ffn, residual, got 'ffn'"),
     (dict(matching=dict(distance="l1")), r"--distance must be one of frobenius, squared, "),
+    (dict(matching=dict(steps=-5)), r"--steps must be a non-negative integer, got -5"),
+    (dict(matching=dict(steps=2.5)), r"--steps must be a non-negative integer, got 2.5"),
+    (dict(matching=dict(max_rounds=0)), r"--max-rounds must be a positive integer, got 0"),
+    (dict(matching=dict(solver="lbfgs")),
+     r"--solver must be one of gauss_newton, adam, got 'lbfgs'"),
+    (dict(matching=dict(init="foo")), r"--init must be one of procrustes, best, got 'foo'"),
+    (dict(matching=dict(refine="foo")),
+     r"--refine must be one of every_round, final, got 'foo'"),
+    (dict(matching=dict(solver="adam", learning_rate=-1)),
+     r"--learning-rate must be a positive number, got -1"),
+    (dict(matching=dict(learning_rate=0.1)),
+     r"--learning-rate is the Adam solver's step size; --solver is 'gauss_newton' \(give "
+     r"--solver adam, or no --learning-rate\)"),
+    (dict(method="perm", matching=dict(steps=3)),
+     r"--steps is not read by --method perm \(it reads --distance, --max-rounds\)"),
+    (dict(method="naive", matching=dict(distance="cosine")),
+     r"--distance is not read by --method naive \(it reads no matching option\)"),
     (dict(scope=","), r"--scope  holds no whole attention site or factor to align"),
     (dict(scope=()), r"--scope  holds no whole attention site or factor to align"),
     (dict(scope=("layers_0", 3)),

@@ -39,7 +39,9 @@ def check_options(options: Options) -> None:
     raise InputError(f"unknown matching options {unknown}; known: {', '.join(MATCHING_OPTIONS)}")
   if options.matching.get("distance", "frobenius") not in matching.DISTANCES:
     raise InputError(f"--distance must be one of {', '.join(matching.DISTANCES)}")
+  _check_matching_values(options.matching)
   _check_factors(options)
+  _check_options_read(options)
   _check_scope(options.scope)
   if options.merge is not None and not 0.0 <= options.merge <= 1.0:
     raise InputError(f"--merge must lie in [0, 1], got {options.merge}")
@@ -61,6 +63,60 @@ def check_options(options: Options) -> None:
                              ("--eval-batches", options.eval_batches, 1)):
     if int(value) != value or value < least:
       raise InputError(f"{name} must be an integer >= {least}, got {value}")
+
+
+def flag(option: str) -> str:
+  """The command-line flag of a matching option: ``learning_rate`` -> ``--learning-rate``."""
+  return "--" + option.replace("_", "-")
+
+
+_is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+_is_real = lambda v: isinstance(v, (int, float, np.floating)) and not isinstance(v, bool)
+# Matching option -> (whether a value is in its range, the range in words).
+_RANGES = {
+    "steps": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    "max_rounds": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "learning_rate": (lambda v: _is_real(v) and math.isfinite(v) and v > 0, "a positive number"),
+    "init": (lambda v: v in matching.INITS, f"one of {', '.join(matching.INITS)}"),
+    "refine": (lambda v: v in matching.REFINES, f"one of {', '.join(matching.REFINES)}"),
+    "solver": (lambda v: v in matching.SOLVERS, f"one of {', '.join(matching.SOLVERS)}"),
+}
+
+
+def _check_matching_values(given: dict[str, Any]) -> None:
+  """Refuses a matching option outside its range (``_RANGES``)."""
+  for option, (ok, what) in _RANGES.items():
+    if option in given and not ok(given[option]):
+      raise InputError(f"{flag(option)} must be {what}, got {given[option]!r}")
+
+
+def options_read(method: str, given: dict[str, Any]) -> tuple[str, ...]:
+  """The matching options that ``method`` reads, given the options ``given``: those its
+  ``matching.Method`` names, ``max_rounds`` for a built-in descent (every built-in method but
+  "naive"), and ``learning_rate`` for "full" only with the Adam solver (Gauss-Newton takes
+  no step size)."""
+  spec = matching.METHODS[method]
+  read = list(spec.options)
+  if spec.align is None and method != "naive":
+    read.append("max_rounds")
+  if method == "full" and given.get("solver", matching.SOLVERS[0]) != "adam":
+    read.remove("learning_rate")
+  return tuple(o for o in MATCHING_OPTIONS if o in read)
+
+
+def _check_options_read(options: Options) -> None:
+  """Refuses a matching option that the method (and solver) would ignore."""
+  read = options_read(options.method, options.matching)
+  for option in options.matching:
+    if option in read or option == "factors":  # --factors: _check_factors's message
+      continue
+    if option == "learning_rate" and options.method == "full":
+      raise InputError(f"--learning-rate is the Adam solver's step size; --solver is "
+                       f"{options.matching.get('solver', matching.SOLVERS[0])!r} (give "
+                       "--solver adam, or no --learning-rate)")
+    reads = ", ".join(flag(o) for o in read) or "no matching option"
+    raise InputError(f"{flag(option)} is not read by --method {options.method} (it reads "
+                     f"{reads})")
 
 
 def _check_factors(options: Options) -> None:
