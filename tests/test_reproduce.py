@@ -195,6 +195,20 @@ def test_seed_level_against_pair_level_width_is_what_the_docs_say():
   assert f"{min(widths):.1f} to {max(widths):.1f} times as wide" in docs
 
 
+def test_scope_prose_quotes_the_committed_paired_differences():
+  """The paired differences that results/README.md quotes for scopes_vit_fashion are those of
+  its results.json, to the printed digit."""
+  with open(os.path.join(REPO, "results", "README.md")) as f:
+    text = " ".join(f.read().replace("−", "-").split())
+  quoted = [(scope, "full - ortho", 2) for scope in ("first_layer", "all_attention", "full")]
+  quoted += [(scope, "learned - full", 1) for scope in ("first_layer", "all_attention", "full")]
+  for scope, key, digits in quoted:
+    with open(os.path.join(REPO, "results", "scopes_vit_fashion", scope, "results.json")) as f:
+      d = json.load(f)["differences"][key]
+    low, high = d["seed_ci"]
+    assert f"{d['mean']:.{digits}f}" in text and f"[{low:.{digits}f}, {high:.{digits}f}]" in text
+
+
 @pytest.mark.slow
 def test_table_command_rewrites_the_committed_readme_byte_for_byte(tmp_path):
   """``reproduce.py --table`` on a copy of results/ leaves its README as committed, and puts
