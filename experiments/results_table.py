@@ -5,7 +5,8 @@ text between the README's markers with ``markdown(results_root)``: per setting
 and scope, the barriers as shares of naive, Stage 1's rank and L-hat, the wall
 time, the commit and the command, all read from ``results/<setting>/run.json``,
 ``config.json`` and ``<scope>/results.json``; nothing is typed in. It also
-writes the verdict on each of the paper's claims (``claims.verdict_table``).
+writes the verdict on each of the paper's claims (``claims.verdict_table``) and the
+findings that open the README (``claims.findings``).
 Before that it restates each committed run (``restate``): what its reports derive
 from its measured pairs (the statistics, the seed-level intervals, summary.md)
 is rewritten as the current code derives it, so that runs stored before a
@@ -28,6 +29,9 @@ MARK_END = "<!-- end of table -->"
 VERDICTS_BEGIN = ("<!-- verdicts: written by experiments/reproduce.py --table from "
                   "experiments/claims.py; do not edit -->")
 VERDICTS_END = "<!-- end of verdicts -->"
+FINDINGS_BEGIN = ("<!-- findings: written by experiments/reproduce.py --table from "
+                  "experiments/claims.py; do not edit -->")
+FINDINGS_END = "<!-- end of findings -->"
 TRAJECTORY_BEGIN = ("<!-- trajectory check: written by experiments/reproduce.py --table; "
                     "do not edit -->")
 TRAJECTORY_END = "<!-- end of trajectory check -->"
@@ -244,8 +248,9 @@ def write(results_root: str) -> str:
   """Restates every committed run (``restate``), then replaces the generated blocks of
   ``results_root/README.md``: the table (between ``MARK_BEGIN`` and ``MARK_END``), the
   verdicts on the paper's claims (``claims.verdict_table``, between ``VERDICTS_BEGIN`` and
-  ``VERDICTS_END``) and the trajectory check (``trajectory_table``, between
-  ``TRAJECTORY_BEGIN`` and ``TRAJECTORY_END``)."""
+  ``VERDICTS_END``), the findings drawn from them (``claims.findings``, between
+  ``FINDINGS_BEGIN`` and ``FINDINGS_END``) and the trajectory check (``trajectory_table``,
+  between ``TRAJECTORY_BEGIN`` and ``TRAJECTORY_END``)."""
   for d in setting_dirs(results_root):
     restate(d)
   path = os.path.join(results_root, "README.md")
@@ -254,6 +259,8 @@ def write(results_root: str) -> str:
   text = _replace_between(text, MARK_BEGIN, MARK_END, markdown(results_root), path)
   text = _replace_between(text, VERDICTS_BEGIN, VERDICTS_END,
                           claims.verdict_table(results_root).rstrip("\n"), path)
+  text = _replace_between(text, FINDINGS_BEGIN, FINDINGS_END,
+                          claims.findings(results_root).rstrip("\n"), path)
   text = _replace_between(text, TRAJECTORY_BEGIN, TRAJECTORY_END,
                           trajectory_table(results_root), path)
   atomic_io.write_text(path, text)

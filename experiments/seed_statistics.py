@@ -41,18 +41,25 @@ def t_quantile(p: float, df: int) -> float:
   return float(scipy.special.stdtrit(df, p))
 
 
+def t_upper_tail(x: float, df: int) -> float:
+  """P(T >= x) for Student's t with ``df`` degrees of freedom (``scipy.special.stdtr``)."""
+  return float(scipy.special.stdtr(df, -x))
+
+
 # A pair: (seed a, seed b, value); the value may be None or not finite (left out).
 Pair = tuple[str, str, float | None]
 Statistic = Callable[[np.ndarray], float]
 
 
 class Interval(NamedTuple):
-  """A statistic over pairs and its 95 % leave-one-seed-out jackknife interval."""
+  """A statistic over pairs, its 95 % leave-one-seed-out jackknife interval and its standard
+  error ``se`` (the interval is estimate +- t_{0.975, num_seeds - 1} * se)."""
   estimate: float
   low: float
   high: float
   num_seeds: int
   num_pairs: int
+  se: float
 
 
 def _finite_pairs(pairs: Sequence[Pair]) -> list[tuple[str, str, float]]:
@@ -99,7 +106,7 @@ def jackknife(pairs: Sequence[Pair], statistic: Statistic = np.mean) -> Interval
   left_out = np.asarray([over([p for p in finite if s not in p[:2]]) for s in seeds])
   se = math.sqrt((n - 1) / n * float(np.sum((left_out - left_out.mean()) ** 2)))
   half = t_quantile(0.975, n - 1) * se
-  return Interval(estimate, estimate - half, estimate + half, n, len(finite))
+  return Interval(estimate, estimate - half, estimate + half, n, len(finite), se)
 
 
 class Difference(NamedTuple):

@@ -11,19 +11,25 @@ from experiments import claims
 SEEDS = ("seed_1", "seed_2", "seed_3", "seed_4", "seed_5")
 
 
-def _write(root, setting, scope, barriers, seeds=SEEDS, ablation=None):
+def _write(root, setting, scope, barriers, seeds=SEEDS, ablation=None, dataset=None):
   """results/<setting>/<scope>/results.json whose pair k has loss barrier
-  ``barriers[method][k]`` for each method."""
+  ``barriers[method][k]`` for each method (and the setting's config.json, naming
+  ``dataset``, when given)."""
   pairs = [{"a": a, "b": b, "methods": {m: {"loss_barrier": v[k]} for m, v in barriers.items()}}
            for k, (a, b) in enumerate(itertools.combinations(seeds, 2))]
   res = {"pairs": pairs, "ablation": ablation or {}}
   folder = root / setting / scope
   folder.mkdir(parents=True)
   (folder / "results.json").write_text(json.dumps(res))
+  if dataset is not None:
+    (root / setting / "config.json").write_text(json.dumps({"dataset": {"name": dataset}}))
 
 
-def _rows(root, claim_start):
-  return [r for r in claims.verdict_rows(str(root)) if r.claim.startswith(claim_start)]
+def _rows(root, claim_start, across=False):
+  """The rows of the claims named ``claim_start...``: per setting, or (``across``) across the
+  Table 1 settings."""
+  return [r for r in claims.verdict_rows(str(root)) if r.claim.startswith(claim_start)
+          and (r.setting == claims.ACROSS_SETTING) == across]
 
 
 def _methods(naive, **ratios):
@@ -61,8 +67,8 @@ def test_no_ratio_under_the_floor(tmp_path):
   naive = [0.001] * 10
   _write(tmp_path, "memorised", "first_attention",
          _methods(naive, full=[10] * 10, ortho=[12] * 10, perm=[90] * 10))
-  for row in claims.verdict_rows(str(tmp_path)):
-    assert row.verdict == "undetermined"
+  for row in _rows(tmp_path, ""):
+    assert row.verdict == row.corrected == "n/a"
     assert row.estimate.startswith("no ratio: mean naive barrier 0.0010 is under the floor")
     assert "%" not in row.estimate
 
@@ -86,7 +92,7 @@ def test_bad_results_give_na_with_the_reason(tmp_path, case, why):
   _write(tmp_path, case, "first_attention", barriers, seeds=seeds)
   rows = _rows(tmp_path, "full method at 7-12")
   assert len(rows) == 1 and rows[0].estimate.startswith(why), rows
-  assert rows[0].verdict == "undetermined"
+  assert "\n" not in rows[0].estimate and rows[0].verdict == "n/a" and rows[0].p is None
 
 
 def test_ablation_and_full_model_claims_apply_only_where_they_were_measured(tmp_path):
@@ -95,11 +101,18 @@ def test_ablation_and_full_model_claims_apply_only_where_they_were_measured(tmp_
   _write(tmp_path, "table", "first_attention",
          _methods(naive, full=[10] * 10, ortho=[12] * 10, perm=[90] * 10),
          ablation={"permutations": {"per_pair": per_pair}})
-  _write(tmp_path, "scratch", "full", _methods(naive, full=[60 + k for k in range(10)]))
+  _write(tmp_path, "scratch", "full", _methods(naive, full=[60 + k for k in range(10)]),
+         dataset="fashion_mnist_deb")
+  _write(tmp_path, "text", "full", _methods(naive, full=[60 + k for k in range(10)]),
+         dataset="wiki_bytes")
+  _write(tmp_path, "unknown", "full", _methods(naive, full=[60 + k for k in range(10)]))
   rank = _rows(tmp_path, "Stage 1's rank low")
   assert [(r.setting, r.verdict) for r in rank] == [("table", "agrees")]
   lmc = _rows(tmp_path, "full-model LMC")
-  assert [(r.setting, r.scope, r.verdict) for r in lmc] == [("scratch", "full", "differs")]
+  assert [(r.setting, r.verdict, r.domain) for r in lmc] == [  # LMC expected on small data only
+      ("scratch", "differs", "small data"), ("text", "agrees", "extrapolation"),
+      ("unknown", "n/a", "extrapolation")]
+  assert lmc[2].estimate == "n/a: the paper gives no scale for data set None"
   assert not _rows(tmp_path, "ours")  # no "learned" method in these results
 
 
@@ -108,5 +121,107 @@ def test_the_table_ends_each_row_with_its_verdict(tmp_path):
          _methods([1.0] * 10, full=[10] * 10, ortho=[12] * 10, perm=[90] * 10))
   table = claims.verdict_table(str(tmp_path))
   body = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
-  assert body and all(line.rstrip(" |").rsplit("| ", 1)[1] in
-                      ("agrees", "differs", "undetermined") for line in body)
+  assert body and all(line.split(" | ")[-3:-1][0] in claims.OUTCOMES for line in body)
+  assert "Before the correction: " in table and "After Holm's correction" in table
+
+
+# Hand-computed examples: with 9 degrees of freedom t_{0.975, 9} = 2.2622, so an estimate with
+# SE 1 has the 95 % interval estimate +- 2.2622.
+T = claims.ss.t_quantile(0.975, 9)
+
+
+def test_p_beyond_is_alpha_where_the_interval_touches_the_bound():
+  est = claims.Estimate(10.0, 1.0, 9)
+  assert claims.p_beyond(est, 10.0 - T, above=True) == pytest.approx(0.05)
+  assert claims.p_beyond(est, 10.0 + T, above=False) == pytest.approx(0.05)
+  assert claims.p_beyond(est, 10.0, above=True) == 1.0  # twice a half, capped at 1
+  assert claims.p_beyond(claims.Estimate(3.0, 0.0, 9), 2.0, above=True) == 0.0
+
+
+@pytest.mark.parametrize("value, se, margin, verdict", [
+    (10.0, 1.0, 2.5, "agrees"),        # [7.74, 12.26] inside [4.5, 14.5]
+    (10.0, 1.0, 0.0, "consistent"),    # estimate in 7-12, interval past 12
+    (13.5, 0.4, 2.5, "agrees"),        # [12.60, 14.40]: outside 7-12, inside the margin
+    (13.0, 1.0, 2.5, "undetermined"),  # [10.74, 15.26]: past 14.5, touches 7-12
+    (16.0, 1.0, 2.5, "differs"),       # [13.74, 18.26] misses 7-12
+    (10.0, 3.0, 2.5, "consistent"),    # [3.21, 16.79]
+])
+def test_range_rule_on_hand_computed_intervals(value, se, margin, verdict):
+  rules = claims.Rules(range_margin=margin)
+  assert claims.range_verdict(claims.Estimate(value, se, 9), 7.0, 12.0, rules)[0] == verdict
+
+
+@pytest.mark.parametrize("value, verdict", [
+    (0.1, "no gap"),        # [-0.16, 0.36] inside +-1.17
+    (-0.2, "no gap"),       # below 0 too, but by less than the margin
+    (-3.0, "agrees"),       # [-5.26, -0.74]
+    (3.0, "differs"),
+    (-1.0, "undetermined"),  # [-3.26, 1.26]
+])
+def test_ordering_rule_on_hand_computed_intervals(value, verdict):
+  se = 0.1 if abs(value) < 0.5 else 1.0
+  est = claims.Estimate(value, se, 9)
+  assert claims.ordering_verdict(est, claims.Rules())[0] == verdict
+
+
+def test_margins_come_from_the_papers_ranges():
+  assert claims.RANGE_MARGIN == 2.5 and claims.PAPER_GAP == 3.5
+  assert claims.NO_GAP_MARGIN == pytest.approx(3.5 / 3)
+
+
+def test_holm_on_a_hand_computed_family():
+  # sorted: 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> 0.06 (monotone)
+  assert claims.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+  assert claims.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+  assert claims.holm([]) == []
+
+
+def test_a_verdict_that_does_not_survive_holm_falls_back():
+  judged = [claims.Judged("", "agrees", 0.01, "consistent"),
+            claims.Judged("", "agrees", 0.04, "consistent"),
+            claims.Judged("", "differs", 0.03, "undetermined"),
+            claims.Judged("", "agrees", 0.005, "undetermined"),
+            claims.Judged("n/a: why", "n/a", None, "n/a")]
+  assert claims._corrected(judged, claims.Rules()) == [
+      "agrees", "consistent", "undetermined", "agrees", "n/a"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"alpha": 0.0}, "alpha must lie in (0, 1), got 0.0"),
+    ({"alpha": 1.5}, "alpha must lie in (0, 1), got 1.5"),
+    ({"range_margin": -1.0}, "range_margin must be a finite number >= 0, got -1.0"),
+    ({"no_gap_margin": math.nan}, "no_gap_margin must be a finite number >= 0, got nan"),
+])
+def test_bad_level_or_margin_is_refused_in_one_line(tmp_path, kwargs, message):
+  with pytest.raises(ValueError) as err:
+    claims.verdict_rows(str(tmp_path), claims.Rules(**kwargs))
+  assert str(err.value) == message
+
+
+def test_ranges_are_also_judged_across_the_table1_settings(tmp_path):
+  for k, level in enumerate((8, 10, 11)):
+    _write(tmp_path, f"table1_{k}", "first_attention",
+           _methods([1.0] * 10, full=[level + 0.1 * j for j in range(10)], ortho=[14] * 10,
+                    perm=[90] * 10))
+  _write(tmp_path, "lm_x", "first_attention",
+         _methods([1.0] * 10, full=[40 + j for j in range(10)], ortho=[40] * 10, perm=[90] * 10))
+  rows = _rows(tmp_path, "full method at 7-12")
+  assert {r.setting: r.domain for r in rows} == {
+      "table1_0": "Table 1", "table1_1": "Table 1", "table1_2": "Table 1",
+      "lm_x": "extrapolation"}
+  (across,) = _rows(tmp_path, "full method at 7-12", across=True)
+  # the mean of 8.45, 10.45 and 11.45 (lm_x left out): 10.12, 3 of 3 in 7-12
+  assert across.estimate.startswith("10.1 % [") and "3 of 3 in 7-12 %" in across.estimate
+
+
+def test_a_second_trajectory_says_whether_each_verdict_holds(tmp_path):
+  naive = [1.0] * 10
+  _write(tmp_path, "s", "first_attention",
+         _methods(naive, full=[9, 10, 11, 9, 10, 11, 9, 10, 11, 10], ortho=[14] * 10,
+                  perm=[90] * 10))
+  _write(tmp_path / "s", "every_core", "first_attention",
+         _methods(naive, full=[55, 56, 57, 55, 56, 57, 55, 56, 57, 56], ortho=[14] * 10,
+                  perm=[90] * 10))
+  other = {r.claim: r.other for r in claims.verdict_rows(str(tmp_path)) if r.setting == "s"}
+  assert other["full method at 7-12 % of naive"] == "→ differs"
+  assert other["Variant 1 high (above 16 %)"] == "holds"
