@@ -5,11 +5,13 @@ an input reads. Tiny bfloat16 Mistral folders written with numpy alone (no torch
 import hashlib
 import json
 import os
+import re
 import shutil
 
 import pytest
 from safetensors import safe_open
 
+import attn_symmetry
 from attn_symmetry import align
 from attn_symmetry.models import safetensors_io
 from tests.test_streamed_alignment import differing_tensors, plant, write_mistral
@@ -145,3 +147,47 @@ def test_a_writer_creates_new_files_only_and_never_writes_through_a_link(tmp_pat
     with pytest.raises(FileExistsError):
       safetensors_io._create(str(tmp_path / name))
   assert victim.read_text() == "mine"
+
+
+def test_version_of_both_entry_points(capsys):
+  for run, argv, prog in ((align.cli, ["--version"], "attn-symmetry"),
+                          (align.cli, ["align", "--version"], "attn-symmetry align"),
+                          (align.main, ["--version"], "python -m attn_symmetry.align")):
+    with pytest.raises(SystemExit) as done:
+      run(argv)
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"{prog} {attn_symmetry.__version__}\n"
+
+
+@pytest.mark.slow
+def test_the_report_records_every_option_and_the_code_and_the_command_ends_with_a_summary(
+    tmp_path, capsys):
+  """report.json holds the value of every matching option the method read, defaults included,
+  the package's version and commit; the command's last lines say what it wrote where, which two
+  folders to compare, the distances and the function check. MODEL_A given as MODEL_B too is
+  aligned, after a warning line."""
+  a, b = _pair(tmp_path)
+  out = tmp_path / "out"
+  capsys.readouterr()
+  assert align.cli(["align", a, b, "--out", str(out), "--max-rounds", "2", "--quiet"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  report = json.loads((out / "report.json").read_text())
+  assert report["options"] == {"distance": "frobenius", "steps": 200, "max_rounds": 2,
+                               "init": "procrustes", "refine": "every_round",
+                               "solver": "gauss_newton"}
+  assert report["attn_symmetry"]["version"] == attn_symmetry.__version__
+  assert re.fullmatch(r"[0-9a-f]{40}", report["attn_symmetry"]["commit"])  # run from a checkout
+  after = report["distance"]["after"]
+  assert lines == [
+      f"written to {out}: aligned_a, aligned_b, report.json",
+      f"compare or merge: {out / 'aligned_a'} and {out / 'aligned_b'}",
+      f"distance to A: {report['distance']['before']['total']:.6g} before, "
+      f"{after['total']:.6g} after (relative {report['distance']['before']['relative']:.4g} -> "
+      f"{after['relative']:.4g})",
+      f"function check: aligned B's logits within "
+      f"{report['function_check']['aligned_b']['relative']:.2g} of B's (tolerance 0.088)"]
+  assert align.cli(["align", a, a, "--out", str(tmp_path / "self"), "--method", "naive",
+                    "--quiet"]) == 0
+  err = capsys.readouterr().err.splitlines()
+  assert err == [f"attn-symmetry align: warning: MODEL_A and MODEL_B are the same folder "
+                 f"({os.path.realpath(a)}): B is aligned to itself"]

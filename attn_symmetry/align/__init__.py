@@ -105,7 +105,8 @@ from attn_symmetry.align._cli import cli, main
 from attn_symmetry.align._function_check import CHECK_BATCH, CHECK_SEED, CHECK_TOKENS
 from attn_symmetry.align._pipeline import align_checkpoints
 from attn_symmetry.align._records import (DTYPES, MATCHING_OPTIONS, OUTPUTS, Alignment,
-                                          FunctionCheckError, InputError)
+                                          AlignWarning, FunctionCheckError, InputError)
 
 __all__ = ["CHECK_BATCH", "CHECK_SEED", "CHECK_TOKENS", "DTYPES", "MATCHING_OPTIONS", "OUTPUTS",
-           "Alignment", "FunctionCheckError", "InputError", "align_checkpoints", "cli", "main"]
+           "Alignment", "AlignWarning", "FunctionCheckError", "InputError", "align_checkpoints",
+           "cli", "main"]

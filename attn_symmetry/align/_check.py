@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,8 +17,8 @@ import numpy as np
 
 from attn_symmetry import _eval_files
 from attn_symmetry import matching
-from attn_symmetry.align._records import (DTYPES, MATCHING_OPTIONS, InputError, Inputs, Options,
-                                          natural_order)
+from attn_symmetry.align._records import (DTYPES, MATCHING_OPTIONS, AlignWarning, InputError,
+                                          Inputs, Options, natural_order)
 from attn_symmetry.models import SCOPES, Model
 from attn_symmetry.models import convert
 from attn_symmetry.models import safetensors_io
@@ -102,6 +104,16 @@ def options_read(method: str, given: dict[str, Any]) -> tuple[str, ...]:
   if method == "full" and given.get("solver", matching.SOLVERS[0]) != "adam":
     read.remove("learning_rate")
   return tuple(o for o in MATCHING_OPTIONS if o in read)
+
+
+def options_used(method: str, given: dict[str, Any]) -> dict[str, Any]:
+  """{option: value} of every matching option ``method`` reads (``options_read``): the value
+  given, else the default of the function that reads it (``matching.align_model``'s, or a
+  registered method's own; None where it has none)."""
+  align = matching.METHODS[method].align or matching.align_model
+  defaults = {name: p.default for name, p in inspect.signature(align).parameters.items()
+              if p.default is not inspect.Parameter.empty}
+  return {o: given[o] if o in given else defaults.get(o) for o in options_read(method, given)}
 
 
 def _check_options_read(options: Options) -> None:
@@ -365,6 +377,9 @@ def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Opti
   """
   try:
     a, b, model = _read_pair(path_a, path_b)
+    if os.path.realpath(a.path) == os.path.realpath(b.path):
+      warnings.warn(f"MODEL_A and MODEL_B are the same folder ({os.path.realpath(a.path)}): B is "
+                    "aligned to itself", AlignWarning, stacklevel=2)
     check_memory(a, b, model, options)
     if options.out is not None:
       _check_out(options.out, options.overwrite, (a, b))

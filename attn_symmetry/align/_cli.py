@@ -6,14 +6,16 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 
 import jax
 
+import attn_symmetry
 from attn_symmetry import matching
 from attn_symmetry import runtime
 from attn_symmetry.align import _pipeline
-from attn_symmetry.align._records import DTYPES, MATCHING_OPTIONS, InputError
+from attn_symmetry.align._records import DTYPES, MATCHING_OPTIONS, OUTPUTS, AlignWarning, InputError
 from attn_symmetry.models import SCOPES
 
 DESCRIPTION = "Align and merge two Hugging Face checkpoints"
@@ -76,19 +78,58 @@ def _run(args: argparse.Namespace, prog: str) -> int:
   if args.compilation_cache:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   say = None if args.quiet else lambda line: print(f"[align] {line}", file=sys.stderr, flush=True)
-  try:
-    _import_modules(args.imports)
-    budget = None if args.memory_budget is None else args.memory_budget * 1e9
-    _pipeline.align_checkpoints(
-        args.model_a, args.model_b, out=args.out, method=args.method, scope=args.scope,
-        merge=args.merge, eval_text=args.eval_text, eval_images=args.eval_images,
-        dtype=args.dtype, function_tolerance=args.function_tolerance, overwrite=args.overwrite,
-        num_lambdas=args.lambdas, batch_size=args.batch_size, seq_len=args.seq_len,
-        eval_batches=args.eval_batches, progress=say, memory_budget=budget, **options)
-  except InputError as e:
-    print(f"{prog}: error: {e}", file=sys.stderr)
-    return 2
+  with warnings.catch_warnings():  # restores showwarning
+    warnings.simplefilter("always", AlignWarning)
+    warnings.showwarning = lambda message, *_, **__: print(f"{prog}: warning: {message}",
+                                                           file=sys.stderr, flush=True)
+    try:
+      _import_modules(args.imports)
+      budget = None if args.memory_budget is None else args.memory_budget * 1e9
+      result = _pipeline.align_checkpoints(
+          args.model_a, args.model_b, out=args.out, method=args.method, scope=args.scope,
+          merge=args.merge, eval_text=args.eval_text, eval_images=args.eval_images,
+          dtype=args.dtype, function_tolerance=args.function_tolerance, overwrite=args.overwrite,
+          num_lambdas=args.lambdas, batch_size=args.batch_size, seq_len=args.seq_len,
+          eval_batches=args.eval_batches, progress=say, memory_budget=budget, **options)
+    except InputError as e:
+      print(f"{prog}: error: {e}", file=sys.stderr)
+      return 2
+  print("\n".join(summary(result.report, args.out)))
   return 0
+
+
+def summary(report: dict, out: str | None) -> list[str]:
+  """The lines the command ends with: what was written where, the two folders to compare, the
+  distance before and after, the function check, and with an evaluation the barriers and the
+  merged model's loss."""
+  lines = []
+  if out is None:
+    lines.append("nothing written (no --out)")
+  else:
+    written = [name for name in OUTPUTS if os.path.lexists(os.path.join(out, name))]
+    lines.append(f"written to {out}: {', '.join(written)}")
+    compare = [report["model_a"] if name == "MODEL_A" else os.path.join(out, name)
+               for name in report["compare"]]
+    lines.append(f"compare or merge: {compare[0]} and {compare[1]}")
+  before, after = report["distance"]["before"], report["distance"]["after"]
+  lines.append(f"distance to A: {before['total']:.6g} before, {after['total']:.6g} after "
+               f"(relative {before['relative']:.4g} -> {after['relative']:.4g})")
+  check = report["function_check"]
+  if "aligned_b" in check:
+    b = check["aligned_b"]
+    lines.append(f"function check: aligned B's logits within {b['relative']:.2g} of B's "
+                 f"(tolerance {b['tolerance']:.2g})")
+  else:
+    lines.append(f"function check skipped: {check.get('skipped')}")
+  if "barrier" in report:
+    loss = {when: report["barrier"][when]["loss"] for when in ("before", "after")}
+    lines.append(f"loss barrier: {loss['before']:.4g} before alignment, {loss['after']:.4g} "
+                 "after")
+  if "merged" in report:
+    m = report["merged"]
+    lines.append(f"merged model (lambda {m['lambda']:g}): loss {m['loss']:.4g} (A "
+                 f"{m['a']['loss']:.4g}, B {m['b']['loss']:.4g})")
+  return lines
 
 
 def _import_modules(names: Sequence[str]) -> None:
@@ -111,18 +152,28 @@ def _import_modules(names: Sequence[str]) -> None:
                        "on the Python path") from e
 
 
+def _version(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--version", action="version",
+                      version=f"%(prog)s {attn_symmetry.__version__}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  """``python -m attn_symmetry.align MODEL_A MODEL_B --out DIR ...``."""
+  """``python -m attn_symmetry.align MODEL_A MODEL_B --out DIR ...``: the same as
+  ``attn-symmetry align``."""
   parser = argparse.ArgumentParser(prog="python -m attn_symmetry.align",
                                    description=DESCRIPTION)
+  _version(parser)
   add_arguments(parser)
-  return _run(parser.parse_args(argv), parser.prog)
+  return _run(parser.parse_args(argv), "attn-symmetry align")
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
   """The ``attn-symmetry`` console script: ``attn-symmetry align MODEL_A MODEL_B --out DIR ...``."""
   parser = argparse.ArgumentParser(prog="attn-symmetry")
+  _version(parser)
   commands = parser.add_subparsers(dest="command", required=True)
-  add_arguments(commands.add_parser("align", help="align (and merge) two HF checkpoints",
-                                    description=DESCRIPTION))
+  align = commands.add_parser("align", help="align (and merge) two HF checkpoints",
+                              description=DESCRIPTION)
+  _version(align)
+  add_arguments(align)
   return _run(parser.parse_args(argv), "attn-symmetry align")

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,10 +16,12 @@ from typing import Any
 import jax
 import numpy as np
 
+import attn_symmetry
 from attn_symmetry import _eval_files
 from attn_symmetry import lmc
 from attn_symmetry import runtime
 from attn_symmetry import spec as spec_lib
+from attn_symmetry.align import _check
 from attn_symmetry.align._clock import Stage
 from attn_symmetry.align._records import Aligned, Inputs, Loaded, OUTPUTS, Options, Params
 from attn_symmetry.models import Model
@@ -117,7 +120,8 @@ def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str,
       "dtype": options.dtype, "checkpoint_bytes": {"a": a.nbytes, "b": b.nbytes},
       "method": options.method,
       "scope": options.scope if isinstance(options.scope, str) else list(options.scope),
-      "scope_paths": inputs.scope, "merge": options.merge, "options": dict(options.matching),
+      "scope_paths": inputs.scope, "merge": options.merge,
+      "options": runtime.jsonable(_check.options_used(options.method, dict(options.matching))),
       "folded_norm_scales": aligned.folded, "compare": aligned.compare,
       "rounds": int(info["rounds"]) if "rounds" in info else 0,
       "distance": aligned.distance, "function_check": aligned.function,
@@ -137,7 +141,23 @@ def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str,
       report["eval"] |= {"training_batches": len(inputs.train),
                          "holdout_batches": len(inputs.holdout)}
   report["time_s"] = seconds
+  report["attn_symmetry"] = provenance()
   return report
+
+
+def provenance() -> dict[str, Any]:
+  """The package's version, and where it runs from a git checkout, the commit and whether
+  the package's files differ from it ("modified"); commit None otherwise."""
+  out = {"version": attn_symmetry.__version__, "commit": None}
+  root = os.path.dirname(os.path.dirname(os.path.abspath(attn_symmetry.__file__)))
+  git = lambda *args: subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                                     timeout=10, check=True).stdout.strip()
+  if os.path.exists(os.path.join(root, ".git")):
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+      out["commit"] = git("rev-parse", "HEAD")
+      out["modified"] = bool(git("status", "--porcelain", "--untracked-files=no", "--",
+                                 "attn_symmetry"))
+  return out
 
 
 def save(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str, Any] | None,

@@ -28,6 +28,11 @@ class InputError(ValueError):
   """Bad input to ``align_checkpoints``, found before anything is written (one line)."""
 
 
+class AlignWarning(UserWarning):
+  """Input that ``align_checkpoints`` accepts but that is likely a mistake (MODEL_A and MODEL_B
+  the same folder); the command prints it as one line."""
+
+
 class FunctionCheckError(InputError):
   """Aligned B (or A) does not compute B's (or A's) function to the tolerance on the function
   check's inputs (``_function_check.function_difference``); nothing is written (one line)."""
