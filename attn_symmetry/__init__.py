@@ -14,7 +14,7 @@ from attn_symmetry import attention
 from attn_symmetry import group_action
 from attn_symmetry import spec
 
-__version__ = "0.1.0"
+from attn_symmetry._version import __version__
 
 
 def __getattr__(name: str):

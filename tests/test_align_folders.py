@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import tomllib
 
 import pytest
 from safetensors import safe_open
@@ -150,6 +151,8 @@ def test_a_writer_creates_new_files_only_and_never_writes_through_a_link(tmp_pat
 
 
 def test_version_of_both_entry_points(capsys):
+  with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+    assert tomllib.load(f)["project"]["version"] == attn_symmetry.__version__
   for run, argv, prog in ((align.cli, ["--version"], "attn-symmetry"),
                           (align.cli, ["align", "--version"], "attn-symmetry align"),
                           (align.main, ["--version"], "python -m attn_symmetry.align")):

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import jax
 
-import attn_symmetry
 from attn_symmetry import matching
 from attn_symmetry import runtime
+from attn_symmetry._version import __version__
 from attn_symmetry.align import _pipeline
 from attn_symmetry.align._records import DTYPES, MATCHING_OPTIONS, OUTPUTS, AlignWarning, InputError
 from attn_symmetry.models import SCOPES
@@ -154,7 +154,7 @@ def _import_modules(names: Sequence[str]) -> None:
 
 def _version(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--version", action="version",
-                      version=f"%(prog)s {attn_symmetry.__version__}")
+                      version=f"%(prog)s {__version__}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,11 +16,11 @@ from typing import Any
 import jax
 import numpy as np
 
-import attn_symmetry
 from attn_symmetry import _eval_files
 from attn_symmetry import lmc
 from attn_symmetry import runtime
 from attn_symmetry import spec as spec_lib
+from attn_symmetry._version import __version__
 from attn_symmetry.align import _check
 from attn_symmetry.align._clock import Stage
 from attn_symmetry.align._records import Aligned, Inputs, Loaded, OUTPUTS, Options, Params
@@ -148,8 +148,8 @@ def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str,
 def provenance() -> dict[str, Any]:
   """The package's version, and where it runs from a git checkout, the commit and whether
   the package's files differ from it ("modified"); commit None otherwise."""
-  out = {"version": attn_symmetry.__version__, "commit": None}
-  root = os.path.dirname(os.path.dirname(os.path.abspath(attn_symmetry.__file__)))
+  out = {"version": __version__, "commit": None}
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   git = lambda *args: subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
                                      timeout=10, check=True).stdout.strip()
   if os.path.exists(os.path.join(root, ".git")):
