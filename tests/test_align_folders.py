@@ -3,6 +3,7 @@
 an input reads. Tiny bfloat16 Mistral folders written with numpy alone (no torch)."""
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -14,6 +15,7 @@ from safetensors import safe_open
 
 import attn_symmetry
 from attn_symmetry import align
+from attn_symmetry.align import _clock
 from attn_symmetry.models import safetensors_io
 from tests.test_streamed_alignment import differing_tensors, plant, write_mistral
 
@@ -194,3 +196,41 @@ def test_the_report_records_every_option_and_the_code_and_the_command_ends_with_
   err = capsys.readouterr().err.splitlines()
   assert err == [f"attn-symmetry align: warning: MODEL_A and MODEL_B are the same folder "
                  f"({os.path.realpath(a)}): B is aligned to itself"]
+
+
+class _Stream(io.StringIO):
+  def __init__(self, terminal):
+    super().__init__()
+    self.terminal = terminal
+
+  def isatty(self):
+    return self.terminal
+
+
+def test_progress_bar_redraws_on_a_terminal_and_writes_sparse_lines_to_a_log():
+  terminal = _Stream(True)
+  bar = _clock.ProgressBar(terminal, prefix="")
+  for done in (1, 2, 3):
+    bar("round 1", done, 3)
+  assert terminal.getvalue() == ("\rround 1: 1/3 groups\rround 1: 2/3 groups"
+                                 "\rround 1: 3/3 groups\r" + " " * 19 + "\r")
+  log, quiet = _Stream(False), _Stream(False)
+  every, sparse = _clock.ProgressBar(log, prefix="", interval=0.0), _clock.ProgressBar(quiet)
+  for done in (1, 2, 3):
+    every("apply", done, 3)
+    sparse("apply", done, 3)
+  assert log.getvalue() == "apply: 1/3 groups\napply: 2/3 groups\n"  # the pass's end: its line
+  assert quiet.getvalue() == ""  # a pass shorter than the interval: nothing
+
+
+@pytest.mark.slow
+def test_every_streamed_pass_ticks_each_group_in_order(tmp_path):
+  a, b = _pair(tmp_path)
+  ticks = []
+  align.align_checkpoints(a, b, out=tmp_path / "out", method="perm", max_rounds=1,
+                          progress_bar=lambda *tick: ticks.append(tick))
+  passes = list(dict.fromkeys(what for what, _, _ in ticks))
+  assert passes[0] == "first pass, the distance before and the fixed scores"
+  assert passes[-2:] == ["the distance", "apply, B' = g . B"] and len(passes) > 3
+  groups = ticks[0][2]
+  assert ticks == [(what, done, groups) for what in passes for done in range(1, groups + 1)]

@@ -15,6 +15,7 @@ from attn_symmetry import matching
 from attn_symmetry import runtime
 from attn_symmetry._version import __version__
 from attn_symmetry.align import _pipeline
+from attn_symmetry.align._clock import ProgressBar
 from attn_symmetry.align._records import DTYPES, MATCHING_OPTIONS, OUTPUTS, AlignWarning, InputError
 from attn_symmetry.models import SCOPES
 
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--memory-budget", type=float, metavar="GB",
                       help="most memory the alignment may hold, in GB (default: the machine's); "
                            "an alignment that needs more is refused before any work")
-  parser.add_argument("--quiet", action="store_true", help="no progress lines")
+  parser.add_argument("--quiet", action="store_true", help="no progress lines or bar")
   parser.add_argument("--compilation-cache", metavar="DIR", default=runtime.COMPILATION_CACHE,
                       help="JAX's persistent compilation cache: a later alignment of the same "
                            "architecture skips compiling (default "
@@ -78,6 +79,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
   if args.compilation_cache:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   say = None if args.quiet else lambda line: print(f"[align] {line}", file=sys.stderr, flush=True)
+  bar = None if args.quiet else ProgressBar(sys.stderr)
   with warnings.catch_warnings():  # restores showwarning
     warnings.simplefilter("always", AlignWarning)
     warnings.showwarning = lambda message, *_, **__: print(f"{prog}: warning: {message}",
@@ -90,7 +92,8 @@ def _run(args: argparse.Namespace, prog: str) -> int:
           merge=args.merge, eval_text=args.eval_text, eval_images=args.eval_images,
           dtype=args.dtype, function_tolerance=args.function_tolerance, overwrite=args.overwrite,
           num_lambdas=args.lambdas, batch_size=args.batch_size, seq_len=args.seq_len,
-          eval_batches=args.eval_batches, progress=say, memory_budget=budget, **options)
+          eval_batches=args.eval_batches, progress=say, progress_bar=bar, memory_budget=budget,
+          **options)
     except InputError as e:
       print(f"{prog}: error: {e}", file=sys.stderr)
       return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from typing import TextIO
 
 from attn_symmetry import runtime
 
@@ -20,12 +21,16 @@ class Clock:
 
   Attributes:
     say: called with each progress line.
+    tick: called as ``tick(pass, groups done, groups)`` as a long pass over the groups of
+      tensors goes (a progress bar: ``ProgressBar``).
     seconds: {stage or part name: seconds}, in the order they ended (the
       report's "time_s").
   """
 
-  def __init__(self, say: Callable[[str], None] | None = None):
+  def __init__(self, say: Callable[[str], None] | None = None,
+               tick: Callable[[str, int, int], None] | None = None):
     self.say = say or (lambda line: None)
+    self.tick = tick or (lambda what, done, total: None)
     self.seconds: dict[str, float] = {}
 
   def stage(self, name: str) -> Stage:
@@ -57,6 +62,10 @@ class Stage(contextlib.AbstractContextManager):
     """A progress line from inside the stage."""
     self.clock.say(line)
 
+  def tick(self, what: str, done: int, total: int) -> None:
+    """``done`` of the ``total`` groups of pass ``what`` are done."""
+    self.clock.tick(what, done, total)
+
   def stop(self) -> None:
     """Records the stage's seconds now rather than at its end (later calls change nothing): the
     save stage stops its clock just before it writes the report that holds them."""
@@ -75,3 +84,28 @@ class Stage(contextlib.AbstractContextManager):
     runtime.release_free_memory()
     if (label, key) not in self._parts:
       self._parts.append((label, key))
+
+
+class ProgressBar:
+  """A ``Clock``'s ``tick`` that shows a pass's progress on ``stream``: on a terminal one line
+  redrawn in place and cleared when the pass ends; elsewhere (a log file) a line at most every
+  ``interval`` seconds of a pass."""
+
+  def __init__(self, stream: TextIO, prefix: str = "[align] ", interval: float = 30.0):
+    self.stream, self.prefix, self.interval = stream, prefix, interval
+    self.terminal = stream.isatty()
+    self._said = time.perf_counter()
+
+  def __call__(self, what: str, done: int, total: int) -> None:
+    now = time.perf_counter()
+    if done == 1:
+      self._said = now
+    text = f"{self.prefix}{what}: {done}/{total} groups"
+    if self.terminal:
+      end = "\r" + " " * len(text) + "\r" if done == total else ""
+      self.stream.write(f"\r{text}{end}")
+      self.stream.flush()
+    elif done < total and now - self._said >= self.interval:
+      self.stream.write(text + "\n")
+      self.stream.flush()
+      self._said = now

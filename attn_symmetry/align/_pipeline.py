@@ -22,6 +22,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
                       num_lambdas: int = 11, batch_size: int = 8, seq_len: int = 128,
                       eval_batches: int = 8,
                       progress: Callable[[str], None] | None = None,
+                      progress_bar: Callable[[str, int, int], None] | None = None,
                       memory_budget: float | None = None,
                       **options: Any) -> Alignment:
   """Aligns checkpoint B to checkpoint A (``attn_symmetry.align``'s docstring) and, with ``out``,
@@ -50,6 +51,8 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
     num_lambdas, batch_size, seq_len, eval_batches: the evaluation: points
       on each path, examples per batch, tokens per text sequence, most batches.
     progress: called with one line per stage (e.g. ``print``).
+    progress_bar: called as ``progress_bar(pass, groups done, groups)`` during the streamed
+      passes over the groups of tensors (the command's: ``_clock.ProgressBar``).
     memory_budget: the most bytes the alignment may hold (default: the machine's memory);
       an alignment that needs more is refused before any work (``_check.check_memory``).
     **options: ``align_model``'s distance, steps, learning_rate, max_rounds,
@@ -75,7 +78,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
                  eval_text=fspath(eval_text), eval_images=fspath(eval_images),
                  num_lambdas=num_lambdas, batch_size=batch_size, seq_len=seq_len,
                  eval_batches=eval_batches, matching=options, memory_budget=memory_budget)
-  clock = Clock(progress)
+  clock = Clock(progress, progress_bar)
   with clock.stage("check") as stage:
     inputs = _check.check(path_a, path_b, opts)
     a, b = inputs.a, inputs.b

@@ -66,7 +66,7 @@ def _match_streamed(inputs: Inputs, options: Options, stage: Stage
     element, info = matching.align_model_streamed(inputs.model.spec, _reader(inputs), shapes,
                                                   scope=inputs.scope, method=options.method,
                                                   mesh=mesh, progress=stage.say,
-                                                  **options.matching)
+                                                  on_group=stage.tick, **options.matching)
     jax.block_until_ready(element)
   return element, info | {"devices": 1 if mesh is None else mesh.devices.size}
 
@@ -136,7 +136,8 @@ def _apply_streamed(inputs: Inputs, options: Options, element: dict[str, Any],
   read, kept_a, kept_b = _reader(inputs), {}, {}
   squares = {"before": ({}, 0.0), "after": ({}, 0.0)}
   group_action.check_model_element(spec, element)  # once: each unit below skips it
-  for paths in matching.stream_groups(spec):
+  in_turn = matching.stream_groups(spec)
+  for done, paths in enumerate(in_turn, 1):
     for computed, emitted in _leaf_units(spec, paths):
       a, b = ({p: jnp.asarray(x, jnp.float32) for p, x in flat.items()} for flat in read(computed))
       part = spec.part(computed)
@@ -168,6 +169,7 @@ def _apply_streamed(inputs: Inputs, options: Options, element: dict[str, Any],
         kept_a.update(a)
         kept_b.update(aligned)
       del a, aligned
+    stage.tick("apply, B' = g . B", done, len(in_turn))
   for writer in writers.values():
     writer.close()
   params_a, params = (spec_lib.unflatten(x) if keep else None for x in (kept_a, kept_b))

@@ -264,9 +264,10 @@ def _update(scores, old, *, spec, factor):
 class _Descent:
   """The host side of the streamed descent: the element, and passes over the groups."""
 
-  def __init__(self, spec, read, shapes, names, *, fold, options, mesh=None, progress=None):
+  def __init__(self, spec, read, shapes, names, *, fold, options, mesh=None, progress=None,
+               on_group=None):
     self.spec, self.read, self.fold, self.options, self.mesh = spec, read, fold, options, mesh
-    self.progress = progress
+    self.progress, self.on_group = progress, on_group
     dtype = _attention.compute_dtype(next(iter(shapes.values()))[1])
     stand_in = {p: jax.ShapeDtypeStruct(tuple(s), dtype) for p, (s, _) in shapes.items()}
     self.plan = _model._plan(spec, stand_in)
@@ -285,13 +286,21 @@ class _Descent:
     self.taken = 0
 
   @contextlib.contextmanager
-  def _pass(self, what: str) -> Iterator[None]:
-    """Says "WHAT: a pass over N groups (S s)" to ``progress`` once the block's pass ends."""
+  def _pass(self, what: str) -> Iterator[Iterator[_Group]]:
+    """A pass over the groups: the block iterates the groups it is given, each announced to
+    ``on_group(WHAT, groups done, groups)`` once its work is done; "WHAT: a pass over N groups
+    (S s)" is said to ``progress`` once the pass ends."""
     start = time.perf_counter()
-    yield
+    yield self._groups(what)
     if self.progress is not None:
       self.progress(f"{what}: a pass over {len(self.groups)} groups "
                     f"({time.perf_counter() - start:.1f} s)")
+
+  def _groups(self, what: str) -> Iterator[_Group]:
+    for done, group in enumerate(self.groups, 1):
+      yield group
+      if self.on_group is not None:
+        self.on_group(what, done, len(self.groups))
 
   def _global(self, i: int) -> bool:
     """Whether step ``i`` solves a factor whose leaves span groups (a reduction)."""
@@ -321,8 +330,8 @@ class _Descent:
     """||A - B||^2, and the fixed scores of every factor that spans groups."""
     spanning = [f for i in range(len(self.plan)) if self._global(i) for f in self.plan[i].names]
     self.fixed, initial = {}, jnp.zeros((), self.dtype)
-    with self._pass("first pass, the distance before and the fixed scores"):
-      for group in self.groups:
+    with self._pass("first pass, the distance before and the fixed scores") as groups:
+      for group in groups:
         factors = tuple(group.names[f] for f in spanning if f in group.names)
         part, fixed = _done(_first_pass(*self._leaves(group), group.sub(self.on),
                                         spec=group.spec, fold=self.fold, factors=factors))
@@ -340,8 +349,8 @@ class _Descent:
       if not bool(self.on[f]):
         continue
       total = self.fixed[f]
-      with self._pass(f"round {rounds + 1}, the scores of {f}"):
-        for group in self.groups:
+      with self._pass(f"round {rounds + 1}, the scores of {f}") as groups:
+        for group in groups:
           if f in group.names:
             part = _done(_group_scores(*self._leaves(group), group.sub(self.element),
                                        self._reads(group)[group.names[f]], jnp.int32(rounds),
@@ -381,8 +390,8 @@ class _Descent:
     """The local steps ``run`` in one pass over the groups; whether each changed."""
     changed = [False] * len(run)
     kinds = sorted({"attention sites" if self.plan[i].attention else "factors" for i in run})
-    with self._pass(f"round {rounds + 1}, {len(run)} steps of {' and '.join(kinds)}"):
-      for group in self.groups:
+    with self._pass(f"round {rounds + 1}, {len(run)} steps of {' and '.join(kinds)}") as groups:
+      for group in groups:
         mine = tuple(i for i in run if group.own(i))
         if not mine:
           continue
@@ -396,8 +405,8 @@ class _Descent:
 
   def refine(self) -> None:
     o = self.options
-    with self._pass("the final refinement of the attention sites"):
-      for group in self.groups:
+    with self._pass("the final refinement of the attention sites") as groups:
+      for group in groups:
         if not any(step.attention and step.names for step in group.plan):
           continue
         element, taken = _group_refine(
@@ -410,8 +419,8 @@ class _Descent:
   def distance(self) -> jax.Array:
     """||A - g . B||^2 over every leaf, a pass over the groups."""
     total = jnp.zeros((), self.dtype)
-    with self._pass("the distance"):
-      for group in self.groups:
+    with self._pass("the distance") as groups:
+      for group in groups:
         total = total + _done(_group_distance(*self._leaves(group), group.sub(self.element),
                                               spec=group.spec, plan=group.plan, fold=self.fold))
     return total
@@ -457,7 +466,8 @@ def align_model_streamed(spec: spec_lib.SymmetrySpec, read: Read,
                          init: str = _attention.INITS[0], refine: str = _model.REFINES[0],
                          solver: str = _attention.SOLVERS[0],
                          mesh: jax.sharding.Mesh | None = None,
-                         progress: Callable[[str], None] | None = None
+                         progress: Callable[[str], None] | None = None,
+                         on_group: Callable[[str, int, int], None] | None = None
                          ) -> tuple[dict[str, Any], dict[str, Any]]:
   """``align_model`` of B to A, reading the models one group of leaves at a time.
 
@@ -474,6 +484,8 @@ def align_model_streamed(spec: spec_lib.SymmetrySpec, read: Read,
       programs partitioned over them (module docstring); None: the default device.
     progress: called with one line after each pass over the groups ("round 1, the scores of
       residual: a pass over 34 groups (80.2 s)"); a round is one pass or more.
+    on_group: called as ``on_group(pass, groups done, groups)`` once each group's work in a
+      pass is done ("round 1, the scores of residual", 3, 34): for a progress bar.
 
   Returns:
     (element, info) as ``align_model`` returns them for the same parameters (module
@@ -491,7 +503,7 @@ def align_model_streamed(spec: spec_lib.SymmetrySpec, read: Read,
     return group_action.identity_model(spec, dtype), {"folded_norm_scales": False}
   descent = _descent(spec, read, shapes, scope=scope, method=method, distance=distance,
                      steps=steps, learning_rate=learning_rate, init=init, refine=refine,
-                     solver=solver, mesh=mesh, progress=progress)
+                     solver=solver, mesh=mesh, progress=progress, on_group=on_group)
   full, final, fold = method == "full", refine == "final", descent.fold
   distances = {"initial": descent.first_pass()}
   rounds = descent.descend(int(max_rounds))
@@ -519,7 +531,7 @@ def _check(spec, shapes, method, distance, steps, init, refine, solver) -> None:
 
 
 def _descent(spec, read, shapes, *, scope, method, distance, steps, learning_rate, init, refine,
-             solver, mesh, progress=None) -> _Descent:
+             solver, mesh, progress=None, on_group=None) -> _Descent:
   """The checked options' descent (method not "naive")."""
   _check(spec, shapes, method, distance, steps, init, refine, solver)
   names = _model.active_names(spec, scope)
@@ -528,7 +540,7 @@ def _descent(spec, read, shapes, *, scope, method, distance, steps, learning_rat
                  distance=_features.DISTANCES.index(distance),
                  descent=_attention.STAGES.index("ortho" if full and final else method))
   return _Descent(spec, read, shapes, names, fold=_model._needs_folding(spec, names),
-                  options=options, mesh=mesh, progress=progress)
+                  options=options, mesh=mesh, progress=progress, on_group=on_group)
 
 
 def layer_program_memory(spec: spec_lib.SymmetrySpec,
