@@ -37,6 +37,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from attn_symmetry import data
 from attn_symmetry import runtime
 
 if __package__ in (None, ""):  # run by path: the repository root holds the `experiments` package
@@ -167,7 +168,7 @@ def main(argv):
         stage_start = time.perf_counter()
         outputs = stage(FLAGS.config, workdir)
         seconds[stage.__name__] = time.perf_counter() - stage_start
-  except checkpoints.CorruptCheckpointError as e:  # one line naming the file, no traceback
+  except (checkpoints.CorruptCheckpointError, data.DatasetUnavailable) as e:  # one line each
     sys.exit(f"FATAL {e}")
   if jax.process_index() != 0:
     return

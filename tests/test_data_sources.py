@@ -8,6 +8,10 @@ Our download builders are tested on local archives of real text.
 
 import csv
 import io
+import os
+import re
+import subprocess
+import sys
 import tarfile
 import zipfile
 
@@ -270,11 +274,37 @@ def test_unprepared_paper_dataset_fails_with_the_command(name, extra, tmp_path):
   assert list(tmp_path.iterdir()) == []  # Nothing was started.
 
 
-def test_preparing_a_tfds_dataset_without_tensorflow_names_the_extra(tmp_path, monkeypatch):
+def test_preparing_a_tfds_dataset_without_tensorflow_names_the_extra(tmp_path, monkeypatch,
+                                                                    capsys):
   monkeypatch.setattr(_catalog, "tensorflow_available", lambda: False)
-  with pytest.raises(RuntimeError, match=r"needs TensorFlow: pip install -e '\.\[prepare\]'"):
+  with pytest.raises(data.DatasetUnavailable, match=r"needs TensorFlow, which is not installed, "
+                     r"and a network \(it downloads\): pip install -e '\.\[prepare\]'"):
     data.train_iterator("cifar10", batch_size=8, seed=0, data_dir=str(tmp_path), download=True,
                         **KW)
+  from attn_symmetry.data import prepare
+  with pytest.raises(SystemExit) as done:
+    prepare.main(["cifar10", "--data_dir", str(tmp_path)])
+  err = capsys.readouterr().err
+  assert done.value.code == 2 and err.count("\n") == 1, err
+  assert err.startswith("python -m attn_symmetry.data.prepare: error: preparing TFDS dataset "
+                        "'cifar10' needs TensorFlow"), err
+
+
+@pytest.mark.slow
+def test_the_study_stops_on_an_unprepared_dataset_with_one_line(tmp_path):
+  """experiments/main.py on a paper config whose data set needs a download: one line with the
+  command that prepares it and that it needs a network; no traceback, no TFDS warning."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run(
+      [sys.executable, "experiments/main.py", "--config=experiments/configs/vit_cifar.py",
+       f"--workdir={tmp_path / 'work'}"], cwd=root, capture_output=True, text=True,
+      env=dict(os.environ, **{data.DATA_DIR_ENV: str(tmp_path / "data")}))
+  lines = [l for l in done.stderr.splitlines() if not re.match(r"I\d{4} ", l)]  # absl's INFO
+  assert done.returncode == 1 and len(lines) == 1, done.stderr
+  assert lines[0] == (f"FATAL dataset 'cifar10' is not prepared in {tmp_path / 'data'}; "
+                      "preparing it downloads it (it needs a network): pip install -e "
+                      f"'.[prepare]' && python -m attn_symmetry.data.prepare cifar10 --data_dir "
+                      f"{tmp_path / 'data'}")
 
 
 def test_fashion_mnist_without_the_debian_files_names_the_apt_command(tmp_path, monkeypatch):

@@ -53,6 +53,7 @@ from attn_symmetry.data._catalog import DATA_DIR_ENV
 from attn_symmetry.data._catalog import DATASETS
 from attn_symmetry.data._catalog import DEFAULT_SEQ_LEN
 from attn_symmetry.data._catalog import DatasetInfo
+from attn_symmetry.data._catalog import DatasetUnavailable
 from attn_symmetry.data._catalog import Entry
 from attn_symmetry.data._catalog import VOCAB_SIZE
 from attn_symmetry.data._catalog import dataset_info
@@ -68,7 +69,7 @@ from attn_symmetry.data._splits import SplitRange
 from attn_symmetry.data._text import tokenize
 
 __all__ = [
-    "DATASETS", "DATA_DIR_ENV", "DEFAULT_SEQ_LEN", "DatasetInfo", "Entry", "FASHION_MNIST_APT",
+    "DATASETS", "DATA_DIR_ENV", "DEFAULT_SEQ_LEN", "DatasetInfo", "DatasetUnavailable", "Entry", "FASHION_MNIST_APT",
     "SplitRange", "VOCAB_SIZE", "dataset_info", "dataset_kind", "default_data_dir",
     "eval_iterator", "prepare_dataset", "prepare_command", "register_dataset", "split_range",
     "tokenize", "train_iterator",

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import fcntl
 import importlib.util
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -168,6 +169,23 @@ def tensorflow_available() -> bool:
   return importlib.util.find_spec("tensorflow") is not None
 
 
+class DatasetUnavailable(FileNotFoundError):
+  """A data set that is not prepared and cannot be prepared here without a download, or
+  without TensorFlow: one line that gives the command which prepares it."""
+
+
+class _NoVariantWarnings(logging.Filter):
+  """Drops TFDS's warning that a data set's version folder has no dataset_info.json, which it
+  says when the folder does not exist at all (a data set not prepared yet: ``open_builder``'s
+  error says so, with the command that prepares it)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "has no dataset_info.json" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_NoVariantWarnings())  # where TFDS logs it
+
+
 def _make_builder(e: Entry, data_dir: str, **kwargs) -> tfds.core.DatasetBuilder:
   if isinstance(e.builder, str):
     return tfds.builder(e.builder, data_dir=data_dir, file_format="array_record", **kwargs)
@@ -201,15 +219,16 @@ def prepare_dataset(name: str, data_dir: str, *, manual_dir: str | None = None,
   Raises:
     FileNotFoundError: an offline data set's source files are missing (the
       message names the install command).
-    RuntimeError: a TFDS data set, without TensorFlow installed.
+    DatasetUnavailable: a TFDS data set, without TensorFlow installed.
   """
   e = entry(name)
   if isinstance(e.builder, type):
     if hasattr(e.builder, "check_sources"):  # ours name the install step of missing sources
       e.builder.check_sources()
   elif not tensorflow_available():
-    raise RuntimeError(f"Preparing TFDS dataset {name!r} needs TensorFlow: "
-                       f"{prepare_command(name, data_dir)}")
+    raise DatasetUnavailable(f"preparing TFDS dataset {name!r} needs TensorFlow, which is not "
+                             f"installed, and a network (it downloads): "
+                             f"{prepare_command(name, data_dir)}")
   kwargs = {"archive": archive} if archive and name in _builders.DOWNLOAD_BUILDERS else {}
   with _lock(data_dir, name):
     builder = _make_builder(e, data_dir, **kwargs)
@@ -225,7 +244,7 @@ def open_builder(name: str, data_dir: str | None, *,
 
   Raises:
     ValueError: unknown name, or an explicit data_dir that does not exist.
-    FileNotFoundError: a data set that needs a download is not prepared and
+    DatasetUnavailable: a data set that needs a download is not prepared and
       ``download`` is False; the message gives the command that prepares it.
   """
   e = entry(name)
@@ -233,9 +252,9 @@ def open_builder(name: str, data_dir: str | None, *,
   builder = _make_builder(e, data_dir)
   if not builder.is_prepared():
     if not (e.offline or download):
-      raise FileNotFoundError(
-          f"Dataset {name!r} is not prepared in {data_dir} (no {builder.data_path}). "
-          f"Prepare it (downloads) with: {prepare_command(name, data_dir)}")
+      raise DatasetUnavailable(
+          f"dataset {name!r} is not prepared in {data_dir}; preparing it downloads it (it needs "
+          f"a network): {prepare_command(name, data_dir)}")
     builder = prepare_dataset(name, data_dir)
   if builder.info.file_format != tfds.core.FileFormat.ARRAY_RECORD:
     raise FileNotFoundError(

@@ -18,7 +18,8 @@ from attn_symmetry.data import _catalog
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser = argparse.ArgumentParser(prog="python -m attn_symmetry.data.prepare",
+                                   description=__doc__.split("\n", 1)[0])
   parser.add_argument("names", nargs="+", choices=_catalog.DATASETS, metavar="NAME",
                       help=f"data sets to prepare: {', '.join(_catalog.DATASETS)}")
   parser.add_argument("--data_dir", default=None,
@@ -32,7 +33,11 @@ def main(argv: list[str] | None = None) -> None:
   data_dir = args.data_dir or _catalog.default_data_dir()
   os.makedirs(data_dir, exist_ok=True)
   for name in args.names:
-    builder = _catalog.prepare_dataset(name, data_dir, manual_dir=args.manual_dir, archive=args.archive)
+    try:
+      builder = _catalog.prepare_dataset(name, data_dir, manual_dir=args.manual_dir,
+                                         archive=args.archive)
+    except _catalog.DatasetUnavailable as e:
+      parser.exit(2, f"{parser.prog}: error: {e}\n")
     print(f"{name}: prepared in {builder.data_path}")
 
 
