@@ -226,8 +226,11 @@ def test_legacy_and_non_state_dict_files_are_refused(tmp_path):
   legacy = tmp_path / "legacy.bin"
   torch.save({"x": torch.zeros(2)}, legacy, _use_new_zipfile_serialization=False)
   with pytest.raises(ValueError, match=r"^legacy.bin is not a zip archive: the legacy torch.save "
-                                       r"format of torch < 1.6 is not read"):
+                                       r"format of torch < 1.6 is not read; loading it with torch "
+                                       r"runs the pickle, which can run any code, so only if you "
+                                       r"trust its source: torch.load\(path, weights_only=True\)"):
     torch_pickle.read_index(legacy)
+  assert torch.load(legacy, weights_only=True)["x"].shape == (2,)  # the advice works
   listed = _zip_pickle(tmp_path / "list.bin", [1, 2])
   with pytest.raises(ValueError, match=r"^list.bin holds a list, not a state dict$"):
     torch_pickle.read_index(listed)

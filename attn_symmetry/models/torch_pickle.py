@@ -214,7 +214,10 @@ def read_index(path: str | os.PathLike) -> dict[str, TensorRef]:
   where = os.path.basename(path)
   if not zipfile.is_zipfile(path):
     raise ValueError(f"{where} is not a zip archive: the legacy torch.save format of torch < 1.6 "
-                     "is not read (load and re-save it with torch >= 1.6, or as safetensors)")
+                     "is not read; loading it with torch runs the pickle, which can run any "
+                     "code, so only if you trust its source: torch.load(path, weights_only=True) "
+                     "refuses what a state dict does not hold, then save it with torch >= 1.6 "
+                     "or as safetensors")
   with zipfile.ZipFile(path) as zf:
     prefix = _archive_prefix(zf, where)
     members = {info.filename: info.file_size for info in zf.infolist()}
