@@ -171,10 +171,16 @@ def layer_shapes(params: Params, prefix: str = "") -> tuple[tuple[int, ...], int
   goes in front of the leaf paths in errors.
 
   Raises:
-    ValueError: naming the leaf, for a leaf outside ``LEAVES``, a missing
+    ValueError: naming the leaf, for flat paths ("query/kernel") as keys, a leaf outside
+      ``LEAVES``, a missing
       kernel, kv heads that do not divide the query heads, or a shape that
       disagrees with the query and key kernels.
   """
+  slashed = [name for name in params if "/" in str(name)]
+  if slashed:
+    raise ValueError(f"{prefix}{slashed[0]}: attention params are nested dicts "
+                     "({'query': {'kernel': ...}, ...}), not flat paths ('query/kernel'); "
+                     "spec.unflatten turns flat paths into nested dicts")
   flat = {}
   for name, node in params.items():
     for leaf, v in (node.items() if isinstance(node, Mapping) else [("", node)]):

@@ -263,6 +263,12 @@ def test_bad_params_raise_naming_the_leaf(x64):
     ga.apply(dict(params, extra={"kernel": params["out"]["kernel"]}), e)
   with pytest.raises(ValueError, match="query/kernel has shape"):
     ga.apply(_layer(jax.random.key(0), heads=2), e)
+  flat = spec_lib.flatten(params)  # {"query/kernel": ...}: the layout is nested dicts
+  with pytest.raises(ValueError, match=r"^\w+/\w+: attention params are nested dicts .*not flat "
+                                       r"paths \('query/kernel'\); spec.unflatten"):
+    ga.apply(flat, e)
+  np.testing.assert_array_equal(ga.apply(spec_lib.unflatten(flat), e)["query"]["kernel"],
+                                ga.apply(params, e)["query"]["kernel"])
 
 
 @pytest.mark.parametrize("head_dim,fraction", [(7, 1.0), (8, 0.125), (8, 0.0)])
