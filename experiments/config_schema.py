@@ -439,6 +439,20 @@ FIELDS: tuple[Field, ...] = (
 BY_PATH: dict[str, Field] = {f.path: f for f in FIELDS}
 
 
+def check_roles(fields: tuple[Field, ...]) -> None:
+  """Raises ValueError naming the fields whose ``Role`` contradicts what the study keys them
+  by: a ``Role.STUDY`` field that no study stage keys, or a ``Role.NOT_KEYED`` one that some
+  stage keys (``Field.keys_study``)."""
+  wrong = [f.path for f in fields if (f.keys is Role.STUDY and not f.keys_study)
+           or (f.keys is Role.NOT_KEYED and f.keys_study)]
+  if wrong:
+    raise ValueError(f"{wrong}: a Role.STUDY field names the study stages that key it "
+                     "(study=, option=), a Role.NOT_KEYED one names none")
+
+
+check_roles(FIELDS)
+
+
 def default_config() -> ml_collections.ConfigDict:
   """A ConfigDict of every field at its default."""
   config = ml_collections.ConfigDict()

@@ -48,9 +48,9 @@ class RecordingConfig(Mapping):
   counts as a read of its path."""
 
   def __init__(self, node: ml_collections.ConfigDict, path: str = "", reads: list | None = None):
-    object.__setattr__(self, "_node", node)
-    object.__setattr__(self, "_path", path)
-    object.__setattr__(self, "_reads", reads if reads is not None else [None])
+    self._node, self._path = node, path
+    # [the set being filled, or None], one list shared with the views of the sub-configs.
+    self._reads = reads if reads is not None else [None]
 
   def _child(self, key: str) -> str:
     return f"{self._path}.{key}" if self._path else key
@@ -217,20 +217,15 @@ def test_a_field_read_but_not_keyed_fails(recorded, monkeypatch, path, reader,
   assert unkeyed_reads(run_keys(monkeypatch)) == {stage: [path] for stage in stages_that_miss_it}
 
 
-def role_disagreements(fields) -> list[str]:
-  """The fields whose ``Role`` contradicts what the study keys them by: a ``Role.STUDY``
-  field that no study stage keys, or a ``Role.NOT_KEYED`` one that some stage keys."""
-  role = config_schema.Role
-  return [f.path for f in fields if (f.keys is role.STUDY and not f.keys_study)
-          or (f.keys is role.NOT_KEYED and f.keys_study)]
-
-
 def test_each_role_agrees_with_the_study_stages():
-  assert role_disagreements(config_schema.FIELDS) == []
-  broken = [dataclasses.replace(config_schema.BY_PATH["study.noise_levels"], study=()),
+  """The schema checks itself when imported; a study field that names no stage, or a field
+  that keys nothing but names one, is refused."""
+  config_schema.check_roles(config_schema.FIELDS)
+  broken = (dataclasses.replace(config_schema.BY_PATH["study.noise_levels"], study=()),
             dataclasses.replace(config_schema.BY_PATH["study.lambda_chunk"],
-                                study=(config_schema.ROBUSTNESS,))]
-  assert role_disagreements(broken) == ["study.noise_levels", "study.lambda_chunk"]
+                                study=(config_schema.ROBUSTNESS,)))
+  with pytest.raises(ValueError, match=r"\['study.noise_levels', 'study.lambda_chunk'\]"):
+    config_schema.check_roles(broken)
 
 
 def test_each_matching_option_has_one_field_named_by_its_align_model_argument():
