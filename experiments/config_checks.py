@@ -46,12 +46,6 @@ def field_paths(config: ml_collections.ConfigDict, prefix: str = "") -> Iterator
       yield path
 
 
-def _value(config: ml_collections.ConfigDict, path: str) -> Any:
-  for key in path.split("."):
-    config = config[key]
-  return config
-
-
 def _check_relations(config: ml_collections.ConfigDict) -> None:
   """The rules that relate fields; each field alone is already valid."""
   for stage in ("train", "reinit"):
@@ -123,5 +117,5 @@ def validate(config: ml_collections.ConfigDict) -> None:
       _fail(field, "is not a field of the setting config (experiments/config_schema.py); "
             "a typo?")
   for field, rule in RULES.items():
-    rule(field, _value(config, field))
+    rule(field, config_schema.value(config, field))
   _check_relations(config)

@@ -2,7 +2,9 @@
 
 An entry holds the field's dotted path, its ``default``, its ``rule`` (type and
 range, or the options it is drawn from), what it ``keys`` (``Role``: which
-stage fingerprints it enters) and a one-line ``doc``. The rest derives from it:
+stage fingerprints it enters), a one-line ``doc`` and, for the study, which of
+its stages read it (``study``, from ``STUDY_READERS``) or the ``align_model``
+argument it sets (``option``). The rest derives from it:
 
 * ``experiments/configs/default.py``'s ``get_config()`` is ``default_config()``;
   a setting file changes values of these fields and creates none
@@ -11,7 +13,10 @@ stage fingerprints it enters) and a one-line ``doc``. The rest derives from it:
   such as warmup shorter than training, are ``config_checks._check_relations``);
 * ``experiments/fingerprints.py``'s field groups ``TRAINING``, ``TRAIN_SCHEDULE``,
   ``REINIT_SCHEDULE``, ``STOPPING``, ``STUDY``, ``PER_RUN``, ``NOT_KEYED`` and
-  ``UNKEYED_DEFAULTS`` (``keyed_by`` and ``unkeyed_defaults``).
+  ``UNKEYED_DEFAULTS`` (``keyed_by`` and ``unkeyed_defaults``);
+* ``experiments/scope_study.py``'s stage keys (``study_keyed``) and its
+  ``matching_kwargs``, the config fields of ``align_model``'s options
+  (``option_fields``).
 
 Adding a field is one entry here and the code that reads it. Every field, its
 default, its check and what it keys::
@@ -181,7 +186,10 @@ _DISTANCE = _one_of("distance", "attn_symmetry.matching.DISTANCES")
 
 
 class Role(enum.Enum):
-  """Which stage fingerprints a field enters (``experiments/fingerprints.py`` says how and why)."""
+  """Which stage fingerprints a field enters (``experiments/fingerprints.py`` says how and why).
+
+  A field of any role but ``NOT_KEYED`` may key study stages too: those that its ``study``
+  or ``option`` names."""
   TRAINING = "every training run"
   TRAIN_SCHEDULE = "the base run and the 'full' scope's runs"
   REINIT_SCHEDULE = "the fine-tuned scopes' runs"
@@ -189,6 +197,20 @@ class Role(enum.Enum):
   STUDY = "the study stages that read it"
   PER_RUN = "each run or stage, by the value it uses"
   NOT_KEYED = "no stage"
+
+
+# What a field's ``study`` may name: the study stages (``experiments/scope_study.py``) that
+# read it, each of which keys it by its value; or ``DATA``, read through the data readers.
+EVERY_STAGE = "every stage"
+LEARNED = "learned"
+ROBUSTNESS = "robustness"
+DATA = "data"
+STUDY_READERS = {
+    EVERY_STAGE: "every study stage",
+    LEARNED: "the study stages of the 'learned' method (its path and the robustness check)",
+    ROBUSTNESS: "the study's robustness check",
+    DATA: "the study through its data readers (keyed by the examples' content, not by value)",
+}
 
 
 class _Always:
@@ -211,6 +233,10 @@ class Field:
     doc: what it does, one line.
     unkeyed_default: a value at which it keys nothing (a field added after results were
       stored, at the value it stands for there: those results stay valid), or ``ALWAYS``.
+    study: the study stages that read it (``STUDY_READERS``); each keys it by its value,
+      except ``DATA``.
+    option: the argument of ``attn_symmetry.matching.align_model`` that it sets: every stage
+      of a method that reads that option (``matching.METHODS[method].options``) keys it.
   """
   path: str
   default: Any
@@ -218,6 +244,20 @@ class Field:
   keys: Role
   doc: str
   unkeyed_default: Any = ALWAYS
+  study: tuple[str, ...] = ()
+  option: str | None = None
+
+  def __post_init__(self):
+    """Raises ValueError for a ``study`` entry outside ``STUDY_READERS``."""
+    unknown = [s for s in self.study if s not in STUDY_READERS]
+    if unknown:
+      raise ValueError(f"{self.path}: study names {unknown}; choose from {list(STUDY_READERS)}")
+
+  @property
+  def keys_study(self) -> bool:
+    """Whether some study stage keys it by value: a stage that its ``study`` names (but
+    ``DATA``), or a method stage that reads its ``option``."""
+    return bool(self.option) or any(reader != DATA for reader in self.study)
 
 
 # What each section of the config holds, beyond its fields' own lines.
@@ -245,43 +285,47 @@ SECTIONS = {
 
 FIELDS: tuple[Field, ...] = (
     Field("seed", 0, _AT_LEAST_0, Role.PER_RUN,
-          "seed of the base model (initialisation and data order)"),
+          "seed of the base model (initialisation and data order)", study=(ROBUSTNESS,)),
 
     Field("model.family", "vit", _one_of("model family", "attn_symmetry.models.FAMILIES"),
-          Role.TRAINING, "the model family"),
+          Role.TRAINING, "the model family", study=(EVERY_STAGE,)),
     Field("model.preset", "tiny", _one_of("model preset", "attn_symmetry.models.PRESETS"),
-          Role.TRAINING, "the family's size preset"),
+          Role.TRAINING, "the family's size preset", study=(EVERY_STAGE,)),
     Field("model.overrides", {}, _MODEL_OVERRIDES, Role.TRAINING,
-          "keyword arguments passed on to the model config (pos_encoding, width, ...)"),
+          "keyword arguments passed on to the model config (pos_encoding, width, ...)",
+          study=(EVERY_STAGE,)),
 
     Field("dataset.name", "digits", _DATASET, Role.PER_RUN,
-          "the data set A that the base model trains on"),
+          "the data set A that the base model trains on", study=(DATA,)),
     Field("dataset.data_dir", "", _DATA_DIR, Role.TRAINING,
-          'where prepared data sets live ("" for the default)'),
+          'where prepared data sets live ("" for the default)', study=(DATA,)),
     Field("dataset.seq_len", 0, _AT_LEAST_0, Role.TRAINING,
-          "tokens per text example (0: the reader's default)"),
+          "tokens per text example (0: the reader's default)", study=(DATA,)),
     Field("dataset.image_size", 0, _AT_LEAST_0, Role.TRAINING,
-          "crop side of variable-size images (0: the reader's default)"),
+          "crop side of variable-size images (0: the reader's default)", study=(DATA,)),
     Field("dataset.augment", False, _BOOLEAN, Role.TRAINING,
-          "random crop and flip of the training images"),
+          "random crop and flip of the training images", study=(LEARNED,)),
     Field("dataset.num_workers", 0, _AT_LEAST_0, Role.NOT_KEYED,
           "reader processes on top of threads (0 reads in-process); batch k holds the "
-          "same examples"),
+          "same examples", study=(DATA,)),
     Field("dataset.train_split", "train", _split(), Role.TRAINING,
-          "the split, or one slice of it ('train[:90%]'), that every run trains on"),
+          "the split, or one slice of it ('train[:90%]'), that every run trains on",
+          study=(LEARNED,)),
     Field("dataset.validation_split", "", _split(optional=True), Role.STOPPING,
           "the held-out split or slice ('train[90%:]', or a real 'validation' split) of the "
-          "stopping rule and the 'learned' method; \"\" for none"),
+          "stopping rule and the 'learned' method; \"\" for none", study=(LEARNED,)),
     Field("dataset.validation_examples", 0, _AT_LEAST_0, Role.STOPPING,
           "the first that many examples of validation_split are read (0: all of them)",
-          unkeyed_default=0),
+          unkeyed_default=0, study=(LEARNED,)),
 
     Field("train.num_steps", 1000, _AT_LEAST_1, Role.TRAIN_SCHEDULE,
           "steps of the base run (and of the 'full' scope)"),
     Field("train.batch_size", 128, _AT_LEAST_1, Role.TRAINING,
-          "training batch size of every run, a multiple of the devices"),
-    Field("train.eval_batch_size", 256, _AT_LEAST_1, Role.NOT_KEYED,
-          "evaluation batch size, a multiple of the devices (splits the same sums otherwise)"),
+          "training batch size of every run, a multiple of the devices", study=(LEARNED,)),
+    Field("train.eval_batch_size", 256, _AT_LEAST_1, Role.STUDY,
+          "evaluation batch size, a multiple of the devices (splits the same sums otherwise; "
+          "'learned' picks its iterate on study.learn_holdout_batches batches of it)",
+          study=(LEARNED,)),
     Field("train.param_sharding", "replicated",
           _one_of("parameter sharding", "experiments.inputs.PARAM_SHARDINGS"), Role.NOT_KEYED,
           "'replicated' (a copy of the parameters and optimiser state on every device) or "
@@ -319,7 +363,7 @@ FIELDS: tuple[Field, ...] = (
           "warmup steps of a fine-tuned scope, fewer than num_steps"),
     Field("reinit.dataset", "", _one_of("data set", "attn_symmetry.data.DATASETS",
                                         or_empty=True), Role.PER_RUN,
-          'the data set B of an A->B transfer ("": the base data set)'),
+          'the data set B of an A->B transfer ("": the base data set)', study=(DATA,)),
     Field("reinit.patience", 0, _AT_LEAST_0, Role.STOPPING,
           "validations without improvement after which a run stops (0: no stopping rule, "
           "every run trains its whole budget)"),
@@ -329,50 +373,55 @@ FIELDS: tuple[Field, ...] = (
           "steps between the stopping rule's validations"),
 
     Field("study.methods", ("naive", "perm", "ortho", "full"),
-          _distinct(_one_of("method", "attn_symmetry.matching.METHODS")), Role.NOT_KEYED,
-          "the matching methods compared; 'naive' must be one"),
+          _distinct(_one_of("method", "attn_symmetry.matching.METHODS")), Role.STUDY,
+          "the matching methods compared; 'naive' must be one (each method's stages are keyed "
+          "by their method; the robustness check measures them all)", study=(ROBUSTNESS,)),
     Field("study.num_lambdas", 25, _integer(3), Role.STUDY,
-          "interpolation points of a path, endpoints included (with 2 every barrier is 0)"),
+          "interpolation points of a path, endpoints included (with 2 every barrier is 0)",
+          study=(EVERY_STAGE,)),
     Field("study.lambda_chunk", 1, _AT_LEAST_1, Role.NOT_KEYED,
           "interpolation points evaluated in one call (benchmarks/bench_interpolation.py: "
           "1 beats 5 and 25 on CPU)"),
     Field("study.match_steps", 200, _AT_LEAST_0, Role.STUDY,
-          "iterations of the Stage 2 refinement (0: Stage 1 only)"),
+          "iterations of the Stage 2 refinement (0: Stage 1 only)", option="steps"),
     Field("study.match_learning_rate", 1e-2, _POSITIVE, Role.STUDY,
-          "step size of the 'adam' refinement solver"),
+          "step size of the 'adam' refinement solver", option="learning_rate"),
     Field("study.match_init", "procrustes",
           _one_of("Stage 2 start", "attn_symmetry.matching.INITS"), Role.STUDY,
-          "start of the Stage 2 refinement: 'procrustes' or the 'best' of it and others"),
+          "start of the Stage 2 refinement: 'procrustes' or the 'best' of it and others",
+          option="init"),
     Field("study.match_refine", "every_round",
           _one_of("refinement schedule", "attn_symmetry.matching.REFINES"), Role.STUDY,
-          "whole-model alignment refines at every round or once at the end"),
+          "whole-model alignment refines at every round or once at the end", option="refine"),
     Field("study.match_solver", "gauss_newton",
           _one_of("refinement solver", "attn_symmetry.matching.SOLVERS"), Role.STUDY,
           "'gauss_newton' (stops on a tolerance within match_steps iterations) or 'adam' "
-          "(the paper's match_steps Adam steps at match_learning_rate)"),
+          "(the paper's match_steps Adam steps at match_learning_rate)", option="solver"),
     Field("study.learn_steps", 300, _AT_LEAST_0, Role.STUDY,
-          "training steps of the 'learned' method"),
+          "training steps of the 'learned' method", study=(LEARNED,)),
     Field("study.learn_learning_rate", 1e-2, _POSITIVE, Role.STUDY,
-          "learning rate of the 'learned' method"),
+          "learning rate of the 'learned' method", study=(LEARNED,)),
     Field("study.learn_uniform_lambda", False, _BOOLEAN, Role.STUDY,
-          "'learned' draws lambda from U(0, 1) at every step instead of 1/2"),
+          "'learned' draws lambda from U(0, 1) at every step instead of 1/2", study=(LEARNED,)),
     Field("study.learn_holdout_batches", 4, _AT_LEAST_1, Role.STUDY,
-          "held-out batches on which 'learned' picks its best iterate"),
+          "held-out batches on which 'learned' picks its best iterate", study=(LEARNED,)),
     Field("study.learn_factors", ("attention",),
           _distinct(_one_of("learned factor", "attn_symmetry.matching.LEARNED_FACTORS")),
           Role.STUDY,
           "the factors that 'learned' trains, those of them that each scope has: 'attention' "
           "(per-head QK and VO matrices), 'heads', 'ffn', 'residual' "
           "(matching.LEARNED_FACTORS)",
-          unkeyed_default=("attention",)),
+          unkeyed_default=("attention",), option="factors"),
     Field("study.eval_examples", 0, _AT_LEAST_0, Role.STUDY,
-          "the first that many examples of eval_split evaluate every path (0: all of them)"),
+          "the first that many examples of eval_split evaluate every path (0: all of them)",
+          study=(EVERY_STAGE,)),
     Field("study.eval_split", "test", _split(evaluation=True), Role.STUDY,
           "the split or slice that evaluates every path: the test split, or e.g. "
           "'train[:90%]' for the barrier of the fitted objective ('learned' trains there, "
-          "so summary.md says its barrier is not held out)", unkeyed_default="test"),
+          "so summary.md says its barrier is not held out)", unkeyed_default="test",
+          study=(EVERY_STAGE,)),
     Field("study.distance", "frobenius", _DISTANCE, Role.STUDY,
-          "the Stage 1 distance of every method but 'naive'"),
+          "the Stage 1 distance of every method but 'naive'", option="distance"),
     Field("study.distances", ("frobenius", "squared", "normalised", "cosine"),
           _distinct(_DISTANCE), Role.NOT_KEYED, "the Stage 1 distances of the ablation"),
     Field("study.permutation_ablation", True, _BOOLEAN, Role.NOT_KEYED,
@@ -384,10 +433,24 @@ FIELDS: tuple[Field, ...] = (
           "the head-order ablation runs on layers of at most this many heads"),
     Field("study.noise_levels", (0.0, 0.5, 1.0), _distinct(_NON_NEGATIVE), Role.STUDY,
           "input noise of the robustness check: Gaussian std on normalised images, token "
-          "replacement rate (at most 1) on text"),
+          "replacement rate (at most 1) on text", study=(ROBUSTNESS,)),
 )
 
 BY_PATH: dict[str, Field] = {f.path: f for f in FIELDS}
+
+
+def check_roles(fields: tuple[Field, ...]) -> None:
+  """Raises ValueError naming the fields whose ``Role`` contradicts what the study keys them
+  by: a ``Role.STUDY`` field that no study stage keys, or a ``Role.NOT_KEYED`` one that some
+  stage keys (``Field.keys_study``)."""
+  wrong = [f.path for f in fields if (f.keys is Role.STUDY and not f.keys_study)
+           or (f.keys is Role.NOT_KEYED and f.keys_study)]
+  if wrong:
+    raise ValueError(f"{wrong}: a Role.STUDY field names the study stages that key it "
+                     "(study=, option=), a Role.NOT_KEYED one names none")
+
+
+check_roles(FIELDS)
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -407,21 +470,46 @@ def default_config() -> ml_collections.ConfigDict:
   return config
 
 
-def keyed_by(role: Role) -> tuple[str, ...]:
-  """The names of the fields that key ``role``'s stages, in table order, for
-  ``fingerprints.config_fields``: a section all of whose fields key ``role`` is named whole
-  ("model"), so that every leaf under it is keyed (``model.overrides.width``, ...)."""
+def value(config: ml_collections.ConfigDict, path: str) -> Any:
+  """The value of the field at dotted ``path`` ("study.match_steps") in ``config``."""
+  for key in path.split("."):
+    config = config[key]
+  return config
+
+
+def _names(selected: Callable[[Field], bool]) -> tuple[str, ...]:
+  """The names of the ``selected`` fields, in table order, for ``fingerprints.config_fields``:
+  a section all of whose fields are selected is named whole ("model"), so that every leaf
+  under it is keyed (``model.overrides.width``, ...)."""
   names = []
   for field in FIELDS:
-    if field.keys is not role:
+    if not selected(field):
       continue
     section = field.path.split(".", 1)[0]
     whole = section != field.path and all(
-        f.keys is role for f in FIELDS if f.path.startswith(section + "."))
+        selected(f) for f in FIELDS if f.path.startswith(section + "."))
     name = section if whole else field.path
     if name not in names:
       names.append(name)
   return tuple(names)
+
+
+def keyed_by(role: Role) -> tuple[str, ...]:
+  """The names of the fields that key ``role``'s stages (``_names``)."""
+  return _names(lambda field: field.keys is role)
+
+
+def study_keyed(reader: str) -> tuple[str, ...]:
+  """The names of the fields whose ``study`` names ``reader`` (a key of ``STUDY_READERS``;
+  ``_names``): the fields that its stages key by value, but for ``DATA``."""
+  if reader not in STUDY_READERS:
+    raise ValueError(f"no study reader {reader!r}; choose from {list(STUDY_READERS)}")
+  return _names(lambda field: reader in field.study)
+
+
+def option_fields() -> dict[str, str]:
+  """{align_model option: the path of the field that sets it} (``Field.option``)."""
+  return {f.option: f.path for f in FIELDS if f.option}
 
 
 def unkeyed_defaults() -> dict[str, Any]:
@@ -442,6 +530,9 @@ def reference() -> str:
       lines += ["", wrap(f"{head}: {SECTIONS[head]}", "")]
     section = head
     keys = field.keys.value
+    keys += "".join(f"; {STUDY_READERS[reader]}" for reader in field.study)
+    if field.option:
+      keys += f"; the study stages of the methods that read align_model's {field.option!r}"
     if field.unkeyed_default is not ALWAYS:
       keys += f" (none at {field.unkeyed_default!r})"
     lines += [f"  {field.path} = {field.default!r}", wrap(field.doc, "      "),

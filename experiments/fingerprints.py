@@ -26,20 +26,33 @@ Stages and their fields:
   but "full", ``sha256 of base params``: the content hash of the base model's
   final parameters.
 * study stage (``scope_study.py``, one JSON per pair and stage under
-  ``study/<scope>/pairs/``): the scope's parameter paths, the model fields,
-  the content hash of the evaluation examples (through which the data set
-  and its reader options enter), ``study.num_lambdas`` and
-  ``study.eval_examples``, ``study.eval_split`` when it is not "test" (the
-  default keys nothing, ``UNKEYED_DEFAULTS``, so that results stored before
-  the field existed stay valid; the examples' content hash changes with it
-  either way), the content
-  hashes of both endpoints, and the
-  options the stage uses (``study.distance`` for Stage 1 of every method but
-  "naive", ``study.match_steps``, ``study.match_learning_rate``,
-  ``study.match_init``, ``study.match_refine`` and ``study.match_solver`` for
-  the "full" refinement,
-  those and ``study.learn_*`` for "learned"; ``seed``,
-  ``study.noise_levels`` and ``study.methods`` for the robustness check).
+  ``study/<scope>/pairs/``): the scope's parameter paths, the content hashes
+  of both endpoints and of the evaluation examples (through which the data
+  set and the reader's options enter: the fields whose ``study`` is
+  ``DATA``), and the config fields that the stage reads, as
+  ``experiments/config_schema.py`` says field by field:
+
+  - every stage: the fields whose ``study`` names ``EVERY_STAGE`` (the model,
+    ``study.num_lambdas``, ``study.eval_examples``, ``study.eval_split``);
+  - a stage computing a matching method: the fields of the ``align_model``
+    options the method reads (``Field.option`` of each of
+    ``matching.METHODS[method].options``: ``study.distance`` for Stage 1 of
+    every method but "naive", the ``study.match_*`` refinement options for
+    "full" and "learned") and those whose ``study`` names the method (the
+    "learned" method's ``study.learn_*``, and the training and validation
+    slices and batch sizes it learns from and chooses its iterate on);
+  - the ablations: the "full" method's options (but the refinement schedule,
+    for the ablation over every head order), the distance an ablation sets
+    as "ablation distance";
+  - the robustness check: every compared method's fields and those whose
+    ``study`` names ``ROBUSTNESS`` (``seed``, ``study.noise_levels``,
+    ``study.methods``).
+
+  A field whose ``unkeyed_default`` is set keys nothing at that value
+  (``UNKEYED_DEFAULTS``: ``study.eval_split`` at "test", say, so that results
+  stored before the field existed stay valid).
+  ``tests/test_study_keys.py`` records the config fields each stage reads and
+  fails if one is not keyed.
 * report (``study/report_fingerprints.json``): the content hash of the
   results it is drawn from.
 
@@ -63,11 +76,15 @@ change no stored result beyond the float32 rounding of sums:
   are kept. Under the stopping rule an evaluation decides when a run stops, so
   another ``eval_batch_size`` could in principle move the stop, if a
   validation loss fell within float32 rounding of the ``min_delta``
-  threshold; like the number of devices, it is left out all the same.
+  threshold; like the number of devices, it is left out all the same. The
+  "learned" method's stages key ``eval_batch_size`` (a ``Role.STUDY``
+  field): the method picks its iterate on ``study.learn_holdout_batches``
+  batches of that size, so the size chooses the examples it is held out on.
 * which runs and stages exist (such as ``reinit.scopes``, ``reinit.seeds``,
-  ``study.methods``, ``study.distances``, ``study.permutation_ablation``): each
-  run and stage is keyed by its own scope, seed, method or distance, so adding
-  one adds its stages and keeps the rest.
+  ``study.distances``, ``study.permutation_ablation``): each run and stage is
+  keyed by its own scope, seed, method or distance, so adding one adds its
+  stages and keeps the rest. ``study.methods`` is one of them for every stage
+  but the robustness check, which measures every method and so keys it.
 * the library versions.
 
 A field's ``unkeyed_default`` in the schema (``UNKEYED_DEFAULTS`` here) is a
@@ -104,7 +121,8 @@ TRAIN_SCHEDULE = config_schema.keyed_by(config_schema.Role.TRAIN_SCHEDULE)
 REINIT_SCHEDULE = config_schema.keyed_by(config_schema.Role.REINIT_SCHEDULE)
 # The stopping rule of a re-initialised run, keyed when it is on (reinit.patience > 0).
 STOPPING = config_schema.keyed_by(config_schema.Role.STOPPING)
-# Options of the study's stages (each stage keys the ones it uses).
+# Fields that key study stages only (each stage keys those it reads: ``scope_study.py``, from
+# each field's ``study`` and ``option`` in the schema); no run keys them.
 STUDY = config_schema.keyed_by(config_schema.Role.STUDY)
 # Keyed per run or stage, by the value that run or stage uses (see the module docstring).
 PER_RUN = config_schema.keyed_by(config_schema.Role.PER_RUN)

@@ -12,6 +12,10 @@ result kept by ``result_cache.cached`` under ``workdir/study/<scope>/pairs/``:
 * the accuracy of the endpoints and of each method's midpoint under input
   noise (``input_noise``).
 
+Each stage is keyed by the config fields it reads, as ``experiments/config_schema.py``
+says field by field (``Field.study``, ``Field.option``): ``method_keys`` and
+``config_schema.study_keyed`` derive them; ``fingerprints.py`` lists them.
+
 ``ScopeStudy.run`` assembles them into the scope's result: per-pair curves,
 means and ratios to naive (``report.summarise_methods``), the ablations'
 summaries and the robustness table.
@@ -37,6 +41,7 @@ from attn_symmetry import matching
 from attn_symmetry import runtime
 from attn_symmetry import tasks
 from attn_symmetry.spec import SymmetrySpec, subtree
+from experiments import config_schema
 from experiments import fingerprints
 from experiments import input_noise
 from experiments import inputs
@@ -49,16 +54,33 @@ log = logging.getLogger(__name__)
 log.setLevel(logging.INFO)
 
 
-# align_model's matching options and the config fields that set them.
-_OPTION_FIELDS = {"distance": "study.distance", "steps": "study.match_steps",
-                  "learning_rate": "study.match_learning_rate", "init": "study.match_init",
-                  "refine": "study.match_refine", "solver": "study.match_solver"}
-# What the "learned" method reads besides the full method's options: its own options and
-# the training and validation batches it learns from and chooses on.
-LEARNED_FIELDS = ("study.learn_steps", "study.learn_learning_rate", "study.learn_uniform_lambda",
-                  "study.learn_holdout_batches", "study.learn_factors", "dataset.train_split",
-                  "dataset.validation_split", "dataset.validation_examples", "train.batch_size",
-                  "dataset.augment")
+# What every stage keys and what the stages of each method key, by config field, derive from
+# experiments/config_schema.py: each field names the stages that read it (``Field.study``)
+# or the align_model option it sets (``Field.option``).
+
+
+def method_keys(method: str, options: Iterable[str] | None = None) -> tuple[str, ...]:
+  """The config fields that a stage computing ``method`` keys: those of the ``align_model``
+  ``options`` it is run with (``matching.METHODS[method].options`` by default) and those
+  whose ``study`` names it (the "learned" method's own options and the data it learns
+  from)."""
+  if options is None:
+    options = matching.METHODS[method].options
+  fields = config_schema.option_fields()
+  readers = config_schema.study_keyed(method) if method in config_schema.STUDY_READERS else ()
+  return (*(fields[option] for option in options), *readers)
+
+
+def option_values(config: ml_collections.ConfigDict, options: Iterable[str],
+                  **changes) -> dict[str, Any]:
+  """{option: value} of ``align_model``'s ``options``, each from the config field that sets
+  it (``config_schema.option_fields``; a list as a tuple) unless ``changes`` gives it; only
+  those fields are read."""
+  fields, out = config_schema.option_fields(), {}
+  for option in options:
+    value = changes[option] if option in changes else config_schema.value(config, fields[option])
+    out[option] = tuple(value) if isinstance(value, list) else value
+  return out
 
 
 def learned_overlap(config: ml_collections.ConfigDict, dataset: str) -> dict[str, str]:
@@ -90,20 +112,17 @@ def factors_in_scope(spec: SymmetrySpec, names: Sequence[str], wanted: Sequence[
 
 
 def matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
-                     **changes) -> dict[str, Any]:
+                    **changes) -> dict[str, Any]:
   """The keyword arguments of ``matching.align_model`` that ``method`` uses
-  (``matching.METHODS[method].options``), from ``config.study``, with ``changes`` applied."""
-  s = config.study
-  values = dict(distance=s.distance, steps=s.match_steps, learning_rate=s.match_learning_rate,
-                init=s.match_init, refine=s.match_refine, solver=s.match_solver,
-                factors=tuple(s.learn_factors))
-  return {k: changes.get(k, values[k]) for k in matching.METHODS[method].options}
+  (``matching.METHODS[method].options``), from the config (``option_values``), with
+  ``changes`` applied."""
+  return option_values(config, matching.METHODS[method].options, **changes)
 
 
-def _option_fields(options: Mapping[str, Any], changes: Iterable[str] = ()) -> dict[str, Any]:
-  """Fingerprint fields of matching ``options``: by config field name, or "ablation <name>"
-  for an option an ablation sets."""
-  return {f"ablation {k}" if k in changes else _OPTION_FIELDS[k]: v for k, v in options.items()}
+# The options of the Stage 1 ablation over every head order (``matching.
+# match_attention_exhaustive``): the "full" method's, but the refinement schedule, which one
+# attention layer does not have.
+_EXHAUSTIVE_OPTIONS = tuple(o for o in matching.METHODS["full"].options if o != "refine")
 
 
 # How a path's endpoints are measured (``ScopeStudy._path``): a stage result computed
@@ -128,13 +147,14 @@ class ScopeStudy:
     self.evaluator = evaluator
     self.dir = os.path.join(workdir, "study", scope)
     self.scope_paths = model.scope_paths(scope)
-    self.dataset = config.reinit.dataset or config.dataset.name  # the scope's fine-tuning data
     self.learned_overlap = learned_overlap(config, self.dataset)
     self.seeds = list(config.reinit.seeds)
     self.params = {s: checkpoints[f"reinit/{scope}/seed_{s}"] for s in self.seeds}
     self.digests = {s: fingerprints.tree_digest(p) for s, p in self.params.items()}
-    self.lams = lmc.lambdas(config.study.num_lambdas)
     self.data_fingerprint = data_fingerprint
+    # "perm" and "ortho" run with the "full" method's options too, which change nothing in
+    # their element but let the three share one compiled program (``matching.align_model``).
+    self._program_options = matching_kwargs(config, "full")
     self.reused = 0
     self.computed = 0
     self._announced: set[str] = set()
@@ -144,17 +164,28 @@ class ScopeStudy:
     # g.theta compiled once: the ablation applies one element per head permutation.
     self._apply = path_evaluation.compiled(model)[1]
 
+  @property
+  def dataset(self) -> str:
+    """The data set the scope was fine-tuned on: ``reinit.dataset``, or the base data set."""
+    return self.config.reinit.dataset or self.config.dataset.name
+
+  @property
+  def lams(self) -> np.ndarray:
+    """The ``study.num_lambdas`` interpolation points of every path."""
+    return lmc.lambdas(self.config.study.num_lambdas)
+
   def _cached(self, name: str, compute: Callable[[], dict], *, a: int, b: int,
-              **fields) -> dict:
+              keyed: Iterable[str] = (), **fields) -> dict:
     """``result_cache.cached`` result of one stage of pair (a, b).
 
-    Its fields (``fingerprints.py``): the scope's parameter paths, the model,
-    the number of lambdas and evaluation examples, the evaluation split (unless the
-    test split), the content hashes of both checkpoints and of the evaluation data,
-    and the stage's own ``fields`` (the options it uses). The first stage of this
-    scope recomputed for a given change logs it.
+    Its fields (``fingerprints.py``): the scope's parameter paths, the config fields
+    that every stage reads (``config_schema.study_keyed(EVERY_STAGE)``: the model, the
+    number of lambdas and evaluation examples, the evaluation split), the content hashes
+    of both checkpoints and of the evaluation data, the config fields ``keyed`` that this
+    stage reads besides, and its own ``fields``. The first stage of this scope
+    recomputed for a given change logs it.
     """
-    keyed = ("model", "study.num_lambdas", "study.eval_examples", "study.eval_split")
+    keyed = (*config_schema.study_keyed(config_schema.EVERY_STAGE), *keyed)
     fields = {"scope paths": list(self.scope_paths), "path endpoints": _ENDPOINTS,
               **fingerprints.config_fields(self.config, keyed),
               fingerprints.INPUT + "evaluation data": self.data_fingerprint,
@@ -196,16 +227,6 @@ class ScopeStudy:
   def _matching_options(self, method: str, **overrides) -> dict[str, Any]:
     return matching_kwargs(self.config, method, **overrides)
 
-  def _method_fields(self, method: str) -> dict[str, Any]:
-    """Fingerprint fields of ``method``'s options (and, for "learned", what it learns from)."""
-    # "factors" is keyed with the learned method's other fields (LEARNED_FIELDS), where its
-    # default keys nothing: results stored before the field existed stay valid.
-    fields = _option_fields({k: v for k, v in self._matching_options(method).items()
-                             if k != "factors"})
-    if method == "learned":
-      fields.update(fingerprints.config_fields(self.config, LEARNED_FIELDS))
-    return fields
-
   def align(self, a: int, b: int, method: str, **overrides) -> tuple[Params, Params, dict]:
     """(theta_A, g.theta_B, matching info): B aligned to A in this scope.
 
@@ -242,7 +263,7 @@ class ScopeStudy:
         element, info = self._learn(a, b, self._element(a, b, "full", full))
       else:
         if method in matching.STAGES:  # with "full"'s options too: one program for the three
-          options = {**self._matching_options("full"), **options}
+          options = {**self._program_options, **options}
         element, info = align(self.model.spec, self.params[a], self.params[b],
                               scope=self.scope_paths, method=method, options=options)
       jax.block_until_ready(element)  # dispatch is asynchronous: time the computation
@@ -288,8 +309,8 @@ class ScopeStudy:
       def compute(method=method):
         pa, aligned, info = self.align(a, b, method)
         return dict(self._path(a, b, pa, aligned), matching=info)
-      methods[method] = self._cached(method, compute, a=a, b=b, method=method,
-                                     **self._method_fields(method))
+      methods[method] = self._cached(method, compute, a=a, b=b, keyed=method_keys(method),
+                                     method=method)
       log.info("%s seed %d-%d %-5s loss barrier %.4f accuracy barrier %.4f", self.scope, a, b,
                    method, methods[method]["loss_barrier"], methods[method]["accuracy_barrier"])
     return {"a": f"seed_{a}", "b": f"seed_{b}", "methods": methods}
@@ -312,7 +333,7 @@ class ScopeStudy:
       pa, pb = self.params[a], self.params[b]
       elements, info = matching.match_attention_exhaustive(
           subtree(pa, site), subtree(pb, site), self.model.spec.attention[site], method="full",
-          **{k: v for k, v in self._matching_options("full").items() if k != "refine"})
+          **option_values(self.config, _EXHAUSTIVE_OPTIONS))
       chosen = int(info["stage1_index"])
       identity = group_action.identity_model(self.model.spec)
       barriers = []
@@ -328,9 +349,9 @@ class ScopeStudy:
         out |= {f"{metric}_barriers": values, f"{metric}_rank": rank, f"{metric}_lhat": lhat,
                 f"{metric}_curves": [r[metric] for r in barriers]}
       return out
-    options = {k: v for k, v in self._matching_options("full").items() if k != "refine"}
-    return self._cached("ablation_permutations", compute, a=a, b=b, **_option_fields(options),
-                        **{"stored": "barriers and curves of every permutation"})
+    return self._cached("ablation_permutations", compute, a=a, b=b,
+                        keyed=method_keys("full", _EXHAUSTIVE_OPTIONS),
+                        stored="barriers and curves of every permutation")
 
   def distance_ablation(self, a: int, b: int) -> dict[str, dict]:
     """The full method under every Stage 1 distance, for the "first_attention" scope
@@ -342,9 +363,10 @@ class ScopeStudy:
       def compute(distance=distance):
         pa, aligned, _ = self.align(a, b, "full", distance=distance)
         return self._path(a, b, pa, aligned)
-      out[distance] = self._cached(
-          f"ablation_distance_{distance}", compute, a=a, b=b,
-          **_option_fields(self._matching_options("full", distance=distance), ["distance"]))
+      others = [o for o in matching.METHODS["full"].options if o != "distance"]
+      out[distance] = self._cached(f"ablation_distance_{distance}", compute, a=a, b=b,
+                                   keyed=method_keys("full", others),
+                                   **{"ablation distance": distance})
     return out
 
   def robustness(self, a: int, b: int) -> dict[str, list[float]]:
@@ -365,12 +387,9 @@ class ScopeStudy:
             out["A"].append(acc[0])
             out["B"].append(acc[2])
       return out
-    options = {}
-    for m in self.config.study.methods:
-      options.update(self._method_fields(m))
-    return self._cached("robustness", compute, a=a, b=b, **options,
-                        **fingerprints.config_fields(
-                            self.config, ("seed", "study.noise_levels", "study.methods")))
+    keyed = [name for m in self.config.study.methods for name in method_keys(m)]
+    keyed += config_schema.study_keyed(config_schema.ROBUSTNESS)
+    return self._cached("robustness", compute, a=a, b=b, keyed=keyed)
 
   def _loss_unit(self) -> str:
     if not self.evaluator.bits_per_byte:

@@ -453,11 +453,11 @@ def test_learned_factors_reach_the_method_and_key_its_stages_off_their_default()
   matrices, as before the field existed) it keys nothing, so stored results stay valid."""
   config = _config()
   assert scope_study.matching_kwargs(config, "learned")["factors"] == ("attention",)
-  assert "study.learn_factors" not in fingerprints.config_fields(config,
-                                                                 scope_study.LEARNED_FIELDS)
+  assert "study.learn_factors" not in fingerprints.config_fields(
+      config, scope_study.method_keys("learned"))
   config.study.learn_factors = ("attention", "ffn")
   assert scope_study.matching_kwargs(config, "learned")["factors"] == ("attention", "ffn")
-  assert fingerprints.config_fields(config, scope_study.LEARNED_FIELDS)[
+  assert fingerprints.config_fields(config, scope_study.method_keys("learned"))[
       "study.learn_factors"] == ["attention", "ffn"]
 
 
