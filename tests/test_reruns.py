@@ -224,27 +224,6 @@ def test_study_refuses_a_damaged_endpoint_in_one_line(used, tmp_path):
   assert "\n" not in str(error.value) and step_dir in str(error.value)
 
 
-def test_every_config_field_is_keyed_or_listed_as_unkeyed():
-  """Every field of every setting falls in one of fingerprints' groups, which derive from
-  each field's role in experiments/config_schema.py (a field without a role cannot be
-  defined)."""
-  keyed = (fingerprints.TRAINING + fingerprints.TRAIN_SCHEDULE + fingerprints.REINIT_SCHEDULE
-           + fingerprints.STOPPING + fingerprints.STUDY + fingerprints.PER_RUN
-           + fingerprints.NOT_KEYED)
-  settings = glob.glob(os.path.join(REPO, "experiments", "configs", "*.py"))
-  assert len(settings) > 5
-  for path in settings:
-    name = os.path.splitext(os.path.basename(path))[0]
-    if name == "__init__":
-      continue
-    module = __import__(f"experiments.configs.{name}", fromlist=["get_config"])
-    # cpu_paper's variants name its settings; the first one stands for all (same fields).
-    config = module.get_config(min(getattr(module, "SETTINGS", [None]), key=str))
-    fields = fingerprints.config_fields(config, config.keys())
-    unclassified = [f for f in fields if not any(f == k or f.startswith(k + ".") for k in keyed)]
-    assert not unclassified, (name, unclassified)
-
-
 @pytest.mark.slow
 def test_truncated_pair_file_is_a_cache_miss_with_a_warning(used, tmp_path, caplog):
   workdir = _copy(used, tmp_path)
