@@ -132,3 +132,16 @@ def test_pointers_into_docs_resolve():
                         f"(headings: {headings[page]})")
   assert count, "no file points into docs/"
   assert not broken, "\n".join(broken)
+
+
+@pytest.mark.slow
+def test_the_readmes_library_examples_run():
+  """Every Python block of the README's "The library" section runs as written (its asserts
+  included), each in a fresh namespace."""
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    text = f.read()
+  section = text.split("\n## The library\n", 1)[1].split("\n## ", 1)[0]
+  blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+  assert len(blocks) >= 2
+  for block in blocks:
+    exec(compile(block, "README.md", "exec"), {})  # pylint: disable=exec-used
