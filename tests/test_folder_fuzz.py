@@ -122,7 +122,8 @@ def write_header_case(folder, case):
 def indexes(draw, tensors):
   """The raw text of a model.safetensors.index.json for a folder whose tensors lie in SHARD."""
   names = sorted(tensors)
-  kind = draw(st.sampled_from(["map", "map", "map", "duplicate keys", "not a map", "no map"]))
+  kind = draw(st.sampled_from(["valid", "map", "map", "map", "duplicate keys", "not a map",
+                               "no map"]))
   entry = st.one_of(st.sampled_from(ENTRIES), st.text(max_size=12), st.integers(),
                     st.none(), st.lists(st.sampled_from(ENTRIES), max_size=2))
   keys = st.one_of(st.sampled_from(names), st.text(max_size=8))
@@ -133,6 +134,9 @@ def indexes(draw, tensors):
     first = json.dumps(next(iter(weight_map)))
     body = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in weight_map.items())
     return f'{{"weight_map": {{{body}, {first}: "other.safetensors"}}}}'
+  if kind == "valid":  # every tensor where it is, the metadata drawn
+    return json.dumps({"metadata": draw(st.sampled_from([{}, {"total_size": -1}, [], None])),
+                       "weight_map": {n: SHARD for n in names}})
   if kind == "not a map":
     return json.dumps({"weight_map": draw(st.sampled_from([[], "x", 3, None]))})
   if kind == "no map":
