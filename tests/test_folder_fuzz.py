@@ -6,7 +6,6 @@ the case's own folder changes. ``benchmarks/fuzz_folders.py`` runs the same case
 Each case is a tiny Mistral folder (``tests.test_streamed_alignment.write_mistral``) with one
 part replaced by what a strategy draws."""
 
-import hashlib
 import io
 import json
 import os
@@ -23,6 +22,7 @@ from safetensors import safe_open
 
 from attn_symmetry.models import Model
 from attn_symmetry.models import safetensors_io
+from tests.test_align_folders import _snapshot as snapshot
 from tests.test_streamed_alignment import write_mistral
 
 TINY = dict(hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=1,
@@ -267,15 +267,6 @@ def write_zip_case(folder, case):
 
 
 # ----------------------------------------------------------------------------- the property
-
-
-def snapshot(root):
-  out = {}
-  for folder, _, files in os.walk(root):
-    for name in files:
-      with open(os.path.join(folder, name), "rb") as f:
-        out[os.path.join(folder, name)] = hashlib.sha256(f.read()).hexdigest()
-  return out
 
 
 def run_case(root: str, base: str, write, case) -> str:
