@@ -17,7 +17,7 @@ import attn_symmetry
 from attn_symmetry import align
 from attn_symmetry.align import _clock
 from attn_symmetry.models import safetensors_io
-from tests.test_streamed_alignment import differing_tensors, plant, write_mistral
+from tests.test_streamed_alignment import _write_tensors, differing_tensors, plant, write_mistral
 
 TINY = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=64)
@@ -234,3 +234,17 @@ def test_every_streamed_pass_ticks_each_group_in_order(tmp_path):
   assert passes[-2:] == ["the distance", "apply, B' = g . B"] and len(passes) > 3
   groups = ticks[0][2]
   assert ticks == [(what, done, groups) for what in passes for done in range(1, groups + 1)]
+
+
+def test_a_refusal_naming_what_a_file_holds_stays_one_line(tmp_path, capsys):
+  """A tensor name with a line break (found by benchmarks/fuzz_folders.py) is named escaped."""
+  a, b = _pair(tmp_path)
+  with safe_open(os.path.join(b, "model.safetensors"), framework="numpy") as f:
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+  tensors["model.norm\nweight"] = tensors.pop("model.norm.weight")
+  with open(os.path.join(b, "config.json")) as f:
+    config = json.load(f)
+  renamed = str(tmp_path / "renamed")
+  _write_tensors(renamed, {k: v.shape for k, v in tensors.items()}, tensors.get, config)
+  line = _refusal(capsys, a, renamed, "--out", str(tmp_path / "out"))
+  assert "model.norm\\nweight" in line, line

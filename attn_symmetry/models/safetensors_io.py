@@ -157,8 +157,11 @@ class Checkpoint:
     return f"Checkpoint({self.name!r}, {self.config.family}, {len(self.tensors)} tensors)"
 
   def error(self, message: str) -> ValueError:
-    """The error to raise about this folder: one line that starts with its name."""
-    return ValueError(f"{self.name}: {message}")
+    """The error to raise about this folder: one line that starts with its name (a character
+    that would not print, such as a line break inside a name that a file holds, is written
+    escaped: ``\\n``)."""
+    text = f"{self.name}: {message}"
+    return ValueError("".join(c if c.isprintable() else repr(c)[1:-1] for c in text))
 
   def _read_json(self, file: str) -> dict[str, Any]:
     full = os.path.join(self.path, file)
