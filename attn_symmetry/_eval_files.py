@@ -121,6 +121,10 @@ def text_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, A
   if model.input_key != "tokens":
     raise ValueError(f"--eval-text needs a text model; this checkpoint ({cfg.family}) reads "
                      f"{model.input_key!r} (use --eval-images)")
+  if model.task == tasks.FEATURES:
+    raise ValueError(f"--eval-text {path}: this checkpoint ({cfg.family} without a task head, "
+                     f"{cfg.head!r}) outputs its last hidden state and has no loss to evaluate; "
+                     "align it without an evaluation file")
   seq_len = min(seq_len, cfg.max_len)
   lines, tok = _read_lines(path), _tokenizer(folder)
   rows = batch_size * max_batches

@@ -8,6 +8,9 @@ the task compares with these names:
                   and labelled-text data sets.
   LM              next-token prediction: GPT-2, Llama; byte streams.
   MLM             masked-token prediction: BERT's MLM head.
+  FEATURES        no task head: the model outputs its last hidden state [B, T, D] (BERT's bare
+                  encoder, ``BertModel``: sentence-transformers and embedding models); it has
+                  no targets and no loss, so nothing to train or evaluate it on.
 
 ``model_batch`` says, once for the host and for jit, what a model of each task
 reads and predicts from a batch: the LM's shift by one token, the MLM's hidden
@@ -17,7 +20,8 @@ tokens, the classifier's labels.
 CLASSIFICATION = "classification"
 LM = "lm"
 MLM = "mlm"
-TASKS = (CLASSIFICATION, LM, MLM)
+FEATURES = "features"
+TASKS = (CLASSIFICATION, LM, MLM, FEATURES)
 MLM_MASK_FRACTION = 0.15  # of a masked-LM example's tokens, hidden and predicted (BERT's share)
 
 
@@ -48,11 +52,14 @@ def model_batch(task: str, inputs, *, labels=None, hidden=None, mask_id: int | N
     (model inputs, targets, weights bool like targets: True where a prediction counts).
 
   Raises:
-    ValueError: an unknown task, or an argument the task needs missing (or one it does not
-      read given).
+    ValueError: an unknown task, ``FEATURES`` (which has no targets), or an argument the task
+      needs missing (or one it does not read given).
   """
   if task not in TASKS:
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+  if task == FEATURES:
+    raise ValueError(f"a {FEATURES!r} model (a bare encoder, no task head) has no targets: there "
+                     "is nothing to predict from a batch")
   given = {"labels": labels is not None, "hidden": hidden is not None,
            "mask_id": mask_id is not None}
   needed = {LM: (), MLM: ("hidden", "mask_id"), CLASSIFICATION: ("labels",)}[task]

@@ -51,6 +51,9 @@ def _hf(name):
           transformers.LlamaConfig(**llama, tie_word_embeddings=True)),
       "bert": lambda: transformers.BertForSequenceClassification(transformers.BertConfig(**bert)),
       "bert-mlm": lambda: transformers.BertForMaskedLM(transformers.BertConfig(**bert)),
+      "bert-encoder": lambda: transformers.BertModel(transformers.BertConfig(**bert)),
+      "bert-encoder_no_pooler": lambda: transformers.BertModel(transformers.BertConfig(**bert),
+                                                               add_pooling_layer=False),
       "vit": lambda: transformers.ViTForImageClassification(transformers.ViTConfig(**vit)),
   }[name]()
   with torch.no_grad():
@@ -71,6 +74,7 @@ def _inputs(family, vocab=64):
 
 
 def _hf_logits(hf_model, family, x):
+  """The HF model's logits, or a bare encoder's (``BertModel``) last hidden state."""
   torch, _ = _torch()
   with torch.no_grad():
     if family == "vit":
@@ -79,7 +83,8 @@ def _hf_logits(hf_model, family, x):
     if family == "bert":
       kwargs |= {"attention_mask": torch.from_numpy(x["mask"].astype(np.int64)),
                  "token_type_ids": torch.from_numpy(x["segments"])}
-    return hf_model(**kwargs).logits.numpy()
+    out = hf_model(**kwargs)
+    return (out.logits if "logits" in out else out.last_hidden_state).numpy()
 
 
 def _our_logits(apply_fn, params, family, x):
@@ -91,7 +96,8 @@ def _our_logits(apply_fn, params, family, x):
   return np.asarray(apply_fn(params, jnp.asarray(x["tokens"], jnp.int32), **kwargs)[0])
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-tied", "bert", "bert-mlm", "vit"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama-tied", "bert", "bert-mlm", "bert-encoder",
+                                  "bert-encoder_no_pooler", "vit"])
 def test_logits_match_hf(name):
   _torch()
   family = name.split("-")[0]
@@ -102,6 +108,24 @@ def test_logits_match_hf(name):
   assert ours.shape == theirs.shape
   assert np.abs(theirs).max() > 0.1  # a non-trivial function
   np.testing.assert_allclose(ours, theirs, atol=TOL, rtol=0)
+
+
+def test_a_bare_encoder_is_bert_model_with_its_pooler():
+  """A ``BertModel`` state dict (no "bert." prefix) reads as head "encoder": the output is the
+  last hidden state and intermediates["pooled"] is HF's pooler_output (float32, <= 1e-4)."""
+  torch, _ = _torch()
+  hf_model = _hf("bert-encoder")
+  assert not any(k.startswith("bert.") for k in hf_model.state_dict())
+  model, params = convert.load_hf(hf_model)
+  assert (model.config.head, model.task) == ("encoder", "features")
+  x = _inputs("bert")
+  with torch.no_grad():
+    want = hf_model(input_ids=torch.from_numpy(x["tokens"]),
+                    attention_mask=torch.from_numpy(x["mask"].astype(np.int64)),
+                    token_type_ids=torch.from_numpy(x["segments"])).pooler_output.numpy()
+  _, inter = model.apply(params, jnp.asarray(x["tokens"], jnp.int32), mask=jnp.asarray(x["mask"]),
+                         segments=jnp.asarray(x["segments"], jnp.int32))
+  np.testing.assert_allclose(np.asarray(inter["pooled"]), want, atol=TOL, rtol=0)
 
 
 def test_state_dict_and_config_input():
@@ -118,7 +142,8 @@ def test_state_dict_and_config_input():
 @pytest.mark.slow
 @pytest.mark.parametrize("family, overrides", [
     ("gpt2", {}), ("llama", {}), ("bert", {}), ("bert", dict(head="mlm")), ("vit", {}),
-    ("bert", dict(head="mlm", tied_embeddings=False)),
+    ("bert", dict(head="mlm", tied_embeddings=False)), ("bert", dict(head="encoder")),
+    ("bert", dict(head="encoder_no_pooler")),
 ])
 def test_to_hf_round_trip(family, overrides):
   _torch()

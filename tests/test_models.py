@@ -28,6 +28,8 @@ CASES = {
     "bert-rope": ("bert", dict(pos_encoding="rope")),
     "bert-mlm": ("bert", dict(head="mlm")),
     "bert-pretraining": ("bert", dict(head="pretraining")),
+    "bert-encoder": ("bert", dict(head="encoder")),
+    "bert-encoder-no-pooler": ("bert", dict(head="encoder_no_pooler")),
     "bert-mlm-untied-rope": ("bert", dict(head="mlm", tied_embeddings=False, pos_encoding="rope",
                                           rope_pairing="interleaved")),
     "gpt2-learned": ("gpt2", {}),
@@ -94,8 +96,9 @@ def test_logits_invariant_under_full_group(x64, case):
   assert _max_diff(spec_lib.flatten(params)["layers_0/attention/query/kernel"],
                    spec_lib.flatten(moved)["layers_0/attention/query/kernel"]) > 0.1
   assert _max_diff(logits, moved_logits) <= 1e-8
-  if "nsp_logits" in inter:  # BERT's next-sentence head, read off the pooler
-    assert _max_diff(inter["nsp_logits"], moved_inter["nsp_logits"]) <= 1e-8
+  for name in ("nsp_logits", "pooled"):  # BERT's next-sentence head, and a bare encoder's pooler
+    if name in inter:
+      assert _max_diff(inter[name], moved_inter[name]) <= 1e-8
   # Intermediates are named after the factors that act on their last axis.
   perm = element["layers_1/mlp"]
   np.testing.assert_allclose(moved_inter["layers_1/mlp"], inter["layers_1/mlp"][..., perm],
@@ -139,6 +142,13 @@ def test_spec_factors_per_family():
   assert models.build("vit", pos_encoding="rope2d").spec.attention["layers_0/attention"].rope_axes == 2
   # A fixed sinusoidal encoding cannot be permuted along with the stream.
   assert "residual" not in models.build("gpt2", pos_encoding="sinusoidal").spec.factors
+  # A bare encoder outputs the stream, and the pooler's units: neither moves; the pooler is read
+  # off the stream (its input rows would move with a residual factor).
+  for head in ("encoder", "encoder_no_pooler"):
+    spec = models.build("bert", head=head).spec
+    assert set(spec.factors) == {"layers_0/mlp", "layers_1/mlp"}, spec.factors
+    assert ("pooler/kernel" in spec.axes) == (head == "encoder")
+  assert models.build("bert", head="encoder").spec.axes["pooler/kernel"] == (None, None)
 
 
 @pytest.mark.parametrize("case", ["vit-rope2d", "bert-rope", "gpt2-rope-partial", "llama-rope"])

@@ -122,6 +122,7 @@ def test_classification_reads_its_inputs_and_predicts_the_label():
                                                     "got hidden"),
     (tasks.MLM, {"hidden": np.zeros((2, 4), bool), "mask_id": 1}, "hidden positions \\(2, 4\\)"),
     (tasks.CLASSIFICATION, {}, "'classification' batch takes labels; got none"),
+    (tasks.FEATURES, {}, "'features' model \\(a bare encoder, no task head\\) has no targets"),
 ])
 def test_a_batch_without_what_its_task_needs_is_refused(task, kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -148,8 +148,10 @@ class Config:
     pooling: ViT pooling, "cls" (a learned CLS token) or "mean".
     num_classes: classifier outputs.
     head: "classifier" (ViT, BERT), "lm" (GPT-2, Llama, GPT-NeoX: next-token logits),
-      "mlm" (BERT's masked-LM head: per-token logits) or "pretraining" (BERT's
-      masked-LM head and next-sentence head, as BertForPreTraining).
+      "mlm" (BERT's masked-LM head: per-token logits), "pretraining" (BERT's
+      masked-LM head and next-sentence head, as BertForPreTraining), or no task
+      head: "encoder" (BERT's bare encoder, BertModel, with its pooler) or
+      "encoder_no_pooler" (without), whose output is the last hidden state.
   """
   family: str
   width: int = 32

@@ -11,12 +11,15 @@ half-split RoPE with the default rope type), ``GPTNeoXForCausalLM`` (Pythia:
 partial half-split RoPE, parallel or sequential residual),
 ``BertForSequenceClassification``, ``BertForMaskedLM``, ``BertForPreTraining``
 (head "pretraining": the MLM head, the pooler and the next-sentence head
-``cls.seq_relationship``) and ``ViTForImageClassification``; ``config_from_hf``
+``cls.seq_relationship``), ``BertModel`` (no task head: sentence-transformers and
+embedding models; head "encoder" with its pooler, "encoder_no_pooler" without) and
+``ViTForImageClassification``; ``config_from_hf``
 also reads Mistral configs (``MistralForCausalLM``: Llama's tensors, no sliding
 window), for checkpoint files (``safetensors_io``).
 
 Each family has a table from our parameter paths to HF state-dict keys and
-the layout of the HF tensor:
+the layout of the HF tensor (keys as the task classes name them: a ``BertModel``'s state dict, which
+is the encoder's alone, has them without the "bert." prefix, ``_bare_prefix``):
 
 * "same": the same numbers, reshaped (biases [N * H] -> [N, H], embeddings,
   norms, GPT-2's ``Conv1D`` weights, which are already [in, out]);
@@ -50,13 +53,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from attn_symmetry import spec as spec_lib
+from attn_symmetry import tasks
+from attn_symmetry.models import bert
 from attn_symmetry.models import config as config_lib
 from attn_symmetry.models.model import Model
 
@@ -70,6 +75,7 @@ _HF_CLASSES = {("gpt2", "lm"): "GPT2LMHeadModel", ("llama", "lm"): "LlamaForCaus
                ("gpt_neox", "lm"): "GPTNeoXForCausalLM",
                ("bert", "classifier"): "BertForSequenceClassification",
                ("bert", "mlm"): "BertForMaskedLM", ("bert", "pretraining"): "BertForPreTraining",
+               ("bert", "encoder"): "BertModel", ("bert", "encoder_no_pooler"): "BertModel",
                ("vit", "classifier"): "ViTForImageClassification"}
 
 
@@ -232,7 +238,8 @@ def config_from_hf(hf_config: Any, head: str) -> config_lib.Config:
         mlp_dim=c.intermediate_size, max_len=c.max_position_embeddings, vocab_size=c.vocab_size,
         num_segments=c.type_vocab_size, norm_eps=c.layer_norm_eps,
         activation=_activation(c.hidden_act), head=head, tied_embeddings=c.tie_word_embeddings,
-        num_classes=2 if head == "pretraining" else c.num_labels)  # next-sentence: 2 classes
+        # next-sentence: 2 classes; a bare encoder has none, and takes the default
+        num_classes=2 if head in ("pretraining", "encoder", "encoder_no_pooler") else c.num_labels)
   if kind == "vit":
     _require(c, "qkv_bias", lambda v: v is not False, "the zoo's ViT has qkv biases")
     return config_lib.make_config(
@@ -390,11 +397,11 @@ def _bert_table(cfg):
     t |= _dense(f"{lp}/mlp/wo", f"{hf}.output.dense", True)
     t |= _norm(f"{lp}/mlp_norm", f"{hf}.output.LayerNorm", cfg)
   aliases = {}
-  if cfg.head != "mlm":
+  if cfg.head in bert.POOLED_HEADS:
     t |= _dense("pooler", "bert.pooler.dense", True)
   if cfg.head == "classifier":
     t |= _dense("head", "classifier", True)
-  else:
+  elif cfg.head in bert.MLM_HEADS:
     if cfg.head == "pretraining":
       t |= _dense("nsp", "cls.seq_relationship", True)
     p = "cls.predictions"
@@ -520,25 +527,59 @@ def join_parts(parts: Mapping[int | None, np.ndarray], src: Source) -> np.ndarra
 
 
 def head_of(family: str, keys: set[str]) -> str:
-  """``Config.head`` of a checkpoint of ``family`` with HF state-dict ``keys``."""
+  """``Config.head`` of a checkpoint of ``family`` with HF state-dict ``keys`` (a BERT's with the
+  "bert." prefix, as the task classes name them: ``with_bert_prefix``).
+
+  Raises:
+    ValueError: a BERT checkpoint with tensors outside the encoder that are no head read here
+      (named).
+  """
   if family in ("gpt2", "gpt_neox", *LLAMA_TYPES):
     return "lm"
   if family == "vit" or "classifier.weight" in keys:
     return "classifier"
   if "cls.predictions.transform.dense.weight" in keys:
     return "pretraining" if "cls.seq_relationship.weight" in keys else "mlm"
-  raise ValueError("BERT checkpoint has neither a classifier ('classifier.weight') nor an MLM head "
-                   "('cls.predictions.transform.dense.weight')")
+  other = sorted(k for k in keys if not k.startswith("bert."))
+  if not other:  # the encoder alone: BertModel
+    return "encoder" if "bert.pooler.dense.weight" in keys else "encoder_no_pooler"
+  shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+  raise ValueError(f"BERT checkpoint has a head that is not read: {shown} (read: a classifier "
+                   "'classifier.weight', an MLM head 'cls.predictions.*', or none, the bare "
+                   "encoder of BertModel)")
+
+
+def with_bert_prefix(keys: Iterable[str]) -> dict[str, str]:
+  """{state-dict name as the task classes give it: original} for a BERT's ``keys``: a
+  ``BertModel``'s (none starts with "bert.") get the prefix, other keys stay as they are."""
+  keys = list(keys)
+  prefix = "" if any(k.startswith("bert.") for k in keys) else "bert."
+  return {prefix + k: k for k in keys}
+
+
+def _bare_prefix(cfg: config_lib.Config) -> str:
+  """The prefix of the tables' keys that the HF class's state dict lacks: "bert." for a
+  ``BertModel`` (a bare encoder, ``tasks.FEATURES``), whose state dict is the encoder's alone;
+  else none."""
+  return "bert." if cfg.family == "bert" and cfg.task == tasks.FEATURES else ""
+
+
+def _hf_model(cfg: config_lib.Config, hf_cfg: Any) -> Any:
+  """The HF PyTorch model of ``cfg``'s family and head, built from ``hf_cfg``."""
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  kwargs = {"add_pooling_layer": False} if cfg.head == "encoder_no_pooler" else {}
+  return getattr(transformers, _HF_CLASSES[cfg.family, cfg.head])(hf_cfg, **kwargs)
 
 
 def _template(cfg: config_lib.Config, hf_cfg: Any) -> dict[str, tuple[int, ...]]:
-  """Key -> shape of the state dict of an HF model of this config (built on the meta device)."""
+  """Key (as the tables name it, ``_bare_prefix``) -> shape of the state dict of an HF model of
+  this config (built on the meta device)."""
   import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
 
   with torch.device("meta"):
-    hf_model = getattr(transformers, _HF_CLASSES[cfg.family, cfg.head])(hf_cfg)
-  return {k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
+    hf_model = _hf_model(cfg, hf_cfg)
+  return {_bare_prefix(cfg) + k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
 
 
 def _check_checkpoint(state: Mapping[str, np.ndarray], template: dict[str, tuple[int, ...]],
@@ -576,10 +617,11 @@ def load_hf(hf_model: Any, hf_config: Any = None) -> tuple[Model, dict[str, Any]
     hf_model = hf_model.state_dict()
   if hf_config is None:
     raise ValueError("load_hf needs hf_config when given a state dict")
-  state = {k: _to_numpy(v) for k, v in hf_model.items()}
   family = getattr(hf_config, "model_type", None)
   if family not in _TABLES:
     raise ValueError(f"unsupported HF model type {family!r}; supported: {sorted(_TABLES)}")
+  names = with_bert_prefix(hf_model) if family == "bert" else {k: k for k in hf_model}
+  state = {name: _to_numpy(hf_model[key]) for name, key in names.items()}
   cfg = config_from_hf(hf_config, head_of(family, set(state)))
   model = Model(cfg)
   table, aliases = param_table(cfg)
@@ -613,13 +655,12 @@ def to_hf(model: Model, params: Mapping[str, Any]) -> Any:
       (naming the fields), or ``params`` do not fit the model.
   """
   import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
 
   cfg = model.config
   model.check_params(params)
-  hf_cfg = hf_config(cfg)
-  hf_model = getattr(transformers, _HF_CLASSES[cfg.family, cfg.head])(hf_cfg)
-  template = {k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
+  hf_model = _hf_model(cfg, hf_config(cfg))
+  prefix = _bare_prefix(cfg)
+  template = {prefix + k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
   table, aliases = param_table(cfg)
   flat = spec_lib.flatten(params)
   parts: dict[str, dict[int | None, np.ndarray]] = {}
@@ -633,5 +674,5 @@ def to_hf(model: Model, params: Mapping[str, Any]) -> Any:
   for alias, src in aliases.items():
     if alias in template:
       state[alias] = state[src]
-  hf_model.load_state_dict(state, strict=True)
+  hf_model.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()}, strict=True)
   return hf_model.eval()

@@ -34,6 +34,7 @@ from flax import nnx
 
 from attn_symmetry import attention
 from attn_symmetry import spec as spec_lib
+from attn_symmetry import tasks
 from attn_symmetry.models.config import Config
 
 Axes = dict[str, tuple[str | None, ...]]
@@ -294,13 +295,16 @@ def residual_factor(cfg: Config) -> spec_lib.Factor | None:
 
   * Fixed sinusoidal encodings are added to the stream and cannot be permuted
     along with it: no residual symmetry.
+  * A model without a task head (``tasks.FEATURES``: BERT's bare encoder)
+    outputs its last hidden state, the stream itself: moving the stream would
+    change what the model computes, so it has no residual symmetry either.
   * RMSNorm pre-norm models with an untied head: any orthogonal map (after
     ``group_action.fold_norm_scales``).
   * Otherwise (LayerNorm; post-norm, where the norm output is the stream
     itself; a tied head, where the embedding is both writer and reader of a
     scaled stream): permutations.
   """
-  if cfg.pos_encoding == "sinusoidal":
+  if cfg.pos_encoding == "sinusoidal" or cfg.task == tasks.FEATURES:
     return None
   orthogonal = cfg.norm == "rms" and not cfg.post_norm and not cfg.tied_embeddings
   return spec_lib.Factor(cfg.width, "orthogonal" if orthogonal else "permutation")

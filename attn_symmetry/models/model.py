@@ -39,7 +39,8 @@ class Model:
     config: the frozen ``Config``.
     spec: the ``SymmetrySpec`` of the parameters (every leaf listed).
     task: ``attn_symmetry.tasks.CLASSIFICATION`` (ViT, BERT), ``LM`` (GPT-2,
-      Llama, GPT-NeoX) or ``MLM`` (BERT with ``head="mlm"`` or ``"pretraining"``).
+      Llama, GPT-NeoX), ``MLM`` (BERT with ``head="mlm"`` or ``"pretraining"``) or
+      ``FEATURES`` (BERT with ``head="encoder"`` or ``"encoder_no_pooler"``: no task head).
     input_key: the batch entry its inputs are read from ("image" for ViT,
       "tokens" for the text families), as ``data.DatasetInfo.input_key``.
   """
@@ -96,9 +97,11 @@ class Model:
 
     Returns:
       (logits, intermediates): logits [B, classes] for classification,
-      [B, T, V] for "lm", "mlm" and "pretraining"; intermediates maps names to
-      activations ("embed", "layers_i/attention", "layers_i/mlp", "layers_i",
-      "features"; "nsp_logits" [B, 2] for "pretraining").
+      [B, T, V] for "lm", "mlm" and "pretraining", the last hidden state
+      [B, T, D] for a bare encoder ("encoder", "encoder_no_pooler"); intermediates
+      maps names to activations ("embed", "layers_i/attention", "layers_i/mlp",
+      "layers_i", "features"; "nsp_logits" [B, 2] for "pretraining"; "pooled"
+      [B, D], the pooler's output, for "encoder").
     """
     self.check_params(params)
     module = nnx.merge(self._graphdef, params)
