@@ -105,8 +105,9 @@ def _orthogonal(rng, n):
   return q * np.sign(np.diag(r))
 
 
-def _gl(rng):
-  return _orthogonal(rng, H) * np.exp(rng.uniform(-0.5, 0.5, H)) @ _orthogonal(rng, H)
+def _gl(rng, h=H):
+  """A random element of GL(h): orthogonal, singular values in [e^-0.5, e^0.5], orthogonal."""
+  return _orthogonal(rng, h) * np.exp(rng.uniform(-0.5, 0.5, h)) @ _orthogonal(rng, h)
 
 
 def _rope_commutant(rng):
@@ -122,11 +123,12 @@ def _rope_commutant(rng):
 def _move_in(w, b, perm, mats, conv):
   """Input projection: head n's x W_n (+ b_n) becomes x W_perm[n] M_n (+ b_perm[n] M_n).
   w: [N H, D] (linear) or [D, N H] (conv); b: [N H] or None; mats: [N, H, H]."""
+  h = mats.shape[-1]
   cols = w if conv else w.T
-  heads = np.einsum("dnh,nhk->dnk", cols.reshape(cols.shape[0], -1, H)[:, perm], mats)
+  heads = np.einsum("dnh,nhk->dnk", cols.reshape(cols.shape[0], -1, h)[:, perm], mats)
   cols = heads.reshape(cols.shape[0], -1)
   if b is not None:
-    b = np.einsum("nh,nhk->nk", b.reshape(-1, H)[perm], mats).reshape(-1)
+    b = np.einsum("nh,nhk->nk", b.reshape(-1, h)[perm], mats).reshape(-1)
   return (cols if conv else cols.T), b
 
 
@@ -134,7 +136,7 @@ def _move_out(w, perm, mats):
   """Output projection: head n's W^O_n [H, D] becomes M_n W^O_perm[n].
   w: [D, N H] (linear) or [N H, D] (conv, when ``w`` is given transposed by the caller)."""
   rows = w.T
-  heads = np.einsum("nhk,nkd->nhd", mats, rows.reshape(-1, H, rows.shape[-1])[perm])
+  heads = np.einsum("nhk,nkd->nhd", mats, rows.reshape(-1, mats.shape[-1], rows.shape[-1])[perm])
   return heads.reshape(-1, rows.shape[-1]).T
 
 
@@ -239,11 +241,12 @@ def _images(folder, count=6):
 
 
 def _check_close(want, got, tol=TOL):
-  """``got`` has ``want``'s tensor names and each tensor equals ``want``'s to ``tol`` relative."""
+  """``got`` has ``want``'s tensor names and each tensor equals ``want``'s to ``tol`` relative
+  (absolute for a tensor of zeros, such as all-MiniLM-L6-v2's pooler bias)."""
   assert set(got) == set(want)
   for k, x in want.items():
     x = np.asarray(x, np.float64)
-    err = np.linalg.norm(np.asarray(got[k], np.float64) - x) / np.linalg.norm(x)
+    err = np.linalg.norm(np.asarray(got[k], np.float64) - x) / (np.linalg.norm(x) or 1.0)
     assert err <= tol, (k, err)
 
 

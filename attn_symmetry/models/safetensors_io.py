@@ -24,7 +24,8 @@ can differ from the state dict of transformers' current classes, the names of
 ``convert.param_table``: ViT's ``vit.encoder.layer.{i}.attention.attention.query``
 is ``vit.layers.{i}.attention.q_proj`` (``_RENAMES``), old BERT files name
 LayerNorm parameters gamma and beta, and a base-model file (GPT-2 on the Hub)
-has no ``transformer.`` prefix. ``Checkpoint.names`` maps state-dict names to
+has no ``transformer.`` prefix (nor has a bare BERT encoder, ``BertModel``, its
+``bert.`` one). ``Checkpoint.names`` maps state-dict names to
 the file's, and files are written under the file's own names. Buffers that are
 not parameters (GPT-2's ``attn.bias`` causal masks, ``position_ids``) are read
 past and copied unchanged; tied copies (``lm_head.weight`` of a tied GPT-2)
@@ -33,13 +34,20 @@ must equal what they repeat and are written as it.
 Every problem with a folder is a ValueError of one line that starts with the
 folder's name and names the file, tensor or config field.
 
+Side files. Every other file of the folder and its subfolders (the tokenizer, a
+sentence-transformers model's ``modules.json`` and ``1_Pooling/config.json``,
+the model card, ...) is copied byte for byte by the writers, but weights in
+other formats (``pytorch_model.bin`` beside ``model.safetensors``, ``onnx/``'s
+files: they would hold the weights as they were), a subfolder that is a link,
+and hidden subfolders (``.git``, ``.cache``).
+
 Paths. Every file read comes from its folder: an index entry must be the plain
 name of a weight file inside the folder (no folder part, absolute path or
-``..``), or the folder is refused before any tensor is read. A weight file may be
-a symbolic link (a Hub cache's snapshot links to its blobs), and is read
-through it. Writers create new files only, by names they compose
-(``output_files``; the side files keep the names ``os.listdir`` gives), and
-never write through a symbolic link.
+``..``), or the folder is refused before any tensor is read. A weight or side file
+may be a symbolic link (a Hub cache's snapshot links to its blobs), and is read
+through it; a subfolder that is a link is not entered. Writers create new files
+and folders only, by names they compose (``output_files``; the side files keep
+the names ``os.listdir`` gives), and never write through a symbolic link.
 """
 
 from __future__ import annotations
@@ -89,8 +97,11 @@ _PREFIXES = {"gpt2": "transformer.", "llama": "model.", "mistral": "model.", "be
              "vit": "vit.", "gpt_neox": "gpt_neox."}
 _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|position_ids|attention\.bias|"
                       r"attention\.masked_bias|rotary_emb\.inv_freq)$")
-# Files of a model folder copied next to rewritten weights (tokenizer, generation config, ...).
-_SIDE_FILES = (".json", ".txt", ".model", ".jinja")
+# Weights in the formats of other frameworks and tools (and their indexes, ``*.index.json``),
+# which a writer does not copy: they would hold the weights as they were. ".xml": OpenVINO's graph,
+# whose weights are its ".bin".
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx",
+                    ".onnx_data", ".gguf", ".tflite", ".ot", ".npz", ".xml")
 LeafFn = Callable[[str, Any], Any]  # (parameter path, leaf) -> the leaf to write
 
 
@@ -119,6 +130,8 @@ class Checkpoint:
     hf_config: ``config.json`` as a dict.
     config: our ``models.Config`` of it.
     tensors: file tensor name -> ``TensorInfo``, in file order.
+    side_files: the folder's other files, which a writer laid out as it copies unchanged
+      (``_side_files``): paths relative to the folder, "1_Pooling/config.json".
     files: weight file -> its tensor names; metadata: weight file -> its header metadata
       (``{"format": "pt"}`` for a ``.bin`` file, what transformers writes in safetensors).
     torch: whether the weights are ``.bin`` files (``torch_pickle``), not safetensors.
@@ -147,6 +160,7 @@ class Checkpoint:
     for file, keys in self.files.items():
       self._read_header(file, keys)
     self.names = self._state_dict_names(model_type)
+    self.side_files = self._side_files()
     try:
       self.config = convert.config_from_hf(self.hf_config,
                                            convert.head_of(model_type, set(self.names)))
@@ -270,13 +284,28 @@ class Checkpoint:
   def nbytes(self) -> int:
     return sum(t.nbytes for t in self.tensors.values())
 
-  @property
-  def side_files(self) -> list[str]:
-    """The folder's small files that a writer laid out as it copies (``_SIDE_FILES``: the
-    tokenizer, the generation config, ...), by name."""
-    return [file for file in sorted(os.listdir(self.path))
-            if file.endswith(_SIDE_FILES) and file not in (CONFIG, INDEX, BIN_INDEX)
-            and os.path.isfile(os.path.join(self.path, file))]
+  def _side_files(self, sub: str = "") -> list[str]:
+    """The files under the folder (``sub``, a subfolder's relative path) that a writer laid out
+    as it copies: every regular file (or link to one: a Hub cache's snapshot links to its blobs)
+    but ``config.json`` and weights (``_is_weight_file``), in the folder and its subfolders,
+    by the names ``os.listdir`` gives. A subfolder that is a link, or whose name starts with "."
+    (``.git``, ``.cache``), is not entered.
+
+    Raises:
+      ValueError: a file that cannot be read (named).
+    """
+    out = []
+    for name in sorted(os.listdir(os.path.join(self.path, sub))):
+      relative = os.path.join(sub, name)
+      full = os.path.join(self.path, relative)
+      if os.path.isdir(full):
+        if not os.path.islink(full) and not name.startswith("."):
+          out += self._side_files(relative)
+      elif os.path.isfile(full) and relative != CONFIG and not _is_weight_file(name):
+        if not os.access(full, os.R_OK):
+          raise self.error(f"{relative} cannot be read, and a copy of the folder holds it")
+        out.append(relative)
+    return out
 
   @property
   def files_read(self) -> list[str]:
@@ -303,6 +332,11 @@ class Checkpoint:
     info = self.tensors[key]
     with safe_open(os.path.join(self.path, info.file), framework="numpy", backend="pread") as f:
       return f.get_tensor(key)
+
+
+def _is_weight_file(name: str) -> bool:
+  """Whether the file ``name`` holds weights, or is an index of them (``_WEIGHT_SUFFIXES``)."""
+  return name.removesuffix(".index.json").endswith(_WEIGHT_SUFFIXES)
 
 
 def check_layout(ckpt: Checkpoint, model: Model) -> None:
@@ -504,9 +538,20 @@ class FolderWriter:
                        {"dtype": "float32"})
     _write_json(os.path.join(self.path, CONFIG), hf_config)
     for file in like.side_files:
-      with open(os.path.join(like.path, file), "rb") as src, \
-           open(_create(os.path.join(self.path, file)), "wb") as dst:
-        shutil.copyfileobj(src, dst)
+      _copy_new(os.path.join(like.path, file), self.path, file)
+
+
+def _copy_new(source: str, folder: str, relative: str) -> None:
+  """Copies the file ``source`` to ``folder/relative`` byte for byte, as a new file in new
+  subfolders (``relative``'s folder parts, made here): nothing is written through a link or
+  over anything that is there already (FileExistsError)."""
+  *parts, name = relative.split(os.sep)
+  for part in parts:
+    folder = os.path.join(folder, part)
+    if os.path.islink(folder) or not os.path.isdir(folder):
+      os.mkdir(folder)
+  with open(source, "rb") as src, open(_create(os.path.join(folder, name)), "wb") as dst:
+    shutil.copyfileobj(src, dst)
 
 
 def _numpy_dtype(code: str) -> np.dtype:
@@ -526,8 +571,9 @@ def save_params(path: str | os.PathLike, like: Checkpoint, model: Model, params:
   Every tensor takes its stored dtype in ``like`` (``dtype="keep"``) or float32
   (``dtype="float32"``, which ``config.json`` then says too); buffers are copied
   from ``like`` and tied copies written as what they repeat. ``config.json`` is
-  ``like``'s, and ``like``'s other small files (tokenizer, generation config:
-  ``_SIDE_FILES``) are copied. The folder ``path`` must not exist yet. ``FolderWriter``
+  ``like``'s, and ``like``'s other files (``Checkpoint.side_files``: the tokenizer, the
+  generation config, a sentence-transformers model's ``modules.json`` and ``1_Pooling/``, ...)
+  are copied byte for byte. The folder ``path`` must not exist yet. ``FolderWriter``
   writes the same folder from parameters that come group by group.
   """
   if dtype not in ("keep", "float32"):
