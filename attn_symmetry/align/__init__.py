@@ -40,7 +40,9 @@ each announced by one progress line and timed in the report (``_clock.Clock``):
    ("after"), and their barriers (``lmc``); with ``merge``, the merged
    model's loss and accuracy beside A's and B's (report "merged");
 5. save (``_outputs.save``): DIR/aligned_b/ (B' as safetensors in B's tensor names, shards
-   and dtypes, with B's config and tokenizer files), DIR/aligned_a/ when A is
+   and dtypes, with B's config and every other file of B's folder: the tokenizer, a
+   sentence-transformers model's ``modules.json`` and ``1_Pooling/``, ...,
+   ``Checkpoint.side_files``), DIR/aligned_a/ when A is
    re-parametrised (A' likewise, in A's), DIR/merged/ with ``merge``
    ((1 - merge) A' + merge B' in A's layout), DIR/interpolation.json and .png
    with an evaluation file, DIR/report.json.
