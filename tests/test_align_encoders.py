@@ -1,7 +1,8 @@
-"""``attn-symmetry align`` on BERT encoders without a task head (``BertModel``): sentence-transformers
-and embedding models, read and written in B's own tensor names (no "bert." prefix), with every
-other file of B's folder (``modules.json``, ``1_Pooling/``, the tokenizer, the model card)
-copied byte for byte into aligned_b/ and merged/.
+"""``attn-symmetry align`` on BERT encoders without a task head (``BertModel``):
+sentence-transformers and embedding models, read and written in B's own tensor names (no
+"bert." prefix), with every other file of B's folder (``modules.json``, ``1_Pooling/``, the
+tokenizer, the model card) copied byte for byte into aligned_b/ (and A's into merged/, which is
+laid out as A).
 
 Planted pairs: B is A with, in every layer, the heads permuted, a random GL(H) matrix per head
 on the QK pair and on the VO pair, and the FFN units permuted (``_plant_encoder``, in numpy on
@@ -32,7 +33,8 @@ torch = pytest.importorskip("torch")
 
 # A sentence-transformers model's own files (all-MiniLM-L6-v2's, shortened).
 ST_FILES = {
-    "modules.json": [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    "modules.json": [{"idx": 0, "name": "0", "path": "",
+                      "type": "sentence_transformers.models.Transformer"},
                      {"idx": 1, "name": "1", "path": "1_Pooling",
                       "type": "sentence_transformers.models.Pooling"}],
     "1_Pooling/config.json": {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True},
@@ -152,8 +154,8 @@ def test_a_planted_bare_encoder_is_recovered_with_its_files(pooler, tmp_path):
   (1e-3). Aligned B holds B's other files byte for byte, as new regular files: a subfolder and a
   link to a file outside B (read through); not weights in another format (``onnx/``, a
   ``pytorch_model.bin``), a hidden ``.git`` folder or a subfolder that links outside B. merged/,
-  laid out as A, holds A's. The inputs stay byte for byte as they were. Fails before headless encoders were read: "BERT checkpoint
-  has neither a classifier ..."."""
+  laid out as A, holds A's. The inputs stay byte for byte as they were. Fails before headless
+  encoders were read: "BERT checkpoint has neither a classifier ..."."""
   a = _save_encoder(str(tmp_path / "a"), pooler=pooler)
   b = _plant_encoder(a, str(tmp_path / "b"), seed=1)
   outside = tmp_path / "outside"
@@ -229,17 +231,33 @@ def test_a_bert_head_that_is_not_read_is_named(tmp_path, capsys):
                        "encoder of BertModel)"), line
 
 
-def test_a_side_file_that_cannot_be_read_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
-  """A file of B that a copy of B would hold but that cannot be read is named before any work
-  (not after the alignment, when the copy would fail). Read permission is faked: root reads
-  everything."""
+@pytest.mark.parametrize("what", ["file", "subfolder"])
+def test_a_side_file_that_cannot_be_read_is_refused_in_one_line(what, tmp_path, capsys,
+                                                                monkeypatch):
+  """A file of B that a copy of B would hold but that cannot be read, or a subfolder that cannot
+  be listed, is named before any work (not after the alignment, when the copy would fail).
+  Permissions are faked: root reads everything."""
   a, b = _pair(tmp_path)
-  pooling = os.path.join(b, "1_Pooling", "config.json")
-  access = os.access
-  monkeypatch.setattr(os, "access", lambda path, mode: path != pooling and access(path, mode))
+  pooling = os.path.join(b, "1_Pooling")
+  if what == "file":
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: (
+        path != os.path.join(pooling, "config.json") and access(path, mode)))
+    message = (f"{os.path.join('1_Pooling', 'config.json')} cannot be read, and a copy of the "
+               "folder holds it")
+  else:
+    listdir = os.listdir
+
+    def refuse(path="."):
+      if os.fspath(path) == pooling:
+        raise PermissionError(13, "Permission denied")
+      return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", refuse)
+    message = ("subfolder 1_Pooling cannot be listed (Permission denied), and a copy of the folder "
+               "holds its files")
   line = _refused_before_any_work(capsys, tmp_path, a, b)
-  assert line.endswith(f"MODEL_B {b}: {os.path.join('1_Pooling', 'config.json')} cannot be read, "
-                       "and a copy of the folder holds it"), line
+  assert line.endswith(f"MODEL_B {b}: {message}"), line
 
 
 def test_a_copy_never_writes_through_a_linked_subfolder(tmp_path):

@@ -292,10 +292,15 @@ class Checkpoint:
     (``.git``, ``.cache``), is not entered.
 
     Raises:
-      ValueError: a file that cannot be read (named).
+      ValueError: a file that cannot be read, or a subfolder that cannot be listed (named).
     """
+    try:
+      names = sorted(os.listdir(os.path.join(self.path, sub)))
+    except OSError as e:
+      raise self.error(f"subfolder {sub} cannot be listed ({e.strerror}), and a copy of the "
+                       "folder holds its files") from None
     out = []
-    for name in sorted(os.listdir(os.path.join(self.path, sub))):
+    for name in names:
       relative = os.path.join(sub, name)
       full = os.path.join(self.path, relative)
       if os.path.isdir(full):
