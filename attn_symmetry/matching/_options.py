@@ -159,11 +159,10 @@ class MatchOptions:
       methods=_DESCENTS)
   steps: int = option(
       _attention.DEFAULT_STEPS,
-      "most iterations of the Stage 2 refinement (0: none), or the steps of 'learned''s "
-      "training", AtLeast(0), methods=_REFINING)
+      "most iterations of the Stage 2 refinement (0: none)", AtLeast(0), methods=_REFINING)
   learning_rate: float = option(
       _attention.DEFAULT_LEARNING_RATE,
-      "step size of the 'adam' refinement solver, or of 'learned''s training",
+      "step size of the 'adam' refinement solver",
       Positive(), methods=_REFINING,
       requires=Requires("full", "solver", "adam", "the Adam solver's step size"))
   max_rounds: int = option(DEFAULT_MAX_ROUNDS, "most rounds of coordinate descent", AtLeast(1),
@@ -184,7 +183,9 @@ class MatchOptions:
       OneOf("refinement solver", "attn_symmetry.matching.SOLVERS", _attention.SOLVERS),
       methods=_REFINING)
   factors: tuple[str, ...] | None = option(
-      None, "what 'learned' trains (default: every one the scope has)",
+      None,
+      "the factors that 'learned' trains, those of them the scope has (align_model's "
+      "default: all of them)",
       SomeOf("learned factor", "attn_symmetry.matching.LEARNED_FACTORS", _correction.FACTORS),
       methods=("learned",))
 
