@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import inspect
 import math
 import os
 import warnings
@@ -80,12 +79,10 @@ def _check_matching_values(given: dict[str, Any]) -> None:
 
 def options_used(method: str, given: dict[str, Any]) -> dict[str, Any]:
   """{option: value} of every matching option ``method`` reads (``matching.Method.reads``):
-  the value given, else the default of the function that reads it (``matching.align_model``'s,
-  or a registered method's own; None where it has none)."""
-  align = matching.METHODS[method].align or matching.align_model
-  defaults = {name: p.default for name, p in inspect.signature(align).parameters.items()
-              if p.default is not inspect.Parameter.empty}
-  return {o: given[o] if o in given else defaults.get(o)
+  the value given, else its default in ``matching.MatchOptions`` (what ``align_model`` passes
+  on)."""
+  defaults = matching.MatchOptions()
+  return {o: given[o] if o in given else getattr(defaults, o)
           for o in matching.METHODS[method].reads(given)}
 
 
