@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import inspect
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,10 +78,19 @@ def test_what_a_method_reads_follows_the_table():
       "refine": "every_round", "solver": "gauss_newton"}
 
 
-# The new option, one field appended to MatchOptions (a copy of the package).
-NEW_FIELD = '''
-  temperature: float = option(1.0, "softness of the assignment", Positive())
-'''
+PAGE = os.path.join(ROOT, "docs", "extending.md")
+
+
+def _page_diff() -> tuple[str, str]:
+  """(the context line before, the added lines) of docs/extending.md's diff in 'A matching
+  option': the new field, appended to MatchOptions."""
+  section = open(PAGE, encoding="utf-8").read().split("## A matching option\n", 1)[1]
+  (diff,) = re.findall(r"^```diff\n(.*?)^```", section.split("\n## ", 1)[0], re.M | re.S)
+  lines = diff.splitlines()
+  added = [line[1:] for line in lines if line.startswith("+")]
+  before = [line[1:] for line in lines if line.startswith(" ")]
+  assert added and before, diff
+  return before[-1], "\n".join(added) + "\n"
 
 # Every place sees it; only the method that reads it is written.
 SCRIPT = r'''
@@ -135,7 +145,8 @@ print("ok")
 
 @pytest.mark.slow
 def test_a_new_option_is_one_field_plus_the_code_that_reads_it(tmp_path):
-  """A copy of the package whose MatchOptions has one more field: align_model passes it to the
+  """A copy of the package whose MatchOptions has one more field (docs/extending.md's diff,
+  'A matching option'): align_model passes it to the
   registered method that names it (its default, or the value given), the command has its flag
   and checks its range and who reads it, the report records it, and the study has its config
   field, passes it on and keys by it. Nothing else was edited."""
@@ -144,8 +155,10 @@ def test_a_new_option_is_one_field_plus_the_code_that_reads_it(tmp_path):
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
   table = tmp_path / "attn_symmetry" / "matching" / "_options.py"
   source = table.read_text()
-  end = source.index("\n\n\n", source.index("class MatchOptions"))
-  table.write_text(source[:end] + NEW_FIELD.rstrip("\n") + source[end:])
+  context, field = _page_diff()
+  end = source.index(context + "\n", source.index("class MatchOptions")) + len(context) + 1
+  assert source[end:].startswith("\n\n"), "the diff's field is not appended to MatchOptions"
+  table.write_text(source[:end] + field + source[end:])
   env = dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
