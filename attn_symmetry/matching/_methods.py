@@ -32,7 +32,8 @@ class Method:
     name: the method's name (``align_model(method=...)``, ``study.methods``).
     options: the entries of ``ALIGN_OPTIONS`` it reads.
     descent: whether it runs ``align_model``'s coordinate descent, and so reads the
-      descent's own options too (``max_rounds``): the built-in methods but "naive".
+      descent's own options too (``max_rounds``): the built-in methods but "naive"
+      (``_options.DESCENTS``).
     align: None for a built-in method (``align_model`` runs it); for a
       registered one, ``align(spec, params_a, params_b, *, scope, **options)``
       -> (element, info): a group element of ``spec`` (as
@@ -56,7 +57,7 @@ class Method:
 
 
 METHODS: registry.Registry = registry.Registry(
-    (name, Method(name, _options.built_in_options(name), descent=name != "naive"))
+    (name, Method(name, _options.built_in_options(name), descent=name in _options.DESCENTS))
     for name in _attention.METHODS)
 
 

@@ -658,9 +658,8 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       chooses what is trained), or a
       method of ``register_method``: its ``align`` is called with ``scope``
       and the options it names (``matching.METHODS[method].options``).
-    distance, steps, learning_rate, max_rounds, init, refine, solver, factors: the
-      matching options, one keyword argument per field of ``MatchOptions`` (the table
-      holds each one's default, doc and range; the signature is generated from it):
+    **matching options: one keyword argument per field of ``MatchOptions``, which holds
+      each one's default, doc and range (this signature is generated from it):
     distance, steps, learning_rate, init, solver: attention matching options
       (``match_attention``).
     max_rounds: most rounds of coordinate descent.

@@ -4,11 +4,12 @@ Each field of ``MatchOptions`` is one option: its default, and in its metadata
 (``option``) a one-line doc, its range and who reads it. Everything else that
 names the options derives from this table:
 
-* ``matching.ALIGN_OPTIONS`` (what a method's registration may name) and the
-  built-in methods' ``Method.options`` (``METHOD_OPTIONS``);
+* ``matching.ALIGN_OPTIONS`` (what a method's registration may name:
+  ``METHOD_OPTIONS``), the built-in methods' ``Method.options``
+  (``built_in_options``) and what a method reads given the others (``reads``);
 * ``align_model``'s keyword arguments and their defaults (``signature``);
 * the align command's ``MATCHING_OPTIONS``, its flags (help and type) and its
-  checks (range; which options a method reads: ``reads``);
+  checks (the range; an option the method does not read);
 * the study's ``study.match_*`` config fields (default, doc, rule:
   ``experiments/config_schema.py``).
 
@@ -146,7 +147,7 @@ def option(default: Any, doc: str, range_: Range, *, methods: tuple[str, ...] = 
       doc=doc, range=range_, methods=methods, descent=descent, requires=requires))
 
 
-_DESCENTS = ("perm", "ortho", "full", "learned")  # the built-in methods that run the descent
+DESCENTS = ("perm", "ortho", "full", "learned")  # the built-in methods that run the descent
 _REFINING = ("full", "learned")  # and those that refine (Stage 2 after Procrustes)
 
 
@@ -156,7 +157,7 @@ class MatchOptions:
   distance: str = option(
       "frobenius", "Stage 1 head distance",
       OneOf("distance", "attn_symmetry.matching.DISTANCES", _features.DISTANCES),
-      methods=_DESCENTS)
+      methods=DESCENTS)
   steps: int = option(
       _attention.DEFAULT_STEPS,
       "most iterations of the Stage 2 refinement (0: none)", AtLeast(0), methods=_REFINING)
