@@ -18,6 +18,10 @@ argument it sets (``option``). The rest derives from it:
   ``matching_kwargs``, the config fields of ``align_model``'s options
   (``option_fields``).
 
+The fields of the matching options (``study.match_*``, ``study.distance``,
+``study.learn_factors``) are in turn generated from ``attn_symmetry.matching.MatchOptions``
+(``match_fields``): a new matching option that a method names gets its study field there.
+
 Adding a field is one entry here and the code that reads it. Every field, its
 default, its check and what it keys::
 
@@ -26,7 +30,8 @@ default, its check and what it keys::
 Lists of options are read from their owners when a check runs (methods from
 ``attn_symmetry.matching.METHODS``, scopes from ``attn_symmetry.models.SCOPES``,
 data sets from ``attn_symmetry.data.DATASETS``, ...), so this module imports
-no model or data code and a method or scope that its owner adds is accepted.
+no model or data code (only the pure core's ``matching``, for its table of options) and a
+method or scope that its owner adds is accepted.
 It lives beside ``config_checks`` rather than in ``experiments/configs/``, whose
 every module is a setting (``--config=FILE``, and the tests run each one).
 """
@@ -45,6 +50,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import ml_collections
+
+from attn_symmetry import matching
 
 
 def fail(field: str, problem: str) -> NoReturn:
@@ -182,7 +189,24 @@ _DATA_DIR = Rule('a directory ("" for the default)', _check_data_dir, bad="/no/s
 _MODEL_OVERRIDES = Rule("a mapping of attn_symmetry.models.Config fields to values",
                         _check_model_overrides, bad={"no_such_field": 1})
 _DATASET = _one_of("data set", "attn_symmetry.data.DATASETS")
-_DISTANCE = _one_of("distance", "attn_symmetry.matching.DISTANCES")
+
+
+def option_rule(range_: matching.AtLeast | matching.Positive | matching.OneOf | matching.SomeOf
+                ) -> Rule:
+  """The rule of a matching option's range (``matching.OPTIONS``)."""
+  if isinstance(range_, matching.AtLeast):
+    return _integer(range_.minimum)
+  if isinstance(range_, matching.Positive):
+    return _POSITIVE
+  if isinstance(range_, matching.OneOf):
+    return _one_of(range_.noun, range_.owner)
+  if isinstance(range_, matching.SomeOf):
+    return _distinct(_one_of(range_.noun, range_.owner))
+  raise TypeError(f"no rule for the range {range_!r}")
+
+
+_OPTIONS = {o.name: o for o in matching.OPTIONS}
+_DISTANCE = option_rule(_OPTIONS["distance"].range)
 
 
 class Role(enum.Enum):
@@ -283,6 +307,34 @@ SECTIONS = {
              "check.",
 }
 
+# The study's field of a matching option where it is not ``study.match_<option>`` at the
+# option's default (``match_fields``).
+_STUDY_OPTIONS = {
+    "distance": dict(path="study.distance"),
+    "factors": dict(path="study.learn_factors", default=("attention",),
+                    unkeyed_default=("attention",)),
+}
+
+
+def match_fields() -> tuple[Field, ...]:
+  """One ``Role.STUDY`` field per matching option that a method may name
+  (``matching.ALIGN_OPTIONS``), generated from ``matching.MatchOptions``: its doc, its rule
+  (``option_rule``) and, but where ``_STUDY_OPTIONS`` says otherwise, its default and the path
+  ``study.match_<option>``; ``option`` names it. The descent's own options (``max_rounds``)
+  stay at their default in the study."""
+  fields = []
+  for option in matching.OPTIONS:
+    if option.name not in matching.ALIGN_OPTIONS:
+      continue
+    study = _STUDY_OPTIONS.get(option.name, {})
+    fields.append(Field(study.get("path", f"study.match_{option.name}"),
+                        study.get("default", option.default), option_rule(option.range),
+                        Role.STUDY, option.doc,
+                        unkeyed_default=study.get("unkeyed_default", ALWAYS),
+                        option=option.name))
+  return tuple(fields)
+
+
 FIELDS: tuple[Field, ...] = (
     Field("seed", 0, _AT_LEAST_0, Role.PER_RUN,
           "seed of the base model (initialisation and data order)", study=(ROBUSTNESS,)),
@@ -382,21 +434,7 @@ FIELDS: tuple[Field, ...] = (
     Field("study.lambda_chunk", 1, _AT_LEAST_1, Role.NOT_KEYED,
           "interpolation points evaluated in one call (benchmarks/bench_interpolation.py: "
           "1 beats 5 and 25 on CPU)"),
-    Field("study.match_steps", 200, _AT_LEAST_0, Role.STUDY,
-          "iterations of the Stage 2 refinement (0: Stage 1 only)", option="steps"),
-    Field("study.match_learning_rate", 1e-2, _POSITIVE, Role.STUDY,
-          "step size of the 'adam' refinement solver", option="learning_rate"),
-    Field("study.match_init", "procrustes",
-          _one_of("Stage 2 start", "attn_symmetry.matching.INITS"), Role.STUDY,
-          "start of the Stage 2 refinement: 'procrustes' or the 'best' of it and others",
-          option="init"),
-    Field("study.match_refine", "every_round",
-          _one_of("refinement schedule", "attn_symmetry.matching.REFINES"), Role.STUDY,
-          "whole-model alignment refines at every round or once at the end", option="refine"),
-    Field("study.match_solver", "gauss_newton",
-          _one_of("refinement solver", "attn_symmetry.matching.SOLVERS"), Role.STUDY,
-          "'gauss_newton' (stops on a tolerance within match_steps iterations) or 'adam' "
-          "(the paper's match_steps Adam steps at match_learning_rate)", option="solver"),
+    *match_fields(),
     Field("study.learn_steps", 300, _AT_LEAST_0, Role.STUDY,
           "training steps of the 'learned' method", study=(LEARNED,)),
     Field("study.learn_learning_rate", 1e-2, _POSITIVE, Role.STUDY,
@@ -405,13 +443,6 @@ FIELDS: tuple[Field, ...] = (
           "'learned' draws lambda from U(0, 1) at every step instead of 1/2", study=(LEARNED,)),
     Field("study.learn_holdout_batches", 4, _AT_LEAST_1, Role.STUDY,
           "held-out batches on which 'learned' picks its best iterate", study=(LEARNED,)),
-    Field("study.learn_factors", ("attention",),
-          _distinct(_one_of("learned factor", "attn_symmetry.matching.LEARNED_FACTORS")),
-          Role.STUDY,
-          "the factors that 'learned' trains, those of them that each scope has: 'attention' "
-          "(per-head QK and VO matrices), 'heads', 'ffn', 'residual' "
-          "(matching.LEARNED_FACTORS)",
-          unkeyed_default=("attention",), option="factors"),
     Field("study.eval_examples", 0, _AT_LEAST_0, Role.STUDY,
           "the first that many examples of eval_split evaluate every path (0: all of them)",
           study=(EVERY_STAGE,)),
@@ -420,8 +451,6 @@ FIELDS: tuple[Field, ...] = (
           "'train[:90%]' for the barrier of the fitted objective ('learned' trains there, "
           "so summary.md says its barrier is not held out)", unkeyed_default="test",
           study=(EVERY_STAGE,)),
-    Field("study.distance", "frobenius", _DISTANCE, Role.STUDY,
-          "the Stage 1 distance of every method but 'naive'", option="distance"),
     Field("study.distances", ("frobenius", "squared", "normalised", "cosine"),
           _distinct(_DISTANCE), Role.NOT_KEYED, "the Stage 1 distances of the ablation"),
     Field("study.permutation_ablation", True, _BOOLEAN, Role.NOT_KEYED,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import inspect
 import math
 import os
 import warnings
@@ -39,8 +38,6 @@ def check_options(options: Options) -> None:
   unknown = sorted(set(options.matching) - set(MATCHING_OPTIONS))
   if unknown:
     raise InputError(f"unknown matching options {unknown}; known: {', '.join(MATCHING_OPTIONS)}")
-  if options.matching.get("distance", "frobenius") not in matching.DISTANCES:
-    raise InputError(f"--distance must be one of {', '.join(matching.DISTANCES)}")
   _check_matching_values(options.matching)
   _check_factors(options)
   _check_options_read(options)
@@ -72,78 +69,49 @@ def flag(option: str) -> str:
   return "--" + option.replace("_", "-")
 
 
-_is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-_is_real = lambda v: isinstance(v, (int, float, np.floating)) and not isinstance(v, bool)
-# Matching option -> (whether a value is in its range, the range in words).
-_RANGES = {
-    "steps": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
-    "max_rounds": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
-    "learning_rate": (lambda v: _is_real(v) and math.isfinite(v) and v > 0, "a positive number"),
-    "init": (lambda v: v in matching.INITS, f"one of {', '.join(matching.INITS)}"),
-    "refine": (lambda v: v in matching.REFINES, f"one of {', '.join(matching.REFINES)}"),
-    "solver": (lambda v: v in matching.SOLVERS, f"one of {', '.join(matching.SOLVERS)}"),
-}
-
-
 def _check_matching_values(given: dict[str, Any]) -> None:
-  """Refuses a matching option outside its range (``_RANGES``)."""
-  for option, (ok, what) in _RANGES.items():
-    if option in given and not ok(given[option]):
-      raise InputError(f"{flag(option)} must be {what}, got {given[option]!r}")
-
-
-def options_read(method: str, given: dict[str, Any]) -> tuple[str, ...]:
-  """The matching options that ``method`` reads, given the options ``given``: those its
-  ``matching.Method`` names, ``max_rounds`` for a built-in descent (every built-in method but
-  "naive"), and ``learning_rate`` for "full" only with the Adam solver (Gauss-Newton takes
-  no step size)."""
-  spec = matching.METHODS[method]
-  read = list(spec.options)
-  if spec.align is None and method != "naive":
-    read.append("max_rounds")
-  if method == "full" and given.get("solver", matching.SOLVERS[0]) != "adam":
-    read.remove("learning_rate")
-  return tuple(o for o in MATCHING_OPTIONS if o in read)
+  """Refuses a matching option outside its range (``matching.OPTIONS``)."""
+  for option in matching.OPTIONS:
+    if option.name in given and given[option.name] not in option.range:
+      raise InputError(f"{flag(option.name)} must {option.range.says}, got "
+                       f"{given[option.name]!r}")
 
 
 def options_used(method: str, given: dict[str, Any]) -> dict[str, Any]:
-  """{option: value} of every matching option ``method`` reads (``options_read``): the value
-  given, else the default of the function that reads it (``matching.align_model``'s, or a
-  registered method's own; None where it has none)."""
-  align = matching.METHODS[method].align or matching.align_model
-  defaults = {name: p.default for name, p in inspect.signature(align).parameters.items()
-              if p.default is not inspect.Parameter.empty}
-  return {o: given[o] if o in given else defaults.get(o) for o in options_read(method, given)}
+  """{option: value} of every matching option ``method`` reads (``matching.Method.reads``):
+  the value given, else its default in ``matching.MatchOptions`` (what ``align_model`` passes
+  on)."""
+  defaults = matching.MatchOptions()
+  return {o: given[o] if o in given else getattr(defaults, o)
+          for o in matching.METHODS[method].reads(given)}
 
 
 def _check_options_read(options: Options) -> None:
-  """Refuses a matching option that the method (and solver) would ignore."""
-  read = options_read(options.method, options.matching)
-  for option in options.matching:
-    if option in read or option == "factors":  # --factors: _check_factors's message
+  """Refuses a matching option that the method (and the options it is given) would ignore."""
+  method = matching.METHODS[options.method]
+  read = method.reads(options.matching)
+  for option in matching.OPTIONS:
+    if option.name not in options.matching or option.name in read:
       continue
-    if option == "learning_rate" and options.method == "full":
-      raise InputError(f"--learning-rate is the Adam solver's step size; --solver is "
-                       f"{options.matching.get('solver', matching.SOLVERS[0])!r} (give "
-                       "--solver adam, or no --learning-rate)")
+    if option.name in method.options:  # named, but its condition (``requires``) is not met
+      need = option.requires
+      value = options.matching.get(need.option, getattr(matching.MatchOptions(), need.option))
+      raise InputError(f"{flag(option.name)} is {need.what}; {flag(need.option)} is {value!r} "
+                       f"(give {flag(need.option)} {need.value}, or no {flag(option.name)})")
     reads = ", ".join(flag(o) for o in read) or "no matching option"
-    raise InputError(f"{flag(option)} is not read by --method {options.method} (it reads "
+    raise InputError(f"{flag(option.name)} is not read by --method {options.method} (it reads "
                      f"{reads})")
 
 
 def _check_factors(options: Options) -> None:
-  """``--factors``: names of ``matching.LEARNED_FACTORS``, for ``--method learned`` only (which
-  of them the model has in the scope is ``_inspect``'s check)."""
+  """``--factors``: for ``--method learned`` (or a registered method that reads it) only (its
+  range is ``_check_matching_values``'s check, which of them the model has in the scope
+  ``_inspect``'s)."""
   if "factors" not in options.matching:
     return
-  factors = options.matching["factors"]
-  if options.method != "learned":
+  if "factors" not in matching.METHODS[options.method].options:
     raise InputError(f"--factors chooses what --method learned trains; --method is "
                      f"{options.method!r}")
-  if (not isinstance(factors, (list, tuple)) or not factors
-      or any(f not in matching.LEARNED_FACTORS for f in factors)):
-    raise InputError(f"--factors must list some of {', '.join(matching.LEARNED_FACTORS)}, "
-                     f"got {factors!r}")
 
 
 def _scope_prefixes(scope: str | Sequence[str]) -> list[str] | None:

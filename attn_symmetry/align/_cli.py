@@ -14,6 +14,7 @@ import jax
 from attn_symmetry import matching
 from attn_symmetry import runtime
 from attn_symmetry._version import __version__
+from attn_symmetry.align import _check
 from attn_symmetry.align import _pipeline
 from attn_symmetry.align._clock import ProgressBar
 from attn_symmetry.align._records import DTYPES, MATCHING_OPTIONS, OUTPUTS, AlignWarning, InputError
@@ -53,17 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--batch-size", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=128, help="tokens per text sequence")
   parser.add_argument("--eval-batches", type=int, default=8, help="most evaluation batches")
-  parser.add_argument("--steps", type=int, help="Stage 2 Adam steps of the full method")
-  parser.add_argument("--learning-rate", type=float, help="Stage 2 Adam learning rate")
-  parser.add_argument("--max-rounds", type=int, help="most rounds of coordinate descent")
-  parser.add_argument("--init", help="start of the full method's refinement: procrustes, best")
-  parser.add_argument("--refine", help="when full refines: every_round, final")
-  parser.add_argument("--solver", help="the full method's refinement: gauss_newton, adam")
-  parser.add_argument("--distance", help="Stage 1 head distance")
-  parser.add_argument("--factors", type=lambda text: tuple(f for f in text.split(",") if f),
-                      help="what --method learned trains, comma-separated: some of "
-                           f"{','.join(matching.LEARNED_FACTORS)} (default: every one the "
-                           "scope has)")
+  add_matching_flags(parser)
   parser.add_argument("--memory-budget", type=float, metavar="GB",
                       help="most memory the alignment may hold, in GB (default: the machine's); "
                            "an alignment that needs more is refused before any work")
@@ -72,6 +63,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="JAX's persistent compilation cache: a later alignment of the same "
                            "architecture skips compiling (default "
                            f"{runtime.COMPILATION_CACHE}; '' off)")
+
+
+def add_matching_flags(parser: argparse.ArgumentParser) -> None:
+  """One flag per matching option (``matching.OPTIONS``, the fields of ``matching.MatchOptions``):
+  ``--learning-rate`` for ``learning_rate``, its type the parser of its range, its help the
+  option's doc and range; not given, it is left to the method (None)."""
+  for option in matching.OPTIONS:
+    default = "" if option.default is None else f"; default {option.default}"
+    parser.add_argument(_check.flag(option.name), type=option.range.parse,
+                        metavar=option.range.metavar or option.name.upper(),
+                        help=f"{option.doc} (must {option.range.says}{default})")
 
 
 def _run(args: argparse.Namespace, prog: str) -> int:

@@ -55,9 +55,8 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike, *,
       passes over the groups of tensors (the command's: ``_clock.ProgressBar``).
     memory_budget: the most bytes the alignment may hold (default: the machine's memory);
       an alignment that needs more is refused before any work (``_check.check_memory``).
-    **options: ``align_model``'s distance, steps, learning_rate, max_rounds,
-      init, refine and solver; for method "learned", factors (a tuple of
-      ``matching.LEARNED_FACTORS``; default every one the scope has).
+    **options: ``align_model``'s matching options, the fields of ``matching.MatchOptions``
+      (``MATCHING_OPTIONS``), those the method reads (``matching.Method.reads``).
 
   Returns:
     ``Alignment(model, params_a, params, element, report)``: the zoo model, A's

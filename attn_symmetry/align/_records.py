@@ -18,8 +18,7 @@ from attn_symmetry.models import safetensors_io
 
 OUTPUTS = ("aligned_a", "aligned_b", "merged", "interpolation.json", "interpolation.png",
            "report.json")
-MATCHING_OPTIONS = ("distance", "steps", "learning_rate", "max_rounds", "init", "refine", "solver",
-                    "factors")
+MATCHING_OPTIONS = tuple(o.name for o in matching.OPTIONS)  # the fields of matching.MatchOptions
 DTYPES = ("keep", "float32")
 Params = dict[str, Any]
 

@@ -12,6 +12,10 @@ Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.
   align_model                 all of it, for every factor and attention site in scope.
   learn_alignment             an element's factors fitted to a task loss.
   register_method             a whole-model method of one's own, next to the built-in ones.
+  MatchOptions                align_model's matching options, one field each: default, doc,
+                              range (``AtLeast``, ``Positive``, ``OneOf``, ``SomeOf``) and which
+                              methods read it; ``OPTIONS`` its rows (``Option``). The align
+                              command's flags and the study's config fields are generated from it.
   linear_assignment           exact LAP, batched and jittable (an auction in JAX; optax's Hungarian
                               algorithm below 512 rows on CPU).
 
@@ -32,8 +36,9 @@ stages of one computation, and ``align_model`` compiles one program for the thre
 starts from "full" and trains the factors in scope that ``factors`` names (QK
 and VO matrices, head and FFN permutations, the residual factor; all by
 default) on the task loss of the interpolated model (``learn_alignment``). ``METHODS``
-maps every name to its ``Method`` (the options it reads), with the methods
-registered by ``register_method`` (docs/extending.md).
+maps every name to its ``Method`` (the options it reads: ``MatchOptions`` says which for
+the built-in methods), with the methods registered by ``register_method``
+(docs/extending.md).
 
 bfloat16 and float16 parameters are matched in float32, and the elements are
 float32 (float32 and float64 parameters are matched in their own dtype);
@@ -59,8 +64,15 @@ from attn_symmetry.matching._methods import ALIGN_OPTIONS
 from attn_symmetry.matching._methods import METHODS
 from attn_symmetry.matching._methods import Method
 from attn_symmetry.matching._methods import register_method
-from attn_symmetry.matching._model import DEFAULT_MAX_ROUNDS
-from attn_symmetry.matching._model import REFINES
+from attn_symmetry.matching._options import DEFAULT_MAX_ROUNDS
+from attn_symmetry.matching._options import OPTIONS
+from attn_symmetry.matching._options import REFINES
+from attn_symmetry.matching._options import AtLeast
+from attn_symmetry.matching._options import MatchOptions
+from attn_symmetry.matching._options import OneOf
+from attn_symmetry.matching._options import Option
+from attn_symmetry.matching._options import Positive
+from attn_symmetry.matching._options import SomeOf
 from attn_symmetry.matching._model import active_names
 from attn_symmetry.matching._model import align_model
 from attn_symmetry.matching._model import match_ffn

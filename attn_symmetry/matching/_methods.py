@@ -2,25 +2,26 @@
 
 ``METHODS`` maps each method's name to its ``Method``: the options of
 ``align_model`` it reads (callers key saved results by them, so that a
-result is recomputed when one of them changes and only then) and, for a
-method registered from outside the package (``register_method``), the
-function that computes its element. The built-in methods ("naive", "perm",
-"ortho", "full", "learned") run inside ``align_model``.
+result is recomputed when one of them changes and only then; for a built-in
+method, the table ``MatchOptions`` says which) and, for a method registered
+from outside the package (``register_method``), the function that computes
+its element. The built-in methods ("naive", "perm", "ortho", "full",
+"learned") run inside ``align_model``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from attn_symmetry import registry
 from attn_symmetry.matching import _attention
+from attn_symmetry.matching import _options
 
-# ``align_model``'s matching options: Stage 1's distance; the "full" refinement's steps,
-# learning rate, start, schedule and solver; the factors that "learned" trains.
-ALIGN_OPTIONS = ("distance", "steps", "learning_rate", "init", "refine", "solver", "factors")
-_FULL_OPTIONS = ALIGN_OPTIONS[:-1]
+# The options of ``align_model`` that a method may name (``MatchOptions``' fields but those of
+# the built-in descent alone: ``max_rounds``).
+ALIGN_OPTIONS = _options.METHOD_OPTIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Method:
   Attributes:
     name: the method's name (``align_model(method=...)``, ``study.methods``).
     options: the entries of ``ALIGN_OPTIONS`` it reads.
+    descent: whether it runs ``align_model``'s coordinate descent, and so reads the
+      descent's own options too (``max_rounds``): the built-in methods but "naive"
+      (``_options.DESCENTS``).
     align: None for a built-in method (``align_model`` runs it); for a
       registered one, ``align(spec, params_a, params_b, *, scope, **options)``
       -> (element, info): a group element of ``spec`` (as
@@ -42,12 +46,19 @@ class Method:
   name: str
   options: tuple[str, ...]
   align: Callable[..., tuple[dict[str, Any], dict[str, Any]]] | None = None
+  descent: bool = False
+
+  def reads(self, given: Mapping[str, Any]) -> tuple[str, ...]:
+    """The matching options it reads, in ``MatchOptions``' order, when called with the
+    options ``given``: its ``options``, the descent's own if ``descent``, but an option
+    whose ``requires`` ``given`` does not meet ("full" reads ``learning_rate`` only with the
+    "adam" solver)."""
+    return _options.reads(self.options, self.name, self.descent, given)
 
 
-_BUILT_IN = {"naive": (), "perm": ("distance",), "ortho": ("distance",), "full": _FULL_OPTIONS,
-             "learned": ALIGN_OPTIONS}
 METHODS: registry.Registry = registry.Registry(
-    (name, Method(name, _BUILT_IN[name])) for name in _attention.METHODS)
+    (name, Method(name, _options.built_in_options(name), descent=name in _options.DESCENTS))
+    for name in _attention.METHODS)
 
 
 def register_method(name: str, align: Callable[..., tuple[dict[str, Any], dict[str, Any]]], *,

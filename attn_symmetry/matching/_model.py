@@ -88,10 +88,11 @@ from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _features
 from attn_symmetry.matching import _learned
 from attn_symmetry.matching import _methods
+from attn_symmetry.matching import _options
 from attn_symmetry.matching import _stage2
 
-DEFAULT_MAX_ROUNDS = 10
-REFINES = ("every_round", "final")  # when "full" refines the attention matrices (module docstring)
+DEFAULT_MAX_ROUNDS = _options.DEFAULT_MAX_ROUNDS
+REFINES = _options.REFINES  # when "full" refines the attention matrices (module docstring)
 Params = dict[str, Any]
 
 
@@ -635,11 +636,6 @@ def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps
 
 def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
                 scope: str | Sequence[str] | None = None, method: str = "full",
-                distance: str = "frobenius", steps: int = _attention.DEFAULT_STEPS,
-                learning_rate: float = _attention.DEFAULT_LEARNING_RATE,
-                max_rounds: int = DEFAULT_MAX_ROUNDS, init: str = _attention.INITS[0],
-                refine: str = REFINES[0], solver: str = _attention.SOLVERS[0],
-                factors: str | Sequence[str] | None = None,
                 loss_fn: Callable[[Params, Any], Any] | None = None,
                 batches: Iterable[Any] | None = None, holdout_batches: Sequence[Any] | None = None,
                 **learned_options) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -662,6 +658,8 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       chooses what is trained), or a
       method of ``register_method``: its ``align`` is called with ``scope``
       and the options it names (``matching.METHODS[method].options``).
+    **matching options: one keyword argument per field of ``MatchOptions``, which holds
+      each one's default, doc and range (this signature is generated from it):
     distance, steps, learning_rate, init, solver: attention matching options
       (``match_attention``).
     max_rounds: most rounds of coordinate descent.
@@ -697,39 +695,42 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       parameters do not fit the spec or each other, hold NaN or Inf, a scope
       prefix matches nothing, or an option is unknown.
   """
-  _attention.check_options(method, distance, steps, init, methods=_methods.METHODS,
-                           solver=solver)
-  if refine not in REFINES:
-    raise ValueError(f"refine must be one of {REFINES}, got {refine!r}")
+  o = _options.MatchOptions(**{k: learned_options.pop(k) for k in _options.NAMES
+                                if k in learned_options})
+  _attention.check_options(method, o.distance, o.steps, o.init, methods=_methods.METHODS,
+                           solver=o.solver)
+  if o.refine not in REFINES:
+    raise ValueError(f"refine must be one of {REFINES}, got {o.refine!r}")
   _check_model_pair(spec, params_a, params_b)
   names = active_names(spec, scope)
-  if method == "learned":
+  descent = dict(distance=o.distance, max_rounds=o.max_rounds, init=o.init, refine=o.refine,
+                 solver=o.solver)
+  if method == "learned":  # "full" at its default steps and learning rate, then training
     full = functools.partial(_weight_matching, spec, params_a, params_b, names=names,
-                             method="full", distance=distance, steps=_attention.DEFAULT_STEPS,
-                             learning_rate=_attention.DEFAULT_LEARNING_RATE,
-                             max_rounds=max_rounds, init=init, refine=refine, solver=solver)
+                             method="full", steps=_options.DEFAULTS["steps"],
+                             learning_rate=_options.DEFAULTS["learning_rate"], **descent)
     return _learned.align(spec, params_a, params_b, full, names=names, loss_fn=loss_fn,
-                          batches=batches, holdout_batches=holdout_batches, steps=steps,
-                          learning_rate=learning_rate, factors=factors, **learned_options)
+                          batches=batches, holdout_batches=holdout_batches, steps=o.steps,
+                          learning_rate=o.learning_rate, factors=o.factors, **learned_options)
   registered = _methods.METHODS[method]
-  given = [n for n, v in (("loss_fn", loss_fn), ("batches", batches),
-                          ("holdout_batches", holdout_batches)) if v is not None]
-  if factors is not None and "factors" not in registered.options:
-    given.append("factors")
-  if given or learned_options:
-    raise ValueError(f"{given + sorted(learned_options)} are options of method 'learned' only, "
-                     f"not of {method!r}")
+  learned_only = [n for n, v in (("loss_fn", loss_fn), ("batches", batches),
+                                 ("holdout_batches", holdout_batches)) if v is not None]
+  if o.factors is not None and "factors" not in registered.options:
+    learned_only.append("factors")
+  if learned_only or learned_options:
+    raise ValueError(f"{learned_only + sorted(learned_options)} are options of method "
+                     f"'learned' only, not of {method!r}")
   if registered.align is not None:  # register_method's: it reads the options it names
-    values = dict(distance=distance, steps=steps, learning_rate=learning_rate, init=init,
-                  refine=refine, solver=solver, factors=factors)
     return registered.align(spec, params_a, params_b, scope=scope,
-                            **{k: values[k] for k in registered.options})
+                            **{k: getattr(o, k) for k in registered.options})
   if method == "naive":
     dtype = _attention.compute_dtype(next(iter(spec_lib.flatten(params_a).values())).dtype)
     return group_action.identity_model(spec, dtype), {"folded_norm_scales": False}
-  return _weight_matching(spec, params_a, params_b, names=names, method=method, distance=distance,
-                          steps=steps, learning_rate=learning_rate, max_rounds=max_rounds,
-                          init=init, refine=refine, solver=solver)
+  return _weight_matching(spec, params_a, params_b, names=names, method=method, steps=o.steps,
+                          learning_rate=o.learning_rate, **descent)
+
+
+align_model.__signature__ = _options.signature(align_model)
 
 
 def match_ffn(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,

@@ -61,7 +61,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -76,6 +75,7 @@ from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _features
 from attn_symmetry.matching import _methods
 from attn_symmetry.matching import _model
+from attn_symmetry.matching import _options
 
 CANONICAL = "group"  # the prefix a group's own leaves and names take in its programs
 STREAMED_METHODS = ("naive", *_attention.STAGES)
@@ -460,15 +460,10 @@ class _Descent:
 def align_model_streamed(spec: spec_lib.SymmetrySpec, read: Read,
                          shapes: Mapping[str, tuple[tuple[int, ...], Any]], *,
                          scope: str | Sequence[str] | None = None, method: str = "full",
-                         distance: str = "frobenius", steps: int = _attention.DEFAULT_STEPS,
-                         learning_rate: float = _attention.DEFAULT_LEARNING_RATE,
-                         max_rounds: int = _model.DEFAULT_MAX_ROUNDS,
-                         init: str = _attention.INITS[0], refine: str = _model.REFINES[0],
-                         solver: str = _attention.SOLVERS[0],
                          mesh: jax.sharding.Mesh | None = None,
                          progress: Callable[[str], None] | None = None,
-                         on_group: Callable[[str, int, int], None] | None = None
-                         ) -> tuple[dict[str, Any], dict[str, Any]]:
+                         on_group: Callable[[str, int, int], None] | None = None,
+                         **options) -> tuple[dict[str, Any], dict[str, Any]]:
   """``align_model`` of B to A, reading the models one group of leaves at a time.
 
   Args:
@@ -478,8 +473,8 @@ def align_model_streamed(spec: spec_lib.SymmetrySpec, read: Read,
       (bfloat16 and float16 are computed in float32, one group at a time). It is
       called once per group per pass; it should check the leaves (finite) itself.
     shapes: {path: (shape, stored dtype)} of every leaf of ``spec`` (both models').
-    scope, method, distance, steps, learning_rate, max_rounds, init, refine,
-      solver: as ``align_model``; ``method`` one of ``STREAMED_METHODS``.
+    scope, method, **options: as ``align_model`` (the options: fields of
+      ``MatchOptions``); ``method`` one of ``STREAMED_METHODS``.
     mesh: where given, each group's leaves are split over its devices and the group
       programs partitioned over them (module docstring); None: the default device.
     progress: called with one line after each pass over the groups ("round 1, the scores of
@@ -497,16 +492,16 @@ def align_model_streamed(spec: spec_lib.SymmetrySpec, read: Read,
     ValueError: an unknown option, a scope prefix that matches nothing, or a method that is
       not streamed ("learned" and registered methods need the whole models: ``align_model``).
   """
+  o = _options.MatchOptions(**options)
   if method == "naive":
-    _check(spec, shapes, method, distance, steps, init, refine, solver)
+    _check(spec, shapes, method, o)
     dtype = _attention.compute_dtype(next(iter(shapes.values()))[1])
     return group_action.identity_model(spec, dtype), {"folded_norm_scales": False}
-  descent = _descent(spec, read, shapes, scope=scope, method=method, distance=distance,
-                     steps=steps, learning_rate=learning_rate, init=init, refine=refine,
-                     solver=solver, mesh=mesh, progress=progress, on_group=on_group)
-  full, final, fold = method == "full", refine == "final", descent.fold
+  descent = _descent(spec, read, shapes, scope=scope, method=method, options=o, mesh=mesh,
+                     progress=progress, on_group=on_group)
+  full, final, fold = method == "full", o.refine == "final", descent.fold
   distances = {"initial": descent.first_pass()}
-  rounds = descent.descend(int(max_rounds))
+  rounds = descent.descend(int(o.max_rounds))
   if full and final:
     distances["before_refinement"] = descent.distance()
     descent.refine()
@@ -517,11 +512,11 @@ def align_model_streamed(spec: spec_lib.SymmetrySpec, read: Read,
   return descent.element, info
 
 
-def _check(spec, shapes, method, distance, steps, init, refine, solver) -> None:
-  _attention.check_options(method, distance, steps, init, methods=_methods.METHODS,
-                           solver=solver)
-  if refine not in _model.REFINES:
-    raise ValueError(f"refine must be one of {_model.REFINES}, got {refine!r}")
+def _check(spec, shapes, method: str, o: _options.MatchOptions) -> None:
+  _attention.check_options(method, o.distance, o.steps, o.init, methods=_methods.METHODS,
+                           solver=o.solver)
+  if o.refine not in _options.REFINES:
+    raise ValueError(f"refine must be one of {_options.REFINES}, got {o.refine!r}")
   if method not in STREAMED_METHODS:
     raise ValueError(f"method {method!r} is not streamed (only {', '.join(STREAMED_METHODS)}): "
                      "it needs both whole models in memory; use align_model")
@@ -530,17 +525,20 @@ def _check(spec, shapes, method, distance, steps, init, refine, solver) -> None:
     raise ValueError(f"shapes lacks leaves of the spec: {missing[:4]}")
 
 
-def _descent(spec, read, shapes, *, scope, method, distance, steps, learning_rate, init, refine,
-             solver, mesh, progress=None, on_group=None) -> _Descent:
-  """The checked options' descent (method not "naive")."""
-  _check(spec, shapes, method, distance, steps, init, refine, solver)
+def _descent(spec, read, shapes, *, scope, method, options: _options.MatchOptions, mesh,
+             progress=None, on_group=None) -> _Descent:
+  """The checked ``options``' descent (method not "naive")."""
+  _check(spec, shapes, method, options)
   names = _model.active_names(spec, scope)
-  full, final = method == "full", refine == "final"
-  options = dict(learning_rate=learning_rate, steps=int(steps), init=init, solver=solver,
-                 distance=_features.DISTANCES.index(distance),
+  o, full, final = options, method == "full", options.refine == "final"
+  program = dict(learning_rate=o.learning_rate, steps=int(o.steps), init=o.init,
+                 solver=o.solver, distance=_features.DISTANCES.index(o.distance),
                  descent=_attention.STAGES.index("ortho" if full and final else method))
   return _Descent(spec, read, shapes, names, fold=_model._needs_folding(spec, names),
-                  options=options, mesh=mesh, progress=progress, on_group=on_group)
+                  options=program, mesh=mesh, progress=progress, on_group=on_group)
+
+
+align_model_streamed.__signature__ = _options.signature(align_model_streamed)
 
 
 def layer_program_memory(spec: spec_lib.SymmetrySpec,
@@ -559,10 +557,9 @@ def layer_program_memory(spec: spec_lib.SymmetrySpec,
   Raises:
     ValueError: an option as ``align_model_streamed``'s, or a spec without ``layers_0``.
   """
-  signature = inspect.signature(align_model_streamed).parameters
-  defaults = {name: signature[name].default for name in
-              ("scope", "distance", "steps", "learning_rate", "init", "refine", "solver")}
-  descent = _descent(spec, None, shapes, method=method, mesh=mesh, **(defaults | options))
+  scope = options.pop("scope", None)
+  descent = _descent(spec, None, shapes, scope=scope, method=method,
+                     options=_options.MatchOptions(**options), mesh=mesh)
   group = next((g for g in descent.groups if g.paths[0].startswith("layers_0/")), None)
   if group is None:
     raise ValueError(f"the spec has no group layers_0 (groups: "
