@@ -40,6 +40,7 @@ CASES = {
     "llama-rope-interleaved": ("llama", dict(rope_pairing="interleaved", num_kv_heads=None)),
     "llama-learned": ("llama", dict(pos_encoding="learned")),
     "llama-tied": ("llama", dict(tied_embeddings=True)),
+    "llama-qkv-bias": ("llama", dict(qkv_bias=True)),  # Qwen2's biases: on q, k and v alone
 }
 
 
@@ -234,6 +235,22 @@ def test_canonical_attention_layout_and_names():
   assert {p.split("/")[0] for p in shapes} == {"embed", "layers_0", "layers_1", "final_norm", "head"}
   vit = models.build("vit").param_shapes
   assert vit["patch_embed/kernel"] == (4, 4, 3, 32) and vit["cls_token"] == (32,)
+
+
+def test_bias_switches_split_attention_output_and_ffn():
+  """``use_bias`` is the default of ``qkv_bias``, ``out_bias`` and ``mlp_bias``; each puts
+  biases on its own projections only."""
+  assert [(c.qkv_bias, c.out_bias, c.mlp_bias) for c in (
+      models.make_config("gpt2"), models.make_config("llama"),
+      models.make_config("gpt2", use_bias=False, mlp_bias=True))] == [
+          (True, True, True), (False, False, False), (False, False, True)]
+  shapes = models.build("llama", qkv_bias=True).param_shapes
+  biases = sorted(p for p in shapes if p.startswith("layers_0/") and p.endswith("/bias"))
+  assert biases == [f"layers_0/attention/{n}/bias" for n in ("key", "query", "value")]
+  shapes = models.build("gpt2", out_bias=False, mlp_bias=False).param_shapes
+  biases = sorted(p for p in shapes if p.startswith("layers_0/") and p.endswith("/bias"))
+  assert biases == [f"layers_0/{n}/bias" for n in (
+      "attention/key", "attention/query", "attention/value", "attention_norm", "mlp_norm")]
 
 
 def test_presets():

@@ -31,6 +31,8 @@ NORMS = ("layer", "rms")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 POOLINGS = ("cls", "mean")
 INPUT_KEYS = ("image", "tokens")
+# The biases of the layer stack, each None (``Config.use_bias``) or a bool.
+BIAS_FIELDS = ("qkv_bias", "out_bias", "mlp_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +138,13 @@ class Config:
     activation: FFN nonlinearity, "gelu" (exact), "gelu_tanh", "silu", "relu".
     gated_mlp: True for a gated FFN (SwiGLU with "silu"): act(x W_gate) * (x W_up).
     causal: causal self-attention (language models).
-    use_bias: biases in attention, FFN and patch embedding.
+    use_bias: biases in attention, FFN and patch embedding: the patch
+      embedding's, and the default of the three that follow.
+    qkv_bias, out_bias, mlp_bias: biases on the query, key and value
+      projections, on the attention output projection, and in the FFN; None
+      (the default) takes ``use_bias``, so that e.g. Qwen2's biases on q, k
+      and v alone are ``use_bias=False, qkv_bias=True``. A built config holds
+      each as a bool.
     tied_embeddings: the LM/MLM head reads the token embedding (transposed).
     init_std: standard deviation of the normal initialisation of kernels and
       embeddings (biases start at zero, norm scales at one).
@@ -171,6 +179,9 @@ class Config:
   gated_mlp: bool = False
   causal: bool = False
   use_bias: bool = True
+  qkv_bias: bool | None = None
+  out_bias: bool | None = None
+  mlp_bias: bool | None = None
   tied_embeddings: bool = False
   init_std: float = 0.02
   vocab_size: int = 64
@@ -185,6 +196,9 @@ class Config:
 
   def __post_init__(self):
     fam = get_family(self.family)
+    for name in BIAS_FIELDS:
+      if getattr(self, name) is None:
+        object.__setattr__(self, name, self.use_bias)
     choices = {"pos_encoding": POS_ENCODINGS, "norm": NORMS, "activation": ACTIVATIONS,
                "pooling": POOLINGS}
     for name, allowed in choices.items():

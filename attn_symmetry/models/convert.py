@@ -271,14 +271,14 @@ def hf_config(cfg: config_lib.Config) -> Any:
         num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.mlp_dim,
         max_position_embeddings=cfg.max_len, vocab_size=cfg.vocab_size, rms_norm_eps=cfg.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base}, hidden_act=act,
-        attention_bias=cfg.use_bias, mlp_bias=cfg.use_bias, tie_word_embeddings=cfg.tied_embeddings,
+        attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, tie_word_embeddings=cfg.tied_embeddings,
         head_dim=cfg.head_dim)
   elif cfg.family == "gpt_neox":
     out = transformers.GPTNeoXConfig(
         hidden_size=cfg.width, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
         intermediate_size=cfg.mlp_dim, max_position_embeddings=cfg.max_len,
         vocab_size=cfg.vocab_size, layer_norm_eps=cfg.norm_eps, hidden_act=act,
-        use_parallel_residual=cfg.parallel_residual, attention_bias=cfg.use_bias,
+        use_parallel_residual=cfg.parallel_residual, attention_bias=cfg.qkv_bias,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base,
                          "partial_rotary_factor": cfg.rotary_fraction},
         tie_word_embeddings=cfg.tied_embeddings)
@@ -347,22 +347,22 @@ def _gpt2_table(cfg):
 
 def _llama_table(cfg):
   t = {"embed/embedding": Source("model.embed_tokens.weight")}
-  b = cfg.use_bias
   for i in range(cfg.depth):
     hf, lp = f"model.layers.{i}", f"layers_{i}"
     t |= _norm(f"{lp}/attention_norm", f"{hf}.input_layernorm", cfg)
     t |= _norm(f"{lp}/mlp_norm", f"{hf}.post_attention_layernorm", cfg)
-    for name, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "o_proj")):
-      t |= _dense(f"{lp}/attention/{name}", f"{hf}.self_attn.{proj}", b)
+    for name, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
+      t |= _dense(f"{lp}/attention/{name}", f"{hf}.self_attn.{proj}", cfg.qkv_bias)
+    t |= _dense(f"{lp}/attention/out", f"{hf}.self_attn.o_proj", cfg.out_bias)
     for name in ("gate", "up", "down"):
-      t |= _dense(f"{lp}/mlp/{name}", f"{hf}.mlp.{name}_proj", b)
+      t |= _dense(f"{lp}/mlp/{name}", f"{hf}.mlp.{name}_proj", cfg.mlp_bias)
   t |= _norm("final_norm", "model.norm", cfg)
   head, aliases = _lm_head(cfg, "model.embed_tokens.weight")
   return t | head, aliases
 
 
 def _gpt_neox_table(cfg):
-  m, b = "gpt_neox", cfg.use_bias
+  m = "gpt_neox"
   t = {"embed/embedding": Source(f"{m}.embed_in.weight")}
   for i in range(cfg.depth):
     hf, lp = f"{m}.layers.{i}", f"layers_{i}"
@@ -371,11 +371,11 @@ def _gpt_neox_table(cfg):
     qkv = f"{hf}.attention.query_key_value"
     for part, name in enumerate(("query", "key", "value")):
       t[f"{lp}/attention/{name}/kernel"] = Source(f"{qkv}.weight", "linear", part, cfg.num_heads)
-      if b:
+      if cfg.qkv_bias:
         t[f"{lp}/attention/{name}/bias"] = Source(f"{qkv}.bias", part=part, heads=cfg.num_heads)
-    t |= _dense(f"{lp}/attention/out", f"{hf}.attention.dense", b)
-    t |= _dense(f"{lp}/mlp/wi", f"{hf}.mlp.dense_h_to_4h", b)
-    t |= _dense(f"{lp}/mlp/wo", f"{hf}.mlp.dense_4h_to_h", b)
+    t |= _dense(f"{lp}/attention/out", f"{hf}.attention.dense", cfg.out_bias)
+    t |= _dense(f"{lp}/mlp/wi", f"{hf}.mlp.dense_h_to_4h", cfg.mlp_bias)
+    t |= _dense(f"{lp}/mlp/wo", f"{hf}.mlp.dense_4h_to_h", cfg.mlp_bias)
   t |= _norm("final_norm", f"{m}.final_layer_norm", cfg)
   head, aliases = _lm_head(cfg, f"{m}.embed_in.weight")
   return t | head, aliases
