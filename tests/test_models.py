@@ -14,16 +14,15 @@ from attn_symmetry import spec as spec_lib
 
 B, T = 2, 7
 
-# family -> config overrides: every position encoding, norm and head the zoo offers.
-CASES = {
-    "vit-learned": ("vit", {}),
+# case -> (family, config overrides): every registered family at its defaults (named by the
+# family), and variants that reach every position encoding, norm, bias and head the zoo offers.
+CASES = {family: (family, {}) for family in models.FAMILIES} | {
     "vit-sinusoidal": ("vit", dict(pos_encoding="sinusoidal")),
     "vit-none-mean": ("vit", dict(pos_encoding="none", pooling="mean")),
     "vit-rope": ("vit", dict(pos_encoding="rope", rope_pairing="interleaved")),
     "vit-rope2d": ("vit", dict(pos_encoding="rope2d")),
     "vit-rope2d-mean-rms": ("vit", dict(pos_encoding="rope2d", pooling="mean", norm="rms",
                                         gated_mlp=True, activation="silu", num_kv_heads=2)),
-    "bert-learned": ("bert", {}),
     "bert-sinusoidal": ("bert", dict(pos_encoding="sinusoidal")),
     "bert-rope": ("bert", dict(pos_encoding="rope")),
     "bert-mlm": ("bert", dict(head="mlm")),
@@ -32,14 +31,13 @@ CASES = {
     "bert-encoder-no-pooler": ("bert", dict(head="encoder_no_pooler")),
     "bert-mlm-untied-rope": ("bert", dict(head="mlm", tied_embeddings=False, pos_encoding="rope",
                                           rope_pairing="interleaved")),
-    "gpt2-learned": ("gpt2", {}),
     "gpt2-sinusoidal": ("gpt2", dict(pos_encoding="sinusoidal")),
     "gpt2-none": ("gpt2", dict(pos_encoding="none")),
     "gpt2-rope-partial": ("gpt2", dict(pos_encoding="rope", rotary_fraction=0.5)),
-    "llama-rope": ("llama", {}),
     "llama-rope-interleaved": ("llama", dict(rope_pairing="interleaved", num_kv_heads=None)),
     "llama-learned": ("llama", dict(pos_encoding="learned")),
     "llama-tied": ("llama", dict(tied_embeddings=True)),
+    "llama-qkv-bias": ("llama", dict(qkv_bias=True)),  # Qwen2's biases: on q, k and v alone
 }
 
 
@@ -60,11 +58,11 @@ def _batch(model, seed):
   """(inputs, kwargs) for one float64 forward pass, with padding and segments where they exist."""
   cfg = model.config
   rng = np.random.default_rng(seed)
-  if cfg.family == "vit":
+  if model.input_key == "image":
     return jnp.asarray(rng.normal(size=(B, cfg.image_size, cfg.image_size, cfg.num_channels))), {}
   tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
   kwargs = {}
-  if cfg.family == "bert":
+  if models.get_family(cfg.family).segments:  # BERT
     kwargs["mask"] = jnp.asarray(np.arange(T)[None, :] < np.array([[T], [T - 2]]))
     kwargs["segments"] = jnp.asarray(np.arange(T)[None, :] >= 3, jnp.int32).repeat(B, 0)
   return tokens, kwargs
@@ -126,14 +124,16 @@ def test_apply_streamed_is_apply_reading_one_layer_at_a_time(x64, case):
 
 
 def test_spec_factors_per_family():
-  expect = {"vit": "permutation", "bert": "permutation", "gpt2": "permutation",
-            "llama": "orthogonal"}
-  for family, kind in expect.items():
-    spec = models.build(family).spec
-    assert spec.factors["residual"].kind == kind
+  """Every registered family at its defaults: the residual stream is rotated (an RMSNorm model
+  with an untied head: Llama) or permuted, with a site per attention layer and an FFN factor."""
+  for family in models.FAMILIES:
+    cfg, spec = models.make_config(family), models.build(family).spec
+    orthogonal = cfg.norm == "rms" and not cfg.tied_embeddings
+    assert spec.factors["residual"].kind == ("orthogonal" if orthogonal else "permutation")
     assert set(spec.attention) == {"layers_0/attention", "layers_1/attention"}
     assert spec.factors["layers_1/mlp"] == spec_lib.Factor(64)
   llama = models.build("llama").spec
+  assert llama.factors["residual"].kind == "orthogonal"
   assert llama.attention["layers_0/attention"].group == "rope"
   assert llama.attention["layers_0/attention"].kv_heads == 2
   assert llama.axes["layers_0/mlp/gate/kernel"] == llama.axes["layers_0/mlp/up/kernel"]
@@ -151,7 +151,7 @@ def test_spec_factors_per_family():
   assert models.build("bert", head="encoder").spec.axes["pooler/kernel"] == (None, None)
 
 
-@pytest.mark.parametrize("case", ["vit-rope2d", "bert-rope", "gpt2-rope-partial", "llama-rope"])
+@pytest.mark.parametrize("case", ["vit-rope2d", "bert-rope", "gpt2-rope-partial", "llama"])
 def test_gl_on_rope_qk_changes_logits(x64, case):
   model = _build(case)
   params = _params64(model, 0)
@@ -167,7 +167,7 @@ def _loss(model, params, batch):
   if model.task == "lm":
     logits, _ = model.apply(params, batch["tokens"][:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
-  inputs = batch["image"] if model.config.family == "vit" else batch["tokens"]
+  inputs = batch[model.input_key]
   kwargs = {"mask": batch["mask"]} if "mask" in batch else {}
   logits, _ = model.apply(params, inputs, **kwargs)
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
@@ -175,7 +175,7 @@ def _loss(model, params, batch):
 
 def _train_batch(model, key):
   cfg = model.config
-  if cfg.family == "vit":
+  if model.input_key == "image":
     return {"image": jax.random.normal(key, (4, cfg.image_size, cfg.image_size, cfg.num_channels)),
             "label": jnp.arange(4) % cfg.num_classes}
   tokens = jax.random.randint(key, (4, T + 1), 0, cfg.vocab_size)
@@ -234,6 +234,22 @@ def test_canonical_attention_layout_and_names():
   assert {p.split("/")[0] for p in shapes} == {"embed", "layers_0", "layers_1", "final_norm", "head"}
   vit = models.build("vit").param_shapes
   assert vit["patch_embed/kernel"] == (4, 4, 3, 32) and vit["cls_token"] == (32,)
+
+
+def test_bias_switches_split_attention_output_and_ffn():
+  """``use_bias`` is the default of ``qkv_bias``, ``out_bias`` and ``mlp_bias``; each puts
+  biases on its own projections only."""
+  assert [(c.qkv_bias, c.out_bias, c.mlp_bias) for c in (
+      models.make_config("gpt2"), models.make_config("llama"),
+      models.make_config("gpt2", use_bias=False, mlp_bias=True))] == [
+          (True, True, True), (False, False, False), (False, False, True)]
+  shapes = models.build("llama", qkv_bias=True).param_shapes
+  biases = sorted(p for p in shapes if p.startswith("layers_0/") and p.endswith("/bias"))
+  assert biases == [f"layers_0/attention/{n}/bias" for n in ("key", "query", "value")]
+  shapes = models.build("gpt2", out_bias=False, mlp_bias=False).param_shapes
+  biases = sorted(p for p in shapes if p.startswith("layers_0/") and p.endswith("/bias"))
+  assert biases == [f"layers_0/{n}/bias" for n in (
+      "attention/key", "attention/query", "attention/value", "attention_norm", "mlp_norm")]
 
 
 def test_presets():

@@ -19,6 +19,10 @@ Parameters besides the core and embeddings (``core.py``):
                                                  intermediates["pooled"] = p [B, D]
     head "encoder_no_pooler" (BertModel(add_pooling_layer=False)): no parameter besides the
       core and embeddings; output: the last hidden state [B, T, D]
+
+Its Hugging Face mapping (``hf.HFMapping``: BertForSequenceClassification,
+BertForMaskedLM, BertForPreTraining and BertModel) is registered with it at
+the end of this module.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from flax import nnx
 from attn_symmetry import spec as spec_lib
 from attn_symmetry import tasks
 from attn_symmetry.models import core
-from attn_symmetry.models.config import Config, Family, register_family
+from attn_symmetry.models import hf
+from attn_symmetry.models.config import Config, Family, make_config, register_family
+from attn_symmetry.models.hf import Source
 
 # The heads with a masked-LM head, and those with a pooler (a classifier and the next-sentence
 # head read it; a bare encoder "encoder" outputs it beside its last hidden state).
@@ -122,10 +128,109 @@ def symmetry_spec(cfg: Config) -> spec_lib.SymmetrySpec:
   return spec.build()
 
 
+def _from_hf(c, head: str) -> Config:
+  hf.require(c, "position_embedding_type", lambda v: v in (None, "absolute"),
+             "only absolute position embeddings")
+  hf.require(c, "is_decoder", lambda v: not v, "BERT as a decoder")
+  return make_config(
+      "bert", width=c.hidden_size, depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
+      mlp_dim=c.intermediate_size, max_len=c.max_position_embeddings, vocab_size=c.vocab_size,
+      num_segments=c.type_vocab_size, norm_eps=c.layer_norm_eps,
+      activation=hf.activation(c.hidden_act), head=head, tied_embeddings=c.tie_word_embeddings,
+      # next-sentence: 2 classes; a bare encoder has none, and takes the default
+      num_classes=2 if head in ("pretraining", "encoder", "encoder_no_pooler") else c.num_labels)
+
+
+def _to_hf(cfg: Config):
+  import transformers  # pylint: disable=g-import-not-at-top
+  return transformers.BertConfig(
+      hidden_size=cfg.width, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
+      intermediate_size=cfg.mlp_dim, max_position_embeddings=cfg.max_len,
+      vocab_size=cfg.vocab_size, type_vocab_size=cfg.num_segments, layer_norm_eps=cfg.norm_eps,
+      hidden_act=hf.ACT_TO_HF[cfg.activation], num_labels=cfg.num_classes,
+      tie_word_embeddings=cfg.tied_embeddings)
+
+
+def _mlm_table(cfg: Config, embedding: str) -> hf.Table:
+  """The masked-LM head ``cls.predictions``; tied, its decoder repeats the ``embedding``."""
+  p = "cls.predictions"
+  t = hf.dense("mlm/transform", f"{p}.transform.dense", True)
+  t |= hf.norm("mlm/norm", f"{p}.transform.LayerNorm", cfg)
+  aliases = {f"{p}.decoder.bias": f"{p}.bias"}
+  if cfg.tied_embeddings:
+    t["mlm/bias"] = Source(f"{p}.bias")
+    aliases[f"{p}.decoder.weight"] = embedding
+  else:
+    t |= {"mlm/decoder/kernel": Source(f"{p}.decoder.weight", "linear"),
+          "mlm/decoder/bias": Source(f"{p}.bias")}
+  return t, aliases
+
+
+def _table(cfg: Config) -> hf.Table:
+  e = "bert.embeddings"
+  t = {"embed/embedding": Source(f"{e}.word_embeddings.weight"),
+       "segment_embed/embedding": Source(f"{e}.token_type_embeddings.weight"),
+       "pos_embed/embedding": Source(f"{e}.position_embeddings.weight")}
+  t |= hf.norm("embed_norm", f"{e}.LayerNorm", cfg)
+  for i in range(cfg.depth):
+    h, lp = f"bert.encoder.layer.{i}", f"layers_{i}"
+    for name in ("query", "key", "value"):
+      t |= hf.dense(f"{lp}/attention/{name}", f"{h}.attention.self.{name}", True)
+    t |= hf.dense(f"{lp}/attention/out", f"{h}.attention.output.dense", True)
+    t |= hf.norm(f"{lp}/attention_norm", f"{h}.attention.output.LayerNorm", cfg)
+    t |= hf.dense(f"{lp}/mlp/wi", f"{h}.intermediate.dense", True)
+    t |= hf.dense(f"{lp}/mlp/wo", f"{h}.output.dense", True)
+    t |= hf.norm(f"{lp}/mlp_norm", f"{h}.output.LayerNorm", cfg)
+  aliases = {}
+  if cfg.head in POOLED_HEADS:
+    t |= hf.dense("pooler", "bert.pooler.dense", True)
+  if cfg.head == "classifier":
+    t |= hf.dense("head", "classifier", True)
+  elif cfg.head == "pretraining":
+    t |= hf.dense("nsp", "cls.seq_relationship", True)
+  if cfg.head in MLM_HEADS:
+    mlm, aliases = _mlm_table(cfg, f"{e}.word_embeddings.weight")
+    t |= mlm
+  return t, aliases
+
+
+def _head_of(keys: set[str]) -> str:
+  """The head of a BERT checkpoint with state-dict ``keys`` ("bert." prefixed).
+
+  Raises:
+    ValueError: tensors outside the encoder that are no head read here (named).
+  """
+  if "classifier.weight" in keys:
+    return "classifier"
+  if "cls.predictions.transform.dense.weight" in keys:
+    return "pretraining" if "cls.seq_relationship.weight" in keys else "mlm"
+  other = sorted(k for k in keys if not k.startswith("bert."))
+  if not other:  # the encoder alone: BertModel
+    return "encoder" if "bert.pooler.dense.weight" in keys else "encoder_no_pooler"
+  shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+  raise ValueError(f"BERT checkpoint has a head that is not read: {shown} (read: a classifier "
+                   "'classifier.weight', an MLM head 'cls.predictions.*', or none, the bare "
+                   "encoder of BertModel)")
+
+
 register_family(Family(
     "bert", Bert, symmetry_spec, input_key="tokens",
     heads={"classifier": tasks.CLASSIFICATION, "mlm": tasks.MLM, "pretraining": tasks.MLM,
            "encoder": tasks.FEATURES, "encoder_no_pooler": tasks.FEATURES},
     defaults=dict(pos_encoding="learned", norm="layer", norm_eps=1e-12, post_norm=True,
                   activation="gelu", num_segments=2, tied_embeddings=True, num_classes=2),
-    presets={"base": dict(vocab_size=30522, max_len=512, num_classes=2)}, segments=True))
+    presets={"base": dict(vocab_size=30522, max_len=512, num_classes=2)}, segments=True,
+    hf=hf.HFMapping(
+        model_types=("bert",),
+        classes={"classifier": "BertForSequenceClassification", "mlm": "BertForMaskedLM",
+                 "pretraining": "BertForPreTraining", "encoder": "BertModel",
+                 "encoder_no_pooler": "BertModel"},
+        class_kwargs={"encoder_no_pooler": {"add_pooling_layer": False}},
+        config_from_hf=_from_hf, hf_config=_to_hf, table=_table, prefix="bert.",
+        head_of=_head_of,
+        renames=((r"LayerNorm\.gamma$", "LayerNorm.weight"),
+                 (r"LayerNorm\.beta$", "LayerNorm.bias")),  # old files' names
+        defaults={"bert": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                               intermediate_size=3072, max_position_embeddings=512,
+                               vocab_size=30522, type_vocab_size=2, layer_norm_eps=1e-12,
+                               hidden_act="gelu", is_decoder=False, tie_word_embeddings=True)})))

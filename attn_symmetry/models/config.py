@@ -3,7 +3,8 @@
 A model family registers itself once, next to its code (``register_family``
 at the end of ``vit.py``, ``bert.py``, ``decoder.py``): its NNX module, its
 symmetry spec, the batch entry it reads, its heads and their tasks, its
-architecture defaults and its sizes per preset. ``FAMILIES`` lists the
+architecture defaults, its sizes per preset and its Hugging Face mapping
+(``hf.HFMapping``). ``FAMILIES`` lists the
 registered names; everything else (``make_config``, ``Config`` validation,
 ``Model``, the experiment configs' checks) reads the registry.
 
@@ -25,12 +26,15 @@ from typing import Any
 from attn_symmetry import attention
 from attn_symmetry import registry
 from attn_symmetry import tasks
+from attn_symmetry.models.hf import HFMapping
 
 POS_ENCODINGS = ("none", "sinusoidal", "learned", "rope", "rope2d")
 NORMS = ("layer", "rms")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 POOLINGS = ("cls", "mean")
 INPUT_KEYS = ("image", "tokens")
+# The biases of the layer stack, each None (``Config.use_bias``) or a bool.
+BIAS_FIELDS = ("qkv_bias", "out_bias", "mlp_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,9 @@ class Family:
     segments: whether it reads segment ids (``Config.num_segments`` > 0).
     check: cfg -> None, raising ValueError for a config the family cannot
       build (on top of the shared checks of ``Config``); None for none.
+    hf: its Hugging Face mapping (``hf.HFMapping``: model types, classes,
+      config both ways, tensor table), which ``convert`` and ``safetensors_io``
+      read; None for a family with no HF counterpart.
   """
   name: str
   module: Callable[..., Any]
@@ -63,6 +70,7 @@ class Family:
   presets: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   segments: bool = False
   check: Callable[[Any], None] | None = None
+  hf: HFMapping | None = None
 
 
 # The registered families by name (``register_family``); FAMILIES is a live view of its names.
@@ -99,8 +107,28 @@ def register_family(family: Family) -> Family:
     unknown = sorted(set(values) - fields)
     if unknown:
       raise ValueError(f"family {family.name!r}: {where} sets unknown config fields {unknown}")
+  if family.hf is not None:
+    _check_hf(family)
   _REGISTRY[family.name] = family
   return family
+
+
+def _check_hf(family: Family) -> None:
+  """ValueError unless ``family.hf`` names HF classes of the family's heads only, and model types
+  that no registered family reads with another mapping (a copy of a family under a new name
+  shares its mapping; ``convert.family_of`` gives the first family registered)."""
+  unknown = sorted(set(family.hf.classes) - set(family.heads))
+  if unknown:
+    raise ValueError(f"family {family.name!r}: hf.classes names heads {unknown} that it lacks")
+  if not family.hf.model_types:
+    raise ValueError(f"family {family.name!r}: hf.model_types is empty")
+  for other in _REGISTRY.values():
+    if other.hf is None or other.hf == family.hf:
+      continue
+    taken = sorted(set(family.hf.model_types) & set(other.hf.model_types))
+    if taken:
+      raise ValueError(f"family {family.name!r}: HF model types {taken} are read by family "
+                       f"{other.name!r}")
 
 
 def get_family(name: str) -> Family:
@@ -136,7 +164,13 @@ class Config:
     activation: FFN nonlinearity, "gelu" (exact), "gelu_tanh", "silu", "relu".
     gated_mlp: True for a gated FFN (SwiGLU with "silu"): act(x W_gate) * (x W_up).
     causal: causal self-attention (language models).
-    use_bias: biases in attention, FFN and patch embedding.
+    use_bias: biases in attention, FFN and patch embedding: the patch
+      embedding's, and the default of the three that follow.
+    qkv_bias, out_bias, mlp_bias: biases on the query, key and value
+      projections, on the attention output projection, and in the FFN; None
+      (the default) takes ``use_bias``, so that e.g. Qwen2's biases on q, k
+      and v alone are ``use_bias=False, qkv_bias=True``. A built config holds
+      each as a bool.
     tied_embeddings: the LM/MLM head reads the token embedding (transposed).
     init_std: standard deviation of the normal initialisation of kernels and
       embeddings (biases start at zero, norm scales at one).
@@ -171,6 +205,9 @@ class Config:
   gated_mlp: bool = False
   causal: bool = False
   use_bias: bool = True
+  qkv_bias: bool | None = None
+  out_bias: bool | None = None
+  mlp_bias: bool | None = None
   tied_embeddings: bool = False
   init_std: float = 0.02
   vocab_size: int = 64
@@ -185,6 +222,9 @@ class Config:
 
   def __post_init__(self):
     fam = get_family(self.family)
+    for name in BIAS_FIELDS:
+      if getattr(self, name) is None:
+        object.__setattr__(self, name, self.use_bias)
     choices = {"pos_encoding": POS_ENCODINGS, "norm": NORMS, "activation": ACTIVATIONS,
                "pooling": POOLINGS}
     for name, allowed in choices.items():

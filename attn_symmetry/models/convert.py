@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` checkpoints <-> the model zoo.
+"""Hugging Face ``transformers`` checkpoints <-> the model zoo: the generic machinery.
 
     apply_fn, params = convert.from_hf(hf_model)            # a PyTorch HF model
     apply_fn, params = convert.from_hf(state_dict, hf_config)
@@ -6,20 +6,18 @@
     model, params = convert.load_hf(hf_model)                # with the Model
     hf_model = convert.to_hf(model, params)                  # back to PyTorch
 
-Supported: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` (grouped-query attention,
-half-split RoPE with the default rope type), ``GPTNeoXForCausalLM`` (Pythia:
-partial half-split RoPE, parallel or sequential residual),
-``BertForSequenceClassification``, ``BertForMaskedLM``, ``BertForPreTraining``
-(head "pretraining": the MLM head, the pooler and the next-sentence head
-``cls.seq_relationship``), ``BertModel`` (no task head: sentence-transformers and
-embedding models; head "encoder" with its pooler, "encoder_no_pooler" without) and
-``ViTForImageClassification``; ``config_from_hf``
-also reads Mistral configs (``MistralForCausalLM``: Llama's tensors, no sliding
-window), for checkpoint files (``safetensors_io``).
+What a family's checkpoints are is its ``Family.hf`` (``hf.HFMapping``),
+registered beside its model code: the built-in ``GPT2LMHeadModel``,
+``LlamaForCausalLM`` (which also reads Mistral's configs) and
+``GPTNeoXForCausalLM`` in ``decoder.py``, ``BertForSequenceClassification``,
+``BertForMaskedLM``, ``BertForPreTraining`` and ``BertModel`` in ``bert.py``,
+``ViTForImageClassification`` in ``vit.py``. This module reads the mappings of
+whichever families are registered (``family_of``, ``model_types``).
 
-Each family has a table from our parameter paths to HF state-dict keys and
-the layout of the HF tensor (keys as the task classes name them: a ``BertModel``'s state dict, which
-is the encoder's alone, has them without the "bert." prefix, ``_bare_prefix``):
+A family's table maps our parameter paths to HF state-dict keys and the layout
+of the HF tensor (``hf.Source``; keys as the task classes name them, with the
+mapping's ``prefix``, which a base-model state dict such as a ``BertModel``'s
+lacks: ``state_dict_names``):
 
 * "same": the same numbers, reshaped (biases [N * H] -> [N, H], embeddings,
   norms, GPT-2's ``Conv1D`` weights, which are already [in, out]);
@@ -53,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -60,131 +59,86 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_symmetry import spec as spec_lib
-from attn_symmetry import tasks
-from attn_symmetry.models import bert
 from attn_symmetry.models import config as config_lib
+from attn_symmetry.models.hf import HFMapping, Source
 from attn_symmetry.models.model import Model
 
-# The HF ``model_type`` values read.
-MODEL_TYPES = ("gpt2", "llama", "mistral", "gpt_neox", "bert", "vit")
-LLAMA_TYPES = ("llama", "mistral")  # Llama's architecture (Mistral's: the same, no biases)
-_ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
-                "relu": "relu", "silu": "silu", "swish": "silu"}
-_ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
-_HF_CLASSES = {("gpt2", "lm"): "GPT2LMHeadModel", ("llama", "lm"): "LlamaForCausalLM",
-               ("gpt_neox", "lm"): "GPTNeoXForCausalLM",
-               ("bert", "classifier"): "BertForSequenceClassification",
-               ("bert", "mlm"): "BertForMaskedLM", ("bert", "pretraining"): "BertForPreTraining",
-               ("bert", "encoder"): "BertModel", ("bert", "encoder_no_pooler"): "BertModel",
-               ("vit", "classifier"): "ViTForImageClassification"}
+
+# ----------------------------------------------------------------------------- families
 
 
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """Where one of our leaves lives in an HF state dict (module docstring)."""
-  key: str
-  layout: str = "same"
-  part: int | None = None
-  heads: int | None = None
-  lead: int = 0
+def model_types() -> tuple[str, ...]:
+  """The HF ``model_type`` values that the registered families read, in registration order."""
+  families = [config_lib.get_family(name) for name in config_lib.FAMILIES]
+  types = [t for family in families if family.hf is not None for t in family.hf.model_types]
+  return tuple(dict.fromkeys(types))  # a family's copy under another name reads its types too
+
+
+def family_of(model_type: Any) -> config_lib.Family:
+  """The registered family whose ``hf`` mapping reads HF ``model_type``.
+
+  Raises:
+    ValueError: no family reads it (naming the model types read).
+  """
+  for name in config_lib.FAMILIES:
+    family = config_lib.get_family(name)
+    if family.hf is not None and model_type in family.hf.model_types:
+      return family
+  raise ValueError(f"unsupported HF model type {model_type!r}; supported: "
+                   f"{', '.join(model_types())}")
+
+
+def _mapping(cfg: config_lib.Config) -> HFMapping:
+  """The HF mapping of ``cfg``'s family; ValueError for a family that has none."""
+  family = config_lib.get_family(cfg.family)
+  if family.hf is None:
+    raise ValueError(f"model family {family.name!r} has no Hugging Face mapping (Family.hf)")
+  return family.hf
+
+
+def state_dict_names(keys: Iterable[str], mapping: HFMapping) -> dict[str, str]:
+  """{state-dict name, as the family's table gives it: key} for the tensor ``keys`` of a file
+  or state dict: the mapping's prefix added where no key has it (a base model's file: GPT-2 on
+  the Hub, a ``BertModel``), then its renames applied."""
+  keys = list(keys)
+  add_prefix = not any(k.startswith(mapping.prefix) for k in keys)
+  names = {}
+  for key in keys:
+    name = mapping.prefix + key if add_prefix else key
+    for pattern, new in mapping.renames:
+      name = re.sub(pattern, new, name)
+    names[name] = key
+  return names
+
+
+def head_of(model_type: str, keys: set[str]) -> str:
+  """``Config.head`` of a checkpoint of HF ``model_type`` with state-dict ``keys``
+  (``state_dict_names``): the family's ``hf.head_of``, or else its first head.
+
+  Raises:
+    ValueError: the model type, or a head that the family does not read (named).
+  """
+  family = family_of(model_type)
+  if family.hf.head_of is None:
+    return next(iter(family.heads))
+  return family.hf.head_of(keys)
 
 
 # ----------------------------------------------------------------------------- configs
 
-# The HF config classes' defaults of the fields read below: a config.json may leave out any field
-# that has its class default (tests/test_align_checkpoints.py compares them with transformers).
-_HF_DEFAULTS = {
-    "gpt2": dict(n_embd=768, n_layer=12, n_head=12, n_inner=None, n_positions=1024,
-                 vocab_size=50257, layer_norm_epsilon=1e-5, activation_function="gelu_new",
-                 scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
-                 tie_word_embeddings=True),
-    "llama": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                  intermediate_size=11008, max_position_embeddings=2048, vocab_size=32000,
-                  rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, mlp_bias=False,
-                  tie_word_embeddings=False, rope_theta=10000.0),
-    "mistral": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                    num_key_value_heads=8, intermediate_size=14336,
-                    max_position_embeddings=131072, vocab_size=32000, rms_norm_eps=1e-6,
-                    hidden_act="silu", tie_word_embeddings=False, rope_theta=10000.0,
-                    sliding_window=4096),
-    "gpt_neox": dict(hidden_size=6144, num_hidden_layers=44, num_attention_heads=64,
-                     intermediate_size=24576, max_position_embeddings=2048, vocab_size=50432,
-                     layer_norm_eps=1e-5, hidden_act="gelu", use_parallel_residual=True,
-                     attention_bias=True, tie_word_embeddings=False, rotary_pct=0.25,
-                     rotary_emb_base=10000.0),
-    "bert": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                 intermediate_size=3072, max_position_embeddings=512, vocab_size=30522,
-                 type_vocab_size=2, layer_norm_eps=1e-12, hidden_act="gelu", is_decoder=False,
-                 tie_word_embeddings=True),
-    "vit": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                intermediate_size=3072, image_size=224, patch_size=16, num_channels=3,
-                layer_norm_eps=1e-12, hidden_act="gelu", qkv_bias=True),
-}
-
 
 class _ConfigDict:
-  """Attribute view of a ``config.json`` dict: absent fields take the HF class default (None
-  where the class computes one), ``num_labels`` counts ``id2label`` as HF does."""
+  """Attribute view of a ``config.json`` dict: absent fields take the HF class default of its
+  family's mapping (``hf.HFMapping.defaults``; None where the class computes one),
+  ``num_labels`` counts ``id2label`` as HF does."""
 
-  def __init__(self, fields: Mapping[str, Any]):
-    self._fields = {**_HF_DEFAULTS.get(fields.get("model_type"), {}), **fields}
+  def __init__(self, fields: Mapping[str, Any], defaults: Mapping[str, Any]):
+    self._fields = {**defaults, **fields}
     if "num_labels" not in fields:
       self._fields["num_labels"] = len(fields.get("id2label") or {}) or 2
 
   def __getattr__(self, name: str) -> Any:
     return self._fields.get(name)
-
-
-def _require(hf_config: Any, name: str, ok: Callable[[Any], bool], what: str) -> None:
-  value = getattr(hf_config, name, None)
-  if not ok(value):
-    raise ValueError(f"unsupported HF config: {name}={value!r} ({what})")
-
-
-def _activation(hf_name: str) -> str:
-  if hf_name not in _ACT_FROM_HF:
-    raise ValueError(f"unsupported HF activation {hf_name!r}; supported {sorted(_ACT_FROM_HF)}")
-  return _ACT_FROM_HF[hf_name]
-
-
-def _plain_rope(hf_config: Any) -> dict[str, Any]:
-  """The config's ``rope_parameters`` ({} if none); ValueError for a rope type other than plain
-  RoPE ("default")."""
-  params = getattr(hf_config, "rope_parameters", None) or {}
-  scaling = getattr(hf_config, "rope_scaling", None) or {}
-  rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-  if rope_type != "default":
-    raise ValueError(f"unsupported HF config: rope type {rope_type!r} (only plain RoPE, 'default')")
-  return params
-
-
-def _rope_theta(hf_config: Any) -> float:
-  return float(_plain_rope(hf_config).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-
-
-def _neox_rope(c: Any) -> tuple[float, float]:
-  """(rope base, rotary fraction) of a GPT-NeoX config: ``rope_parameters`` (transformers 5)
-  or the legacy ``rotary_emb_base`` and ``rotary_pct`` of Pythia's config.json.
-
-  Raises:
-    ValueError: naming the field, unless head_dim * fraction is a positive even integer
-      (the rotated dims, which RoPE pairs up).
-  """
-  params = _plain_rope(c)
-  base = params.get("rope_theta", getattr(c, "rotary_emb_base", None))
-  if "partial_rotary_factor" in params:
-    field, fraction = "rope_parameters['partial_rotary_factor']", params["partial_rotary_factor"]
-  else:
-    field, fraction = "rotary_pct", getattr(c, "rotary_pct", None)
-  head_dim = c.hidden_size // c.num_attention_heads
-  if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-    raise ValueError(f"unsupported HF config: {field}={fraction!r} (a fraction in (0, 1] of "
-                     "each head's dims is rotated)")
-  dims = head_dim * fraction
-  if abs(dims - round(dims)) > 1e-9 * head_dim or round(dims) % 2:
-    raise ValueError(f"unsupported HF config: {field}={fraction!r} (head_dim {head_dim} * "
-                     f"{field} = {dims:g} rotated dims; RoPE needs a positive even number of them)")
-  return float(base if base is not None else 10000.0), float(fraction)
 
 
 def config_from_hf(hf_config: Any, head: str) -> config_lib.Config:
@@ -194,111 +148,28 @@ def config_from_hf(hf_config: Any, head: str) -> config_lib.Config:
     ValueError: the model type or an option that the zoo cannot express.
   """
   if isinstance(hf_config, Mapping):
-    hf_config = _ConfigDict(hf_config)
-  kind = getattr(hf_config, "model_type", None)
-  c = hf_config
-  if kind == "gpt2":
-    _require(c, "scale_attn_weights", lambda v: v is not False, "attention must be scaled")
-    _require(c, "scale_attn_by_inverse_layer_idx", lambda v: not v, "per-layer scaling")
-    return config_lib.make_config(
-        "gpt2", width=c.n_embd, depth=c.n_layer, num_heads=c.n_head,
-        mlp_dim=c.n_inner or 4 * c.n_embd, max_len=c.n_positions, vocab_size=c.vocab_size,
-        norm_eps=c.layer_norm_epsilon, activation=_activation(c.activation_function),
-        tied_embeddings=c.tie_word_embeddings)
-  if kind in LLAMA_TYPES:
-    bias = bool(getattr(c, "attention_bias", False))  # Mistral has no such field
-    _require(c, "mlp_bias", lambda v: bool(v) == bias, "attention_bias and mlp_bias must agree")
-    _require(c, "sliding_window", lambda v: v is None or v >= c.max_position_embeddings,
-             "the zoo's attention has no sliding window")
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    _require(c, "head_dim", lambda v: head_dim * c.num_attention_heads == c.hidden_size,
-             "head_dim must be hidden_size / num_attention_heads")
-    return config_lib.make_config(
-        "llama", width=c.hidden_size, depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
-        mlp_dim=c.intermediate_size, max_len=c.max_position_embeddings, vocab_size=c.vocab_size,
-        norm_eps=c.rms_norm_eps, rope_base=_rope_theta(c), activation=_activation(c.hidden_act),
-        use_bias=bias, tied_embeddings=c.tie_word_embeddings)
-  if kind == "gpt_neox":
-    _require(c, "attention_bias", lambda v: v is not False,
-             "the zoo's GPT-NeoX has attention biases, as its FFN does")
-    base, fraction = _neox_rope(c)
-    return config_lib.make_config(
-        "gpt_neox", width=c.hidden_size, depth=c.num_hidden_layers,
-        num_heads=c.num_attention_heads, mlp_dim=c.intermediate_size,
-        max_len=c.max_position_embeddings, vocab_size=c.vocab_size, norm_eps=c.layer_norm_eps,
-        rope_base=base, rotary_fraction=fraction, activation=_activation(c.hidden_act),
-        parallel_residual=bool(c.use_parallel_residual), tied_embeddings=c.tie_word_embeddings)
-  if kind == "bert":
-    _require(c, "position_embedding_type", lambda v: v in (None, "absolute"),
-             "only absolute position embeddings")
-    _require(c, "is_decoder", lambda v: not v, "BERT as a decoder")
-    return config_lib.make_config(
-        "bert", width=c.hidden_size, depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
-        mlp_dim=c.intermediate_size, max_len=c.max_position_embeddings, vocab_size=c.vocab_size,
-        num_segments=c.type_vocab_size, norm_eps=c.layer_norm_eps,
-        activation=_activation(c.hidden_act), head=head, tied_embeddings=c.tie_word_embeddings,
-        # next-sentence: 2 classes; a bare encoder has none, and takes the default
-        num_classes=2 if head in ("pretraining", "encoder", "encoder_no_pooler") else c.num_labels)
-  if kind == "vit":
-    _require(c, "qkv_bias", lambda v: v is not False, "the zoo's ViT has qkv biases")
-    return config_lib.make_config(
-        "vit", width=c.hidden_size, depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
-        mlp_dim=c.intermediate_size, image_size=c.image_size, patch_size=c.patch_size,
-        num_channels=c.num_channels, norm_eps=c.layer_norm_eps,
-        activation=_activation(c.hidden_act), num_classes=c.num_labels)
-  raise ValueError(f"unsupported HF model type {kind!r}; supported: {', '.join(MODEL_TYPES)}")
+    model_type = hf_config.get("model_type")
+    mapping = family_of(model_type).hf
+    hf_config = _ConfigDict(hf_config, mapping.defaults.get(model_type, {}))
+  else:
+    mapping = family_of(getattr(hf_config, "model_type", None)).hf
+  return mapping.config_from_hf(hf_config, head)
 
 
 def hf_config(cfg: config_lib.Config) -> Any:
-  """The HF config of our ``cfg``.
+  """The HF config of our ``cfg`` (its family's ``hf.hf_config``).
 
   Raises:
     ValueError: naming the config fields that HF's model of the family cannot
       express (e.g. ``pos_encoding`` for a GPT-2 with RoPE).
   """
-  import transformers  # pylint: disable=g-import-not-at-top
-
-  act = _ACT_TO_HF[cfg.activation]
-  if cfg.family == "gpt2":
-    out = transformers.GPT2Config(
-        n_embd=cfg.width, n_layer=cfg.depth, n_head=cfg.num_heads, n_inner=cfg.mlp_dim,
-        n_positions=cfg.max_len, vocab_size=cfg.vocab_size, layer_norm_epsilon=cfg.norm_eps,
-        activation_function=act, tie_word_embeddings=cfg.tied_embeddings)
-  elif cfg.family == "llama":
-    out = transformers.LlamaConfig(
-        hidden_size=cfg.width, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.mlp_dim,
-        max_position_embeddings=cfg.max_len, vocab_size=cfg.vocab_size, rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base}, hidden_act=act,
-        attention_bias=cfg.use_bias, mlp_bias=cfg.use_bias, tie_word_embeddings=cfg.tied_embeddings,
-        head_dim=cfg.head_dim)
-  elif cfg.family == "gpt_neox":
-    out = transformers.GPTNeoXConfig(
-        hidden_size=cfg.width, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
-        intermediate_size=cfg.mlp_dim, max_position_embeddings=cfg.max_len,
-        vocab_size=cfg.vocab_size, layer_norm_eps=cfg.norm_eps, hidden_act=act,
-        use_parallel_residual=cfg.parallel_residual, attention_bias=cfg.use_bias,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base,
-                         "partial_rotary_factor": cfg.rotary_fraction},
-        tie_word_embeddings=cfg.tied_embeddings)
-  elif cfg.family == "bert":
-    out = transformers.BertConfig(
-        hidden_size=cfg.width, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
-        intermediate_size=cfg.mlp_dim, max_position_embeddings=cfg.max_len,
-        vocab_size=cfg.vocab_size, type_vocab_size=cfg.num_segments, layer_norm_eps=cfg.norm_eps,
-        hidden_act=act, num_labels=cfg.num_classes, tie_word_embeddings=cfg.tied_embeddings)
-  else:
-    out = transformers.ViTConfig(
-        hidden_size=cfg.width, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
-        intermediate_size=cfg.mlp_dim, image_size=cfg.image_size, patch_size=cfg.patch_size,
-        num_channels=cfg.num_channels, layer_norm_eps=cfg.norm_eps, hidden_act=act,
-        num_labels=cfg.num_classes, qkv_bias=True)
-  back = config_from_hf(out, cfg.head)
+  mapping = _mapping(cfg)
+  out = mapping.hf_config(cfg)
+  back = mapping.config_from_hf(out, cfg.head)
   differ = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
             if getattr(cfg, f.name) != getattr(back, f.name) and f.name != "init_std"}
   if differ:
-    raise ValueError(f"HF {_HF_CLASSES[cfg.family, cfg.head]} cannot express config fields "
+    raise ValueError(f"HF {mapping.classes[cfg.head]} cannot express config fields "
                      f"{differ} (it would use {[getattr(back, k) for k in differ]})")
   return out
 
@@ -306,140 +177,9 @@ def hf_config(cfg: config_lib.Config) -> Any:
 # ----------------------------------------------------------------------------- tables
 
 
-def _dense(ours: str, hf: str, bias: bool, layout: str = "linear") -> dict[str, Source]:
-  table = {f"{ours}/kernel": Source(f"{hf}.weight", layout)}
-  if bias:
-    table[f"{ours}/bias"] = Source(f"{hf}.bias")
-  return table
-
-
-def _norm(ours: str, hf: str, cfg: config_lib.Config) -> dict[str, Source]:
-  table = {f"{ours}/scale": Source(f"{hf}.weight")}
-  if cfg.norm == "layer":
-    table[f"{ours}/bias"] = Source(f"{hf}.bias")
-  return table
-
-
-def _lm_head(cfg: config_lib.Config, embed_key: str
-             ) -> tuple[dict[str, Source], dict[str, str]]:
-  """A decoder's head: ``lm_head`` [V, D], or (tied) an alias of the token embedding."""
-  if cfg.tied_embeddings:
-    return {}, {"lm_head.weight": embed_key}
-  return _dense("head", "lm_head", False), {}
-
-
-def _gpt2_table(cfg):
-  t = {"embed/embedding": Source("transformer.wte.weight"),
-       "pos_embed/embedding": Source("transformer.wpe.weight")}
-  for i in range(cfg.depth):
-    hf, lp = f"transformer.h.{i}", f"layers_{i}"
-    t |= _norm(f"{lp}/attention_norm", f"{hf}.ln_1", cfg) | _norm(f"{lp}/mlp_norm", f"{hf}.ln_2", cfg)
-    for part, name in enumerate(("query", "key", "value")):
-      t[f"{lp}/attention/{name}/kernel"] = Source(f"{hf}.attn.c_attn.weight", part=part)
-      t[f"{lp}/attention/{name}/bias"] = Source(f"{hf}.attn.c_attn.bias", part=part)
-    t |= _dense(f"{lp}/attention/out", f"{hf}.attn.c_proj", True, "same")
-    t |= _dense(f"{lp}/mlp/wi", f"{hf}.mlp.c_fc", True, "same")
-    t |= _dense(f"{lp}/mlp/wo", f"{hf}.mlp.c_proj", True, "same")
-  t |= _norm("final_norm", "transformer.ln_f", cfg)
-  head, aliases = _lm_head(cfg, "transformer.wte.weight")
-  return t | head, aliases
-
-
-def _llama_table(cfg):
-  t = {"embed/embedding": Source("model.embed_tokens.weight")}
-  b = cfg.use_bias
-  for i in range(cfg.depth):
-    hf, lp = f"model.layers.{i}", f"layers_{i}"
-    t |= _norm(f"{lp}/attention_norm", f"{hf}.input_layernorm", cfg)
-    t |= _norm(f"{lp}/mlp_norm", f"{hf}.post_attention_layernorm", cfg)
-    for name, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "o_proj")):
-      t |= _dense(f"{lp}/attention/{name}", f"{hf}.self_attn.{proj}", b)
-    for name in ("gate", "up", "down"):
-      t |= _dense(f"{lp}/mlp/{name}", f"{hf}.mlp.{name}_proj", b)
-  t |= _norm("final_norm", "model.norm", cfg)
-  head, aliases = _lm_head(cfg, "model.embed_tokens.weight")
-  return t | head, aliases
-
-
-def _gpt_neox_table(cfg):
-  m, b = "gpt_neox", cfg.use_bias
-  t = {"embed/embedding": Source(f"{m}.embed_in.weight")}
-  for i in range(cfg.depth):
-    hf, lp = f"{m}.layers.{i}", f"layers_{i}"
-    t |= _norm(f"{lp}/attention_norm", f"{hf}.input_layernorm", cfg)
-    t |= _norm(f"{lp}/mlp_norm", f"{hf}.post_attention_layernorm", cfg)
-    qkv = f"{hf}.attention.query_key_value"
-    for part, name in enumerate(("query", "key", "value")):
-      t[f"{lp}/attention/{name}/kernel"] = Source(f"{qkv}.weight", "linear", part, cfg.num_heads)
-      if b:
-        t[f"{lp}/attention/{name}/bias"] = Source(f"{qkv}.bias", part=part, heads=cfg.num_heads)
-    t |= _dense(f"{lp}/attention/out", f"{hf}.attention.dense", b)
-    t |= _dense(f"{lp}/mlp/wi", f"{hf}.mlp.dense_h_to_4h", b)
-    t |= _dense(f"{lp}/mlp/wo", f"{hf}.mlp.dense_4h_to_h", b)
-  t |= _norm("final_norm", f"{m}.final_layer_norm", cfg)
-  head, aliases = _lm_head(cfg, f"{m}.embed_in.weight")
-  return t | head, aliases
-
-
-def _bert_table(cfg):
-  e = "bert.embeddings"
-  t = {"embed/embedding": Source(f"{e}.word_embeddings.weight"),
-       "segment_embed/embedding": Source(f"{e}.token_type_embeddings.weight"),
-       "pos_embed/embedding": Source(f"{e}.position_embeddings.weight")}
-  t |= _norm("embed_norm", f"{e}.LayerNorm", cfg)
-  for i in range(cfg.depth):
-    hf, lp = f"bert.encoder.layer.{i}", f"layers_{i}"
-    for name in ("query", "key", "value"):
-      t |= _dense(f"{lp}/attention/{name}", f"{hf}.attention.self.{name}", True)
-    t |= _dense(f"{lp}/attention/out", f"{hf}.attention.output.dense", True)
-    t |= _norm(f"{lp}/attention_norm", f"{hf}.attention.output.LayerNorm", cfg)
-    t |= _dense(f"{lp}/mlp/wi", f"{hf}.intermediate.dense", True)
-    t |= _dense(f"{lp}/mlp/wo", f"{hf}.output.dense", True)
-    t |= _norm(f"{lp}/mlp_norm", f"{hf}.output.LayerNorm", cfg)
-  aliases = {}
-  if cfg.head in bert.POOLED_HEADS:
-    t |= _dense("pooler", "bert.pooler.dense", True)
-  if cfg.head == "classifier":
-    t |= _dense("head", "classifier", True)
-  elif cfg.head in bert.MLM_HEADS:
-    if cfg.head == "pretraining":
-      t |= _dense("nsp", "cls.seq_relationship", True)
-    p = "cls.predictions"
-    t |= _dense("mlm/transform", f"{p}.transform.dense", True)
-    t |= _norm("mlm/norm", f"{p}.transform.LayerNorm", cfg)
-    aliases[f"{p}.decoder.bias"] = f"{p}.bias"
-    if cfg.tied_embeddings:
-      t["mlm/bias"] = Source(f"{p}.bias")
-      aliases[f"{p}.decoder.weight"] = f"{e}.word_embeddings.weight"
-    else:
-      t |= {"mlm/decoder/kernel": Source(f"{p}.decoder.weight", "linear"),
-            "mlm/decoder/bias": Source(f"{p}.bias")}
-  return t, aliases
-
-
-def _vit_table(cfg):
-  e = "vit.embeddings"
-  t = {"cls_token": Source(f"{e}.cls_token", lead=2),
-       "pos_embed/embedding": Source(f"{e}.position_embeddings", lead=1)}
-  t |= _dense("patch_embed", f"{e}.patch_embeddings.projection", True, "conv")
-  for i in range(cfg.depth):
-    hf, lp = f"vit.layers.{i}", f"layers_{i}"
-    t |= _norm(f"{lp}/attention_norm", f"{hf}.layernorm_before", cfg)
-    for name, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "o_proj")):
-      t |= _dense(f"{lp}/attention/{name}", f"{hf}.attention.{proj}", True)
-    t |= _norm(f"{lp}/mlp_norm", f"{hf}.layernorm_after", cfg)
-    t |= _dense(f"{lp}/mlp/wi", f"{hf}.mlp.fc1", True) | _dense(f"{lp}/mlp/wo", f"{hf}.mlp.fc2", True)
-  t |= _norm("final_norm", "vit.layernorm", cfg) | _dense("head", "classifier", True)
-  return t, {}
-
-
-_TABLES = {"gpt2": _gpt2_table, "llama": _llama_table, "gpt_neox": _gpt_neox_table,
-           "bert": _bert_table, "vit": _vit_table}
-
-
 def param_table(cfg: config_lib.Config) -> tuple[dict[str, Source], dict[str, str]]:
   """({our path: Source}, {tied HF alias key: the HF key it repeats}) for ``cfg``."""
-  return _TABLES[cfg.family](cfg)
+  return _mapping(cfg).table(cfg)
 
 
 def hf_shape(path: str, shape: tuple[int, ...], src: Source) -> tuple[int, ...]:
@@ -526,60 +266,23 @@ def join_parts(parts: Mapping[int | None, np.ndarray], src: Source) -> np.ndarra
   return np.moveaxis(joined, 0, axis)
 
 
-def head_of(family: str, keys: set[str]) -> str:
-  """``Config.head`` of a checkpoint of ``family`` with HF state-dict ``keys`` (a BERT's with the
-  "bert." prefix, as the task classes name them: ``with_bert_prefix``).
-
-  Raises:
-    ValueError: a BERT checkpoint with tensors outside the encoder that are no head read here
-      (named).
-  """
-  if family in ("gpt2", "gpt_neox", *LLAMA_TYPES):
-    return "lm"
-  if family == "vit" or "classifier.weight" in keys:
-    return "classifier"
-  if "cls.predictions.transform.dense.weight" in keys:
-    return "pretraining" if "cls.seq_relationship.weight" in keys else "mlm"
-  other = sorted(k for k in keys if not k.startswith("bert."))
-  if not other:  # the encoder alone: BertModel
-    return "encoder" if "bert.pooler.dense.weight" in keys else "encoder_no_pooler"
-  shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
-  raise ValueError(f"BERT checkpoint has a head that is not read: {shown} (read: a classifier "
-                   "'classifier.weight', an MLM head 'cls.predictions.*', or none, the bare "
-                   "encoder of BertModel)")
-
-
-def with_bert_prefix(keys: Iterable[str]) -> dict[str, str]:
-  """{state-dict name as the task classes give it: original} for a BERT's ``keys``: a
-  ``BertModel``'s (none starts with "bert.") get the prefix, other keys stay as they are."""
-  keys = list(keys)
-  prefix = "" if any(k.startswith("bert.") for k in keys) else "bert."
-  return {prefix + k: k for k in keys}
-
-
-def _bare_prefix(cfg: config_lib.Config) -> str:
-  """The prefix of the tables' keys that the HF class's state dict lacks: "bert." for a
-  ``BertModel`` (a bare encoder, ``tasks.FEATURES``), whose state dict is the encoder's alone;
-  else none."""
-  return "bert." if cfg.family == "bert" and cfg.task == tasks.FEATURES else ""
-
-
 def _hf_model(cfg: config_lib.Config, hf_cfg: Any) -> Any:
   """The HF PyTorch model of ``cfg``'s family and head, built from ``hf_cfg``."""
   import transformers  # pylint: disable=g-import-not-at-top
 
-  kwargs = {"add_pooling_layer": False} if cfg.head == "encoder_no_pooler" else {}
-  return getattr(transformers, _HF_CLASSES[cfg.family, cfg.head])(hf_cfg, **kwargs)
+  mapping = _mapping(cfg)
+  hf_class = getattr(transformers, mapping.classes[cfg.head])
+  return hf_class(hf_cfg, **mapping.class_kwargs.get(cfg.head, {}))
 
 
 def _template(cfg: config_lib.Config, hf_cfg: Any) -> dict[str, tuple[int, ...]]:
-  """Key (as the tables name it, ``_bare_prefix``) -> shape of the state dict of an HF model of
-  this config (built on the meta device)."""
+  """Key (as the tables name it, ``state_dict_names``) -> shape of the state dict of an HF model
+  of this config (built on the meta device)."""
   import torch  # pylint: disable=g-import-not-at-top
 
   with torch.device("meta"):
-    hf_model = _hf_model(cfg, hf_cfg)
-  return {_bare_prefix(cfg) + k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
+    state = _hf_model(cfg, hf_cfg).state_dict()
+  return {name: tuple(state[k].shape) for name, k in state_dict_names(state, _mapping(cfg)).items()}
 
 
 def _check_checkpoint(state: Mapping[str, np.ndarray], template: dict[str, tuple[int, ...]],
@@ -617,19 +320,19 @@ def load_hf(hf_model: Any, hf_config: Any = None) -> tuple[Model, dict[str, Any]
     hf_model = hf_model.state_dict()
   if hf_config is None:
     raise ValueError("load_hf needs hf_config when given a state dict")
-  family = getattr(hf_config, "model_type", None)
-  if family not in _TABLES:
-    raise ValueError(f"unsupported HF model type {family!r}; supported: {sorted(_TABLES)}")
-  names = with_bert_prefix(hf_model) if family == "bert" else {k: k for k in hf_model}
+  model_type = getattr(hf_config, "model_type", None)
+  family = family_of(model_type)
+  names = state_dict_names(hf_model, family.hf)
   state = {name: _to_numpy(hf_model[key]) for name, key in names.items()}
-  cfg = config_from_hf(hf_config, head_of(family, set(state)))
+  cfg = config_from_hf(hf_config, head_of(model_type, set(state)))
   model = Model(cfg)
   table, aliases = param_table(cfg)
   template = _template(cfg, hf_config)
   _check_checkpoint(state, template, aliases)
   unused = sorted(set(template) - {s.key for s in table.values()} - set(aliases))
   if unused:
-    raise ValueError(f"HF parameters {unused} have no counterpart in the zoo's {family} model")
+    raise ValueError(f"HF parameters {unused} have no counterpart in the zoo's {family.name} "
+                     "model")
   flat = {path: jnp.asarray(leaf_from_hf(state[src.key], src, model.param_shapes[path]))
           for path, src in table.items()}
   params = spec_lib.unflatten(flat)
@@ -659,8 +362,9 @@ def to_hf(model: Model, params: Mapping[str, Any]) -> Any:
   cfg = model.config
   model.check_params(params)
   hf_model = _hf_model(cfg, hf_config(cfg))
-  prefix = _bare_prefix(cfg)
-  template = {prefix + k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
+  hf_state = hf_model.state_dict()
+  keys = state_dict_names(hf_state, _mapping(cfg))  # table's name -> the HF model's key
+  template = {name: tuple(hf_state[k].shape) for name, k in keys.items()}
   table, aliases = param_table(cfg)
   flat = spec_lib.flatten(params)
   parts: dict[str, dict[int | None, np.ndarray]] = {}
@@ -674,5 +378,5 @@ def to_hf(model: Model, params: Mapping[str, Any]) -> Any:
   for alias, src in aliases.items():
     if alias in template:
       state[alias] = state[src]
-  hf_model.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()}, strict=True)
+  hf_model.load_state_dict({keys[k]: v for k, v in state.items()}, strict=True)
   return hf_model.eval()

@@ -120,9 +120,9 @@ class Attention(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     self.cfg = cfg
     d, n, k, h = cfg.width, cfg.num_heads, cfg.kv_heads, cfg.head_dim
-    dense = lambda i, o: Dense(i, o, use_bias=cfg.use_bias, init_std=cfg.init_std, rngs=rngs)
-    self.query, self.key, self.value = dense((d,), (n, h)), dense((d,), (k, h)), dense((d,), (k, h))
-    self.out = dense((n, h), (d,))
+    dense = lambda i, o, bias: Dense(i, o, use_bias=bias, init_std=cfg.init_std, rngs=rngs)
+    self.query, self.key, self.value = (dense((d,), (m, h), cfg.qkv_bias) for m in (n, k, k))
+    self.out = dense((n, h), (d,), cfg.out_bias)
 
   def __call__(self, x: jax.Array, *, positions: jax.Array | None,
                mask: jax.Array | None) -> jax.Array:
@@ -140,7 +140,7 @@ class Mlp(nnx.Module):
 
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    dense = lambda i, o: Dense((i,), (o,), use_bias=cfg.use_bias, init_std=cfg.init_std, rngs=rngs)
+    dense = lambda i, o: Dense((i,), (o,), use_bias=cfg.mlp_bias, init_std=cfg.init_std, rngs=rngs)
     d, f = cfg.width, cfg.mlp_dim
     if cfg.gated_mlp:
       self.gate, self.up, self.down = dense(d, f), dense(d, f), dense(f, d)
@@ -365,7 +365,6 @@ def core_spec(cfg: Config) -> SpecBuilder:
   its layout for rotary models, "gl" otherwise), the final norm (pre-norm),
   and each norm scale with the leaves that read its output.
   """
-  b = cfg.use_bias
   site = spec_lib.AttentionSite(cfg.num_heads, cfg.head_dim, num_kv_heads=cfg.num_kv_heads,
                                 group="rope" if cfg.rotary else "gl",
                                 rope_pairing=cfg.rope_pairing,
@@ -378,13 +377,13 @@ def core_spec(cfg: Config) -> SpecBuilder:
     spec.sites[f"{lp}/attention"] = site
     axes |= norm_axes(f"{lp}/attention_norm", cfg, r) | norm_axes(f"{lp}/mlp_norm", cfg, r)
     for name in ("query", "key", "value"):
-      axes |= dense_axes(f"{lp}/attention/{name}", (r, None, None), (None, None), b)
-    axes |= dense_axes(f"{lp}/attention/out", (None, None, r), (r,), b)
+      axes |= dense_axes(f"{lp}/attention/{name}", (r, None, None), (None, None), cfg.qkv_bias)
+    axes |= dense_axes(f"{lp}/attention/out", (None, None, r), (r,), cfg.out_bias)
     mlp_in = ("gate", "up") if cfg.gated_mlp else ("wi",)
     mlp_out = "down" if cfg.gated_mlp else "wo"
     for name in mlp_in:
-      axes |= dense_axes(f"{f}/{name}", (r, f), (f,), b)
-    axes |= dense_axes(f"{f}/{mlp_out}", (f, r), (r,), b)
+      axes |= dense_axes(f"{f}/{name}", (r, f), (f,), cfg.mlp_bias)
+    axes |= dense_axes(f"{f}/{mlp_out}", (f, r), (r,), cfg.mlp_bias)
     spec.readers[f"{lp}/attention_norm/scale"] = tuple(
         f"{lp}/attention/{n}/kernel" for n in ("query", "key", "value"))
     spec.readers[f"{lp}/mlp_norm/scale"] = tuple(f"{f}/{n}/kernel" for n in mlp_in)

@@ -19,14 +19,20 @@ its stored dtype (or float32), always as safetensors: a ``.bin`` folder's
 ``pytorch_model[-0000i-of-0000n].bin`` become ``model[-0000i-of-0000n].safetensors``
 (``output_files``) with the same tensor names and shards.
 
+A folder is read as the registered family whose Hugging Face mapping
+(``Family.hf``, ``hf.HFMapping``) reads its ``config.json``'s ``model_type``:
+the built-in ones, or one that a module registers (``attn-symmetry align
+--import MODULE``).
+
 Names. Files keep the tensor names of the checkpoint format on the Hub, which
 can differ from the state dict of transformers' current classes, the names of
 ``convert.param_table``: ViT's ``vit.encoder.layer.{i}.attention.attention.query``
-is ``vit.layers.{i}.attention.q_proj`` (``_RENAMES``), old BERT files name
-LayerNorm parameters gamma and beta, and a base-model file (GPT-2 on the Hub)
+is ``vit.layers.{i}.attention.q_proj`` (the mapping's ``renames``), old BERT files
+name LayerNorm parameters gamma and beta, and a base-model file (GPT-2 on the Hub)
 has no ``transformer.`` prefix (nor has a bare BERT encoder, ``BertModel``, its
-``bert.`` one). ``Checkpoint.names`` maps state-dict names to
-the file's, and files are written under the file's own names. Buffers that are
+``bert.`` one: the mapping's ``prefix``). ``Checkpoint.names`` maps state-dict
+names to the file's (``convert.state_dict_names``), and files are written under
+the file's own names. Buffers that are
 not parameters (GPT-2's ``attn.bias`` causal masks, ``position_ids``) are read
 past and copied unchanged; tied copies (``lm_head.weight`` of a tied GPT-2)
 must equal what they repeat and are written as it.
@@ -69,6 +75,7 @@ from safetensors import safe_open
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.models import convert
 from attn_symmetry.models import torch_pickle
+from attn_symmetry.models.hf import Source
 from attn_symmetry.models.model import Model
 
 CONFIG = "config.json"
@@ -82,19 +89,6 @@ DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dt
 _CODES = {**{v: k for k, v in DTYPES.items()}, np.dtype(np.int64): "I64",
           np.dtype(np.int32): "I32", np.dtype(np.int16): "I16", np.dtype(np.int8): "I8",
           np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
-# File name (regex) -> state-dict name, as transformers renames Hub checkpoints on loading.
-_RENAMES = {
-    "bert": ((r"LayerNorm\.gamma$", "LayerNorm.weight"), (r"LayerNorm\.beta$", "LayerNorm.bias")),
-    "vit": tuple((rf"\.encoder\.layer\.(\d+)\.{re.escape(old)}", rf".layers.\1.{new}") for old, new in (
-        ("attention.attention.query.", "attention.q_proj."),
-        ("attention.attention.key.", "attention.k_proj."),
-        ("attention.attention.value.", "attention.v_proj."),
-        ("attention.output.dense.", "attention.o_proj."),
-        ("intermediate.dense.", "mlp.fc1."), ("output.dense.", "mlp.fc2."), ("", ""))),
-    "gpt_neox": ((r"^embed_out\.", "lm_head."),),
-}
-_PREFIXES = {"gpt2": "transformer.", "llama": "model.", "mistral": "model.", "bert": "bert.",
-             "vit": "vit.", "gpt_neox": "gpt_neox."}
 _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|position_ids|attention\.bias|"
                       r"attention\.masked_bias|rotary_emb\.inv_freq)$")
 # Weights in the formats of other frameworks and tools (and their indexes, ``*.index.json``),
@@ -148,9 +142,9 @@ class Checkpoint:
       raise self.error("no such folder" if not os.path.exists(self.path) else "not a folder")
     self.hf_config = self._read_json(CONFIG)
     model_type = self.hf_config.get("model_type")
-    if model_type not in convert.MODEL_TYPES:
+    if model_type not in convert.model_types():
       raise self.error(f"unsupported HF model type {model_type!r} in {CONFIG}; supported: "
-                 f"{', '.join(convert.MODEL_TYPES)}")
+                       f"{', '.join(convert.model_types())}")
     self.index, self.torch = self._weights_kind()
     self.sharded = self.index is not None
     self.files = self._weight_files()
@@ -159,7 +153,7 @@ class Checkpoint:
     self._refs: dict[str, torch_pickle.TensorRef] = {}  # .bin tensors: where each lies
     for file, keys in self.files.items():
       self._read_header(file, keys)
-    self.names = self._state_dict_names(model_type)
+    self.names = convert.state_dict_names(self.tensors, convert.family_of(model_type).hf)
     self.side_files = self._side_files()
     try:
       self.config = convert.config_from_hf(self.hf_config,
@@ -268,17 +262,6 @@ class Checkpoint:
       self._refs[k] = ref
       infos[k] = TensorInfo(file, ref.shape, _CODES.get(ref.dtype, ref.dtype.name))
     return infos
-
-  def _state_dict_names(self, model_type: str) -> dict[str, str]:
-    prefix = _PREFIXES[model_type]
-    add_prefix = not any(k.startswith(prefix) for k in self.tensors)  # a base-model file
-    names = {}
-    for key in self.tensors:
-      name = prefix + key if add_prefix else key
-      for pattern, new in _RENAMES.get(model_type, ()):
-        name = re.sub(pattern, new, name)
-      names[name] = key
-    return names
 
   @property
   def nbytes(self) -> int:
@@ -390,8 +373,8 @@ def _create(path: str) -> int:
   return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
 
 
-def _by_key(table: Mapping[str, convert.Source]) -> dict[str, list[tuple[str, convert.Source]]]:
-  out: dict[str, list[tuple[str, convert.Source]]] = {}
+def _by_key(table: Mapping[str, Source]) -> dict[str, list[tuple[str, Source]]]:
+  out: dict[str, list[tuple[str, Source]]] = {}
   for path, src in table.items():
     out.setdefault(src.key, []).append((path, src))
   return out
@@ -441,7 +424,7 @@ def load_params(ckpt: Checkpoint, model: Model) -> dict[str, Any]:
   return spec_lib.unflatten({p: flat[p] for p in model.param_shapes})
 
 
-def _hf_tensor(entries: list[tuple[str, convert.Source]], flat: Mapping[str, Any],
+def _hf_tensor(entries: list[tuple[str, Source]], flat: Mapping[str, Any],
                shape: tuple[int, ...]) -> np.ndarray:
   parts = {src.part: convert.leaf_to_hf(np.asarray(flat[path], np.float32), src, shape)
            for path, src in entries}

@@ -11,9 +11,14 @@ Tokens are the CLS token (if any) followed by the patches in row-major order.
 With "rope" token t has position t; with "rope2d" (axial RoPE, half of each
 head's rotated dims per grid axis) the patch in grid row i, column j has
 position (i + 1, j + 1) and the CLS token (0, 0), i.e. it is not rotated.
+
+Its Hugging Face mapping (``hf.HFMapping``: ViTForImageClassification) is
+registered with it at the end of this module.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +28,9 @@ from flax import nnx
 from attn_symmetry import spec as spec_lib
 from attn_symmetry import tasks
 from attn_symmetry.models import core
-from attn_symmetry.models.config import Config, Family, register_family
+from attn_symmetry.models import hf
+from attn_symmetry.models.config import Config, Family, make_config, register_family
+from attn_symmetry.models.hf import Source
 
 
 def num_tokens(cfg: Config) -> int:
@@ -106,9 +113,60 @@ def _check(cfg: Config) -> None:
                      f"{cfg.image_size}")
 
 
+def _from_hf(c, head: str) -> Config:
+  del head  # "classifier", its only head
+  hf.require(c, "qkv_bias", lambda v: v is not False, "the zoo's ViT has qkv biases")
+  return make_config(
+      "vit", width=c.hidden_size, depth=c.num_hidden_layers, num_heads=c.num_attention_heads,
+      mlp_dim=c.intermediate_size, image_size=c.image_size, patch_size=c.patch_size,
+      num_channels=c.num_channels, norm_eps=c.layer_norm_eps,
+      activation=hf.activation(c.hidden_act), num_classes=c.num_labels)
+
+
+def _to_hf(cfg: Config):
+  import transformers  # pylint: disable=g-import-not-at-top
+  return transformers.ViTConfig(
+      hidden_size=cfg.width, num_hidden_layers=cfg.depth, num_attention_heads=cfg.num_heads,
+      intermediate_size=cfg.mlp_dim, image_size=cfg.image_size, patch_size=cfg.patch_size,
+      num_channels=cfg.num_channels, layer_norm_eps=cfg.norm_eps,
+      hidden_act=hf.ACT_TO_HF[cfg.activation], num_labels=cfg.num_classes, qkv_bias=True)
+
+
+def _table(cfg: Config) -> hf.Table:
+  e = "vit.embeddings"
+  t = {"cls_token": Source(f"{e}.cls_token", lead=2),
+       "pos_embed/embedding": Source(f"{e}.position_embeddings", lead=1)}
+  t |= hf.dense("patch_embed", f"{e}.patch_embeddings.projection", True, "conv")
+  for i in range(cfg.depth):
+    h, lp = f"vit.layers.{i}", f"layers_{i}"
+    t |= hf.norm(f"{lp}/attention_norm", f"{h}.layernorm_before", cfg)
+    for name, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"), ("out", "o_proj")):
+      t |= hf.dense(f"{lp}/attention/{name}", f"{h}.attention.{proj}", True)
+    t |= hf.norm(f"{lp}/mlp_norm", f"{h}.layernorm_after", cfg)
+    t |= hf.dense(f"{lp}/mlp/wi", f"{h}.mlp.fc1", True) | hf.dense(f"{lp}/mlp/wo", f"{h}.mlp.fc2", True)
+  t |= hf.norm("final_norm", "vit.layernorm", cfg) | hf.dense("head", "classifier", True)
+  return t, {}
+
+
+# Hub files name the layers as transformers 4 did: vit.encoder.layer.{i}.attention.attention.query
+_RENAMES = tuple((rf"\.encoder\.layer\.(\d+)\.{re.escape(old)}", rf".layers.\1.{new}")
+                 for old, new in (("attention.attention.query.", "attention.q_proj."),
+                                  ("attention.attention.key.", "attention.k_proj."),
+                                  ("attention.attention.value.", "attention.v_proj."),
+                                  ("attention.output.dense.", "attention.o_proj."),
+                                  ("intermediate.dense.", "mlp.fc1."),
+                                  ("output.dense.", "mlp.fc2."), ("", "")))
+
 register_family(Family(
     "vit", VisionTransformer, symmetry_spec, input_key="image",
     heads={"classifier": tasks.CLASSIFICATION},
     defaults=dict(pos_encoding="learned", norm="layer", norm_eps=1e-12, activation="gelu",
                   pooling="cls"),
-    check=_check))
+    check=_check,
+    hf=hf.HFMapping(
+        model_types=("vit",), classes={"classifier": "ViTForImageClassification"},
+        config_from_hf=_from_hf, hf_config=_to_hf, table=_table, prefix="vit.", renames=_RENAMES,
+        defaults={"vit": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                              intermediate_size=3072, image_size=224, patch_size=16,
+                              num_channels=3, layer_norm_eps=1e-12, hidden_act="gelu",
+                              qkv_bias=True)})))
