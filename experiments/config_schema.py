@@ -193,7 +193,8 @@ class Role(enum.Enum):
   TRAINING = "every training run"
   TRAIN_SCHEDULE = "the base run and the 'full' scope's runs"
   REINIT_SCHEDULE = "the fine-tuned scopes' runs"
-  STOPPING = "the re-initialised runs, when the stopping rule is on"
+  STOPPING = "the runs under the stopping rule: the re-initialised runs, and the base run " \
+             "with reinit.stop_base"
   STUDY = "the study stages that read it"
   PER_RUN = "each run or stage, by the value it uses"
   NOT_KEYED = "no stage"
@@ -276,7 +277,7 @@ SECTIONS = {
               "(patience > 0): a run stops after patience validations, one every "
               "validate_every steps, without improving its validation loss by more than "
               "min_delta relative, or at its budget, whichever comes first "
-              "(experiments/train.py).",
+              "(experiments/train.py); the base model too when stop_base is set.",
     "study": "the LMC study after training (experiments/study.py): the matching methods "
              "compared on the paths between each pair of seeds, the Stage 1 distance "
              "ablation, the ablation over every head order and the input-noise robustness "
@@ -371,6 +372,9 @@ FIELDS: tuple[Field, ...] = (
           "the relative decrease of the validation loss that counts as an improvement"),
     Field("reinit.validate_every", 100, _AT_LEAST_1, Role.STOPPING,
           "steps between the stopping rule's validations"),
+    Field("reinit.stop_base", False, _BOOLEAN, Role.STOPPING,
+          "the base model follows the stopping rule too, with train.num_steps as its budget "
+          "(False: it trains its whole schedule)", unkeyed_default=False),
 
     Field("study.methods", ("naive", "perm", "ortho", "full"),
           _distinct(_one_of("method", "attn_symmetry.matching.METHODS")), Role.STUDY,

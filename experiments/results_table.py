@@ -15,6 +15,7 @@ statistic was added carry it too.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import os
@@ -59,17 +60,44 @@ def _cell(row: dict[str, Any] | None, key: str, floor: bool) -> str:
   return f"{row[key]:.1f} ± {row[key + '_std']:.1f}{interval}"
 
 
+def training_cell(training: dict[str, dict[str, Any]], scope: str) -> str:
+  """How the runs of ``scope`` ended, from ``run.json``'s "training" (``train.steps_taken``
+  and the final test evaluation): how many stopped at a validation plateau and how many at
+  their budget, the range of steps taken and of test losses reached; the base model's too
+  when the scope fine-tunes it. "n/a" for a run recorded without them."""
+  def ended(runs: list[dict[str, Any]], count: bool = True) -> str:
+    counts = collections.Counter(r.get("stopped") or "unfinished" for r in runs)
+    how = ", ".join(f"{counts[k]} {k}" if count else k
+                    for k in ("plateau", "budget", "unfinished") if counts[k])
+    return f"{how}; {_span([r['steps'] for r in runs], '{:,}')} steps; test loss " \
+           f"{_span([r['loss'] for r in runs], '{:.3f}')}"
+  runs = [m for name, m in training.items() if name.startswith(f"reinit/{scope}/")]
+  if not runs or any("steps" not in r or "loss" not in r for r in runs):
+    return "n/a"
+  cell = f"seeds: {ended(runs)}"
+  base = training.get("base")
+  if scope != "full" and base and "steps" in base and "loss" in base:
+    cell += f"; base: {ended([base], count=False)}"
+  return cell
+
+
+def _span(values: list[float], fmt: str) -> str:
+  low, high = min(values), max(values)
+  return fmt.format(low) if low == high else f"{fmt.format(low)}–{fmt.format(high)}"
+
+
 def markdown(results_root: str) -> str:
   """Markdown table of every committed setting under ``results_root``: per setting and
   scope, the pairs (and how many have a ratio, when a naive barrier is zero), the naive loss
   barrier, each method's loss barrier as % of naive (mean ± std over pairs [the 95 %
-  interval over seeds], or "no ratio" under ``report.RATIO_FLOOR``), Stage 1's rank and L-hat, the wall time, the commit the run
-  started from and its command; then the settings' total and longest wall time."""
+  interval over seeds], or "no ratio" under ``report.RATIO_FLOOR``), Stage 1's rank and L-hat,
+  how its runs ended (``training_cell``), the wall time, the commit the run started from and
+  its command; then the settings' total and longest wall time."""
   methods = ("perm", "ortho", "full", "learned")
   lines = ["| setting | scope | pairs | naive loss barrier | Variant 1 (%) | Variant 2 (%) | "
-           "full (%) | learned (%) | rank of Stage 1 (of 24) | L̂ (%) | wall time | commit | "
-           "command |",
-           "|" + "---|" * 13]
+           "full (%) | learned (%) | rank of Stage 1 (of 24) | L̂ (%) | training | wall time | "
+           "commit | command |",
+           "|" + "---|" * 14]
   minutes, intervals = {}, []
   for setting in sorted(os.listdir(results_root)):
     run_path = os.path.join(results_root, setting, "run.json")
@@ -103,7 +131,8 @@ def markdown(results_root: str) -> str:
           f"| {setting} | {scope} | {pairs} | "
           f"{naive['loss_barrier_mean']:.4f} ± {naive['loss_barrier_std']:.4f} | "
           + " | ".join(_cell(rows.get(m), "loss_barrier_ratio_pct", floor) for m in methods)
-          + f" | {rank} | {lhat} | {run['wall_seconds'] / 60:.0f} min | {_commit(run)} | "
+          + f" | {rank} | {lhat} | {training_cell(run.get('training', {}), scope)} | "
+          f"{run['wall_seconds'] / 60:.0f} min | {_commit(run)} | "
           f"`{run['command']}` |")
   if minutes:
     longest = max(minutes, key=minutes.get)

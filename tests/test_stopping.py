@@ -122,6 +122,27 @@ def test_plateau_stops_after_patience_evaluations(frozen):
 
 
 @pytest.mark.slow
+def test_base_model_follows_the_rule_with_stop_base(trained_workdir, tmp_path_factory):
+  """With reinit.stop_base the base model stops at its plateau too (frozen by a learning rate
+  of 1e-12: after patience evaluations), on its own budget train.num_steps; the scope
+  fine-tuned from it starts from the parameters at that stop."""
+  config = make_config(**FROZEN)
+  config.reinit.stop_base = True
+  config.train.learning_rate = 1e-12
+  config, workdir, results = _trained(trained_workdir, tmp_path_factory, "stop_base", config)
+  stop = FROZEN["validate_every"] * (1 + FROZEN["patience"])
+  assert stop < config.train.num_steps
+  losses = _validation_losses(workdir, "base")
+  assert sorted(losses) == list(range(2, stop + 1, 2)) and len(set(losses.values())) == 1
+  base = results["base"]
+  assert (base["steps"], base["stopped"], base["best_step"]) == (stop, "plateau", 2)
+  assert train.steps_taken(config, workdir)["base"]["num_steps"] == config.train.num_steps
+  fields = json.load(open(os.path.join(workdir, "base", "fingerprint.json")))["fields"]
+  assert fields.get("reinit.stop_base") is True and fields["reinit.patience"] == FROZEN["patience"]
+  assert results["reinit/first_attention/seed_1"]["stopped"] == "plateau"
+
+
+@pytest.mark.slow
 def test_full_scope_follows_the_rule_on_the_base_schedule(frozen):
   config, workdir, results = frozen
   rule = train.stopping(config, train.runs(config)[-1])

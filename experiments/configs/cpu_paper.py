@@ -241,8 +241,8 @@ def _width_sweep(config: ml_collections.ConfigDict, width: int) -> None:
   s.permutation_ablation = False
 
 
-SETTINGS.update({f"width_vit_fashion_{w}": (lambda c, w=w: _width_sweep(c, w))
-                 for w in SWEEP_WIDTHS})
+WIDTH_SWEEP = {w: f"width_vit_fashion_{w}" for w in SWEEP_WIDTHS}  # width -> setting
+SETTINGS.update({name: (lambda c, w=w: _width_sweep(c, w)) for w, name in WIDTH_SWEEP.items()})
 
 
 def reduced(config: ml_collections.ConfigDict) -> None:

@@ -82,7 +82,9 @@ def runlocal(config: ml_collections.ConfigDict) -> None:
   train.checkpoint_every = 4
   config.reinit.num_steps = 4
   config.reinit.warmup_steps = 1
-  config.reinit.validate_every = 2  # a setting's patience >= 4 cannot stop an 8-step run
+  config.reinit.validate_every = 2
+  if config.reinit.patience:  # a rule that could never stop within 4 steps is refused
+    config.reinit.patience = 1
   config.reinit.seeds = (1, 2)
   config.study.num_lambdas = 5
   config.study.match_steps = 20

@@ -1,0 +1,143 @@
+"""Where full-model LMC holds: the width sweep's table and trend, from the committed runs.
+
+The settings ``width_vit_fashion_<w>`` of ``experiments/configs/cpu_paper.py`` train the
+same model at widths w (head count fixed, head dimension w / heads) from scratch on five
+seeds each, and study the "full" scope. ``width_table`` sets the committed ones side by
+side: per width, each method's mean loss barrier over the pairs with its 95 % interval over
+seeds (``seed_statistics.jackknife``), each method's barrier in % of naive, and how the
+runs ended (``results_table.training_cell``).
+
+The trend is a slope against log2 width. With k widths x_i = log2 w_i, per-width
+estimates m_i (the mean over that width's pairs) and their seed-level standard errors
+SE_i, the least-squares slope is
+
+    b = sum_i c_i m_i,   c_i = (x_i - mean(x)) / sum_j (x_j - mean(x))^2,
+
+the change per doubling of the width. The widths' models share no parameters, so the m_i
+are independent and SE_b^2 = sum_i c_i^2 SE_i^2; the interval is b +- t_{0.975, df} SE_b
+with df the fewest seeds at any width less one (conservative: each SE_i rests on that many
+seeds or more). The slope is fitted to the per-width means, not to the pairs, so that
+its error follows the seeds as every other interval here does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from experiments import report
+from experiments import results_table
+from experiments import seed_statistics as ss
+from experiments.configs import cpu_paper
+
+METHODS = ("naive", "full", "learned")
+
+
+class Slope(NamedTuple):
+  """A least-squares slope against log2 width and its 95 % interval (module docstring)."""
+  estimate: float
+  low: float
+  high: float
+  se: float
+  df: int
+
+
+def slope(widths: Sequence[int], intervals: Sequence[ss.Interval]) -> Slope | None:
+  """The slope of the per-width estimates against log2 width (module docstring).
+
+  Args:
+    widths: the widths, at least two distinct.
+    intervals: each width's estimate and its seed-level standard error.
+
+  Returns:
+    ``Slope``, or None with fewer than two distinct widths.
+  """
+  x = [math.log2(w) for w in widths]
+  if len(set(x)) < 2:
+    return None
+  mean = sum(x) / len(x)
+  sxx = sum((v - mean) ** 2 for v in x)
+  c = [(v - mean) / sxx for v in x]
+  b = sum(ci * i.estimate for ci, i in zip(c, intervals))
+  se = math.sqrt(sum((ci * i.se) ** 2 for ci, i in zip(c, intervals)))
+  df = min(i.num_seeds for i in intervals) - 1
+  half = ss.t_quantile(0.975, df) * se
+  return Slope(b, b - half, b + half, se, df)
+
+
+def _pairs(res: dict[str, Any], method: str, ratio: bool) -> list[ss.Pair]:
+  """(a, b, value) of every pair: the loss barrier, or its ratio to naive in %."""
+  out = []
+  for p in res["pairs"]:
+    value = p["methods"][method]["loss_barrier"]
+    if ratio:
+      value = report.ratio_pct(value, p["methods"]["naive"]["loss_barrier"])
+    out.append((p["a"], p["b"], value))
+  return out
+
+
+def _committed(results_root: str) -> list[tuple[int, str, dict[str, Any], dict[str, Any]]]:
+  """(width, setting, run.json, the "full" scope's results.json) of each committed point."""
+  out = []
+  for width, setting in sorted(cpu_paper.WIDTH_SWEEP.items()):
+    folder = os.path.join(results_root, setting)
+    if not os.path.exists(os.path.join(folder, "run.json")):
+      continue
+    with open(os.path.join(folder, "run.json")) as f:
+      run = json.load(f)
+    with open(os.path.join(folder, "full", "results.json")) as f:
+      out.append((width, setting, run, json.load(f)))
+  return out
+
+
+def _show(i: ss.Interval | None, digits: int) -> str:
+  if i is None:
+    return "n/a"
+  return f"{i.estimate:.{digits}f} [{i.low:.{digits}f}, {i.high:.{digits}f}]"
+
+
+def width_table(results_root: str) -> str:
+  """Markdown: the committed points of the width sweep, one row per width, then the slope of
+  each method's barrier (nats, and % of naive) per doubling of the width."""
+  points = _committed(results_root)
+  if not points:
+    return "No point of the width sweep is committed yet."
+  heads = cpu_paper.SWEEP_HEADS
+  lines = ["| width (head dim) | seeds | " + " | ".join(
+               f"{m}: loss barrier" for m in METHODS) + " | " +
+           " | ".join(f"{m} (% of naive)" for m in METHODS[1:]) +
+           " | training | wall time |",
+           "|" + "---|" * (2 + 2 * len(METHODS) - 1 + 2)]
+  barriers = {m: [] for m in METHODS}
+  ratios = {m: [] for m in METHODS[1:]}
+  for width, setting, run, res in points:
+    row = [f"[{width} ({width // heads})](#{setting})"]
+    b = {m: ss.jackknife(_pairs(res, m, ratio=False)) for m in METHODS}
+    r = {m: ss.jackknife(_pairs(res, m, ratio=True)) for m in METHODS[1:]}
+    for m in METHODS:
+      barriers[m].append((width, b[m]))
+    for m in METHODS[1:]:
+      ratios[m].append((width, r[m]))
+    seeds = b["naive"].num_seeds if b["naive"] else "n/a"
+    row += [str(seeds), *(_show(b[m], 4) for m in METHODS), *(_show(r[m], 1) for m in METHODS[1:]),
+            results_table.training_cell(run.get("training", {}), "full"),
+            f"{run['wall_seconds'] / 60:.0f} min"]
+    lines.append("| " + " | ".join(row) + " |")
+  lines += ["", "Slope per doubling of the width (least squares against log2 width over the "
+                "committed widths; 95 % interval from the per-width seed-level standard errors):",
+            "", "| statistic | slope per doubling | 95 % interval | widths |", "|---|---|---|---|"]
+  for label, table, unit, digits in (("loss barrier", barriers, " nats", 4),
+                                     ("% of naive", ratios, " points", 1)):
+    for m, points_m in table.items():
+      kept = [(w, i) for w, i in points_m if i is not None]
+      s = slope([w for w, _ in kept], [i for _, i in kept]) if kept else None
+      widths = ", ".join(str(w) for w, _ in kept)
+      if s is None:
+        lines.append(f"| {m}: {label} | n/a | n/a | {widths} |")
+      else:
+        lines.append(f"| {m}: {label} | {s.estimate:+.{digits}f}{unit} | "
+                     f"[{s.low:+.{digits}f}, {s.high:+.{digits}f}] | {widths} |")
+  return "\n".join(lines)
