@@ -10,7 +10,7 @@ with one line naming it::
 
 Each list of options is read from its owner when ``validate`` runs: methods
 from ``attn_symmetry.matching.METHODS``, distances from
-``attn_symmetry.matching.DISTANCES``, scopes from ``attn_symmetry.models.SCOPES``,
+``attn_symmetry.matching.DISTANCES``, scopes from ``experiments.reinit.scopes()``,
 model families and presets from ``attn_symmetry.models``, data sets and their
 kinds from ``attn_symmetry.data``.
 

@@ -24,7 +24,7 @@ default, its check and what it keys::
     python -m experiments.config_schema
 
 Lists of options are read from their owners when a check runs (methods from
-``attn_symmetry.matching.METHODS``, scopes from ``attn_symmetry.models.SCOPES``,
+``attn_symmetry.matching.METHODS``, scopes from ``experiments.reinit.scopes()``,
 data sets from ``attn_symmetry.data.DATASETS``, ...), so this module imports
 no model or data code and a method or scope that its owner adds is accepted.
 It lives beside ``config_checks`` rather than in ``experiments/configs/``, whose
@@ -95,9 +95,11 @@ def _check_boolean(field: str, value: Any) -> None:
 
 
 def _owned(owner: str) -> tuple[str, ...]:
-  """The option list ``owner`` ("attn_symmetry.matching.METHODS"), read now from its module."""
+  """The option list ``owner`` ("attn_symmetry.matching.METHODS"), read now from its module
+  (called first if it is a function, such as "experiments.reinit.scopes")."""
   module, name = owner.rsplit(".", 1)
-  return tuple(getattr(importlib.import_module(module), name))
+  options = getattr(importlib.import_module(module), name)
+  return tuple(options() if callable(options) else options)
 
 
 def _one_of(noun: str, owner: str, *, or_empty: bool = False) -> Rule:
@@ -352,7 +354,7 @@ FIELDS: tuple[Field, ...] = (
     Field("train.keep_checkpoints", 2, _AT_LEAST_1, Role.NOT_KEYED,
           "checkpoints kept per run, the newest"),
 
-    Field("reinit.scopes", (), _distinct(_one_of("scope", "attn_symmetry.models.SCOPES")),
+    Field("reinit.scopes", (), _distinct(_one_of("scope", "experiments.reinit.scopes")),
           Role.NOT_KEYED, "the scopes re-initialised in turn (() trains the base model only)"),
     Field("reinit.seeds", (1, 2, 3), _distinct(_AT_LEAST_0), Role.NOT_KEYED,
           "each scope is re-initialised once per seed; the study compares every pair"),

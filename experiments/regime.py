@@ -28,6 +28,9 @@ import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from matplotlib import figure
+
+from experiments import atomic_io
 from experiments import report
 from experiments import results_table
 from experiments import seed_statistics as ss
@@ -113,8 +116,8 @@ def width_table(results_root: str) -> str:
            "|" + "---|" * (2 + 2 * len(METHODS) - 1 + 2)]
   barriers = {m: [] for m in METHODS}
   ratios = {m: [] for m in METHODS[1:]}
-  for width, setting, run, res in points:
-    row = [f"[{width} ({width // heads})](#{setting})"]
+  for width, _, run, res in points:
+    row = [f"{width} ({width // heads})"]
     b = {m: ss.jackknife(_pairs(res, m, ratio=False)) for m in METHODS}
     r = {m: ss.jackknife(_pairs(res, m, ratio=True)) for m in METHODS[1:]}
     for m in METHODS:
@@ -141,3 +144,108 @@ def width_table(results_root: str) -> str:
         lines.append(f"| {m}: {label} | {s.estimate:+.{digits}f}{unit} | "
                      f"[{s.low:+.{digits}f}, {s.high:+.{digits}f}] | {widths} |")
   return "\n".join(lines)
+
+
+# The positive control (cpu_paper's "control_vit_fashion_spawn"): children of one checkpoint.
+CONTROL = "control_vit_fashion_spawn"
+# An aligned pair's barrier may exceed the naive one by at most this much (nats) and count as
+# no worse: the report's floor under which a barrier is evaluation noise (report.RATIO_FLOOR),
+# fixed before the control ran.
+CONTROL_MARGIN = report.RATIO_FLOOR
+
+
+def _identity_cell(res: dict[str, Any], method: str) -> str:
+  """The element's distance to the identity over the pairs (``scope_study.identity_closeness``):
+  the fraction of permutation entries left in place, and the largest relative distance
+  ||g - I||_F / ||I||_F of a matrix factor."""
+  fixed, dist = [], []
+  for p in res["pairs"]:
+    ident = p["methods"][method].get("matching", {}).get("identity")
+    if ident is None:
+      return "n/a"
+    fixed += list(ident["fixed_points"].values())
+    dist += list(ident["relative_distance"].values())
+  cells = []
+  if fixed:
+    cells.append(f"permutation entries left in place: mean {100 * sum(fixed) / len(fixed):.1f} %, "
+                 f"least {100 * min(fixed):.1f} %")
+  if dist:
+    cells.append(f"matrices' ‖g − I‖/‖I‖: mean {sum(dist) / len(dist):.3f}, largest {max(dist):.3f}")
+  return "; ".join(cells) or "n/a"
+
+
+def control_verdict(difference: ss.Difference, margin: float = CONTROL_MARGIN) -> str:
+  """Whether a method leaves the control's pairs connected: "no worse" when the seed-level
+  interval of (method − naive) lies below ``margin``, "worse" when it lies above it,
+  "undetermined" otherwise."""
+  i = difference.interval
+  if i is None:
+    return "undetermined"
+  return "no worse" if i.high <= margin else "worse" if i.low > margin else "undetermined"
+
+
+def control_table(results_root: str) -> str:
+  """Markdown: the positive control's barriers per method with seed-level intervals, each
+  method's paired difference to naive and its verdict against ``CONTROL_MARGIN``, the element's
+  distance to the identity, and how the base model and the children ended."""
+  folder = os.path.join(results_root, CONTROL)
+  if not os.path.exists(os.path.join(folder, "run.json")):
+    return "The positive control is not committed yet."
+  with open(os.path.join(folder, "run.json")) as f:
+    run = json.load(f)
+  with open(os.path.join(folder, "spawn", "results.json")) as f:
+    res = json.load(f)
+  lines = [f"| method | loss barrier | method − naive | verdict (margin {CONTROL_MARGIN:g} nats) "
+           "| element against the identity |", "|---|---|---|---|---|"]
+  naive = _pairs(res, "naive", ratio=False)
+  for m in METHODS:
+    b = ss.jackknife(_pairs(res, m, ratio=False))
+    if m == "naive":
+      lines.append(f"| naive | {_show(b, 4)} | | | |")
+      continue
+    d = ss.paired_difference(_pairs(res, m, ratio=False), naive)
+    lines.append(f"| {m} | {_show(b, 4)} | {_show(d.interval, 4)} | {control_verdict(d)} | "
+                 f"{_identity_cell(res, m)} |")
+  lines += ["", f"Training: {results_table.training_cell(run.get('training', {}), 'spawn')}; "
+                f"wall time {run['wall_seconds'] / 60:.0f} min."]
+  return "\n".join(lines)
+
+
+FIGURE = "width_sweep.png"  # under results/, written by ``python -m experiments.regime``
+
+
+def plot_width(results_root: str, path: str) -> str | None:
+  """PNG of each method's mean loss barrier against width (log scale), with its 95 % interval
+  over seeds as a band, and of the same in % of naive; None when no point is committed."""
+  points = _committed(results_root)
+  if not points:
+    return None
+  widths = [w for w, *_ in points]
+  fig = figure.Figure(figsize=(9, 3.6))
+  axes = fig.subplots(1, 2)
+  for ax, ratio, methods, ylabel in ((axes[0], False, METHODS, "loss barrier (nats)"),
+                                     (axes[1], True, METHODS[1:], "loss barrier, % of naive")):
+    for m in methods:
+      cis = [ss.jackknife(_pairs(res, m, ratio)) for *_, res in points]
+      kept = [(w, i) for w, i in zip(widths, cis) if i is not None]
+      ax.plot([w for w, _ in kept], [i.estimate for _, i in kept], "o-", label=m,
+              color=report.COLORS.get(m))
+      ax.fill_between([w for w, _ in kept], [i.low for _, i in kept],
+                      [i.high for _, i in kept], alpha=0.2, color=report.COLORS.get(m))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(widths, [str(w) for w in widths])
+    ax.set_xlabel(f"width ({cpu_paper.SWEEP_HEADS} heads, head dim = width / "
+                  f"{cpu_paper.SWEEP_HEADS})")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=8)
+  fig.suptitle("ViT on Fashion-MNIST, full model re-initialised: mean over pairs, "
+               "95 % interval over seeds")
+  fig.tight_layout()
+  atomic_io.save_figure(fig, path, dpi=120)
+  return path
+
+
+if __name__ == "__main__":  # python -m experiments.regime: the figure of the committed sweep
+  _results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+  print(plot_width(_results, os.path.join(_results, FIGURE)))

@@ -27,7 +27,7 @@ REDUCED, EVERY_CORE = "reduced", "every_core"
 RERUN_FOLDERS = (REDUCED, EVERY_CORE)
 # The paired differences that reports show: (x, y) for x - y, in % of naive.
 DIFFERENCES = (("ortho", "perm"), ("full", "ortho"), ("learned", "full"))
-_COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green",
+COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green",
            "learned": "tab:red"}
 
 
@@ -346,8 +346,8 @@ def plot_curves(path: str, title: str, lambdas: Sequence[float],
     for m in pairs[0]["methods"]:
       curves = np.asarray([p["methods"][m][metric] for p in pairs], np.float64)
       mean, std = curves.mean(0), curves.std(0)
-      ax.plot(lams, mean, label=METHOD_LABELS.get(m, m), color=_COLORS.get(m))
-      ax.fill_between(lams, mean - std, mean + std, alpha=0.2, color=_COLORS.get(m))
+      ax.plot(lams, mean, label=METHOD_LABELS.get(m, m), color=COLORS.get(m))
+      ax.fill_between(lams, mean - std, mean + std, alpha=0.2, color=COLORS.get(m))
     ax.set_xlabel("λ (0 = model A, 1 = aligned model B)")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)

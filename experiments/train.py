@@ -683,8 +683,10 @@ class Trainer:
       self._base = inputs.to_host(base_ckpts.restore_params(
           base_ckpts.latest_step(), checkpoints.abstract_like(fresh, self._place)))
       base_ckpts.close()
-    trainable = reinit.trainable_mask(self._base, self.model.scope_paths(run.scope))
+    trainable = reinit.trainable_mask(self._base, reinit.scope_paths(self.model, run.scope))
     base = jax.device_put(self._base, inputs.shardings(self._base, self._place))
+    if run.scope == reinit.SPAWN:  # a child of the base model: nothing re-initialised
+      return base, trainable, self._base
     return reinit.reinitialise(base, fresh, trainable), trainable, self._base
 
   def train(self, run: Run) -> dict[str, Any]:

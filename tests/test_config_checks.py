@@ -104,7 +104,7 @@ BAD = [
     (IMAGES, "reinit.seeds", ("1", "2"), "reinit.seeds[0]", "must be an integer"),
     (IMAGES, "reinit.num_steps", 0, "reinit.num_steps", "must be >= 1"),
     (IMAGES, "reinit.learning_rate", -1e-3, "reinit.learning_rate", "must be > 0"),
-    (IMAGES, "reinit.warmup_steps", 4, "reinit.warmup_steps", "must be < reinit.num_steps = 4"),
+    (IMAGES, "reinit.warmup_steps", 8, "reinit.warmup_steps", "must be < reinit.num_steps = 8"),
     (IMAGES, "reinit.dataset", "no_such_data", "reinit.dataset", "unknown data set"),
     (IMAGES, "reinit.dataset", "wiki_bytes", "reinit.dataset", "does not fit the model"),
     (IMAGES, "reinit.patience", -1, "reinit.patience", "must be >= 0"),
@@ -112,11 +112,11 @@ BAD = [
     (IMAGES, "reinit.min_delta", 1.0, "reinit.min_delta", "must be in [0, 1), got 1.0"),
     (IMAGES, "reinit.min_delta", -0.01, "reinit.min_delta", "in [0, 1)"),
     (IMAGES, "reinit.validate_every", 0, "reinit.validate_every", "must be >= 1, got 0"),
-    # runlocal: patience 1, validations 2 steps apart, budgets of 4 (fine-tuned) and 8 steps
+    # runlocal: patience 1, validations 4 steps apart, budgets of 8 steps
     (IMAGES, "reinit.patience", 2, "reinit.patience", "2 can never stop a run: its earliest "
-     "stop, (patience + 1) x reinit.validate_every = 6 steps, is past the 4-step budget "
+     "stop, (patience + 1) x reinit.validate_every = 12 steps, is past the 8-step budget "
      "reinit.num_steps"),
-    (IMAGES, "reinit.validate_every", 3, "reinit.patience", "past the 4-step budget "
+    (IMAGES, "reinit.validate_every", 5, "reinit.patience", "past the 8-step budget "
      "reinit.num_steps"),
     (IMAGES, "reinit.stop_base", "yes", "reinit.stop_base", "True or False"),
     (IMAGES, "model.overrides", {"width": 30}, "model.overrides.width",
@@ -231,7 +231,7 @@ def test_edge_values_are_accepted(setting, field, value):
 def test_a_rule_is_checked_against_the_budget_of_each_run_it_governs(scopes, stop_base, budget):
   """The earliest stop, (patience + 1) x validate_every, may fall on the budget's last step
   and not past it; the budget is the one of the runs the rule governs."""
-  steps = {"train.num_steps": 8, "reinit.num_steps": 4}[budget]
+  steps = {"train.num_steps": 8, "reinit.num_steps": 8}[budget]
   fits = {"reinit.scopes": scopes, "reinit.stop_base": stop_base, "reinit.patience": 3,
           "reinit.validate_every": steps // 4}
   config_checks.validate(_config(**fits))  # stops at step 4 x validate_every = the budget

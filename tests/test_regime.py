@@ -67,10 +67,10 @@ def test_width_table_has_a_row_per_committed_width_and_the_slopes(tmp_path):
   for width, naive in zip(widths, (2.0, 1.0)):
     _commit_point(str(tmp_path), width, _results(naive, naive / 2, naive / 10), training)
   table = regime.width_table(str(tmp_path))
-  rows = [line for line in table.splitlines() if line.startswith("| [")]
+  rows = [line for line in table.splitlines() if line[2:3].isdigit()]
   assert len(rows) == 2
   heads = cpu_paper.SWEEP_HEADS
-  assert rows[0].startswith(f"| [{widths[0]} ({widths[0] // heads})](#{cpu_paper.WIDTH_SWEEP[widths[0]]}) | 5 | ")
+  assert rows[0].startswith(f"| {widths[0]} ({widths[0] // heads}) | 5 | ")
   assert "seeds: 5 plateau; 1,000–5,000 steps; test loss 0.400 | 10 min |" in rows[0]
   # naive halves from one width to the next (2 x 1.06 to 1.06 nats): a slope of -1.06 nats per
   # doubling; full stays at 50 % of naive in every pair: a ratio slope of 0
@@ -93,3 +93,27 @@ def test_training_cell_counts_stops_and_spans_steps_and_losses():
       "seeds: 1 budget; 1,500 steps; test loss 0.410")
   assert results_table.training_cell({}, "full") == "n/a"
   assert results_table.training_cell({"reinit/full/seed_1": {"loss": 0.4}}, "full") == "n/a"
+
+
+def test_identity_closeness_is_one_and_zero_at_the_identity_and_measures_a_move():
+  from experiments import scope_study
+  identity = {"residual": np.arange(4, dtype=np.int32), "rot": np.eye(2),
+              "site": {"perm": np.arange(2, dtype=np.int32), "qk": np.stack([np.eye(2)] * 2)}}
+  same = scope_study.identity_closeness(identity, identity)
+  assert same == {"fixed_points": {"['residual']": 1.0, "['site']['perm']": 1.0},
+                  "relative_distance": {"['rot']": 0.0, "['site']['qk']": 0.0}}
+  c, s = math.cos(0.1), math.sin(0.1)
+  moved = {"residual": np.array([1, 0, 2, 3], np.int32), "rot": np.array([[c, -s], [s, c]]),
+           "site": {"perm": np.array([1, 0], np.int32), "qk": np.stack([np.eye(2)] * 2)}}
+  out = scope_study.identity_closeness(moved, identity)
+  assert out["fixed_points"] == {"['residual']": 0.5, "['site']['perm']": 0.0}
+  # ||R(t) - I||_F = 2 sqrt(2) sin(t / 2), ||I||_F = sqrt(2)
+  assert out["relative_distance"]["['rot']"] == pytest.approx(2 * math.sin(0.05))
+
+
+@pytest.mark.parametrize("low, high, verdict", [
+    (-0.01, 0.01, "no worse"), (-0.01, 0.03, "undetermined"), (0.025, 0.04, "worse")])
+def test_control_verdict_against_the_margin(low, high, verdict):
+  interval = ss.Interval((low + high) / 2, low, high, 5, 10, 0.0)
+  assert regime.control_verdict(ss.Difference(interval.estimate, interval, 0, 0, 0)) == verdict
+  assert regime.CONTROL_MARGIN == 0.02

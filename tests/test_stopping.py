@@ -26,6 +26,7 @@ from experiments import checkpoints
 from experiments import evaluation
 from experiments import inputs
 from experiments import metric_writers
+from experiments import reinit
 from experiments import train
 from experiments.configs import quickstart
 from tests.test_train import _Crash
@@ -410,3 +411,23 @@ def test_plateau_counts_relative_improvements():
   restored = train.Plateau.from_meta(rule, plateau.to_meta())
   assert restored == plateau
   assert train.Plateau.from_meta(rule, None) == train.Plateau(rule)
+
+
+@pytest.mark.slow
+def test_spawned_children_start_from_the_base_model_and_differ_only_in_data_order(
+    trained_workdir, tmp_path_factory):
+  """The positive control's scope: nothing is re-initialised and every parameter trains. With a
+  learning rate of 1e-12 the children stay the base model to float32 rounding; with a real
+  one, each seed's data order moves them apart."""
+  frozen = make_config(scopes=(reinit.SPAWN,), **{**FROZEN, "learning_rate": 1e-12})
+  config, workdir, _ = _trained(trained_workdir, tmp_path_factory, "spawn_frozen", frozen)
+  base = spec_lib.flatten(_params(config, workdir, "base"))
+  for seed in SEEDS:
+    child = spec_lib.flatten(_params(config, workdir, f"reinit/spawn/seed_{seed}"))
+    assert child.keys() == base.keys()
+    for path in base:
+      np.testing.assert_allclose(child[path], base[path], atol=1e-6, err_msg=path)
+  moving = make_config(scopes=(reinit.SPAWN,), **IMPROVING)
+  config, workdir, _ = _trained(trained_workdir, tmp_path_factory, "spawn_moving", moving)
+  one, two = (spec_lib.flatten(_params(config, workdir, f"reinit/spawn/seed_{s}")) for s in SEEDS)
+  assert any(not np.array_equal(one[p], two[p]) for p in one)
