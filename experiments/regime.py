@@ -5,7 +5,7 @@ same model at widths w (head count fixed, head dimension w / heads) from scratch
 seeds each, and study the "full" scope. ``width_table`` sets the committed ones side by
 side: per width, each method's mean loss barrier over the pairs with its 95 % interval over
 seeds (``seed_statistics.jackknife``), each method's barrier in % of naive, and how the
-runs ended (``results_table.training_cell``).
+runs ended (``report.training_cell``).
 
 The trend is a slope against log2 width. With k widths x_i = log2 w_i, per-width
 estimates m_i (the mean over that width's pairs) and their seed-level standard errors
@@ -32,7 +32,6 @@ from matplotlib import figure
 
 from experiments import atomic_io
 from experiments import report
-from experiments import results_table
 from experiments import seed_statistics as ss
 from experiments.configs import cpu_paper
 
@@ -126,7 +125,7 @@ def width_table(results_root: str) -> str:
       ratios[m].append((width, r[m]))
     seeds = b["naive"].num_seeds if b["naive"] else "n/a"
     row += [str(seeds), *(_show(b[m], 4) for m in METHODS), *(_show(r[m], 1) for m in METHODS[1:]),
-            results_table.training_cell(run.get("training", {}), "full"),
+            report.training_cell(run.get("training", {}), "full"),
             f"{run['wall_seconds'] / 60:.0f} min"]
     lines.append("| " + " | ".join(row) + " |")
   lines += ["", "Slope per doubling of the width (least squares against log2 width over the "
@@ -206,7 +205,7 @@ def control_table(results_root: str) -> str:
     d = ss.paired_difference(_pairs(res, m, ratio=False), naive)
     lines.append(f"| {m} | {_show(b, 4)} | {_show(d.interval, 4)} | {control_verdict(d)} | "
                  f"{_identity_cell(res, m)} |")
-  lines += ["", f"Training: {results_table.training_cell(run.get('training', {}), 'spawn')}; "
+  lines += ["", f"Training: {report.training_cell(run.get('training', {}), 'spawn')}; "
                 f"wall time {run['wall_seconds'] / 60:.0f} min."]
   return "\n".join(lines)
 

@@ -6,6 +6,7 @@ into ``results.json``; nothing is typed in.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -325,6 +326,32 @@ def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any
         lines.append(f"| {sigma:g} | " + " | ".join(f"{rob['accuracy'][m][i]:.4f}" for m in rob["models"]) + " |")
       lines.append("")
   return "\n".join(lines)
+
+
+def training_cell(training: dict[str, dict[str, Any]], scope: str) -> str:
+  """How the runs of ``scope`` ended, from ``run.json``'s "training" (``train.steps_taken``
+  and the final test evaluation): how many stopped at a validation plateau and how many at
+  their budget, the range of steps taken and of test losses reached; the base model's too
+  when the scope fine-tunes it. "n/a" for a run recorded without them."""
+  def ended(runs: list[dict[str, Any]], count: bool = True) -> str:
+    counts = collections.Counter(r.get("stopped") or "unfinished" for r in runs)
+    how = ", ".join(f"{counts[k]} {k}" if count else k
+                    for k in ("plateau", "budget", "unfinished") if counts[k])
+    return f"{how}; {_span([r['steps'] for r in runs], '{:,}')} steps; test loss " \
+           f"{_span([r['loss'] for r in runs], '{:.3f}')}"
+  runs = [m for name, m in training.items() if name.startswith(f"reinit/{scope}/")]
+  if not runs or any("steps" not in r or "loss" not in r for r in runs):
+    return "n/a"
+  cell = f"seeds: {ended(runs)}"
+  base = training.get("base")
+  if scope != "full" and base and "steps" in base and "loss" in base:
+    cell += f"; base: {ended([base], count=False)}"
+  return cell
+
+
+def _span(values: list[float], fmt: str) -> str:
+  low, high = min(values), max(values)
+  return fmt.format(low) if low == high else f"{fmt.format(low)}–{fmt.format(high)}"
 
 
 def _finish(fig, title: str, path: str, *, dpi: int) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from experiments import regime
-from experiments import results_table
+from experiments import report
 from experiments import seed_statistics as ss
 from experiments.configs import cpu_paper
 
@@ -85,14 +85,14 @@ def test_training_cell_counts_stops_and_spans_steps_and_losses():
               "reinit/first_layer/seed_1": {"steps": 3000, "stopped": "budget", "loss": 0.38},
               "reinit/first_layer/seed_2": {"steps": 2200, "stopped": "plateau", "loss": 0.36},
               "reinit/full/seed_1": {"steps": 1500, "stopped": "budget", "loss": 0.41}}
-  assert results_table.training_cell(training, "first_layer") == (
+  assert report.training_cell(training, "first_layer") == (
       "seeds: 1 plateau, 1 budget; 2,200–3,000 steps; test loss 0.360–0.380; "
       "base: budget; 1,500 steps; test loss 0.404")
   # the "full" scope starts from no base model: its cell leaves it out
-  assert results_table.training_cell(training, "full") == (
+  assert report.training_cell(training, "full") == (
       "seeds: 1 budget; 1,500 steps; test loss 0.410")
-  assert results_table.training_cell({}, "full") == "n/a"
-  assert results_table.training_cell({"reinit/full/seed_1": {"loss": 0.4}}, "full") == "n/a"
+  assert report.training_cell({}, "full") == "n/a"
+  assert report.training_cell({"reinit/full/seed_1": {"loss": 0.4}}, "full") == "n/a"
 
 
 def test_identity_closeness_is_one_and_zero_at_the_identity_and_measures_a_move():
