@@ -81,10 +81,12 @@ def _pairs(res: dict[str, Any], method: str, ratio: bool) -> list[ss.Pair]:
   return out
 
 
-def _committed(results_root: str) -> list[tuple[int, str, dict[str, Any], dict[str, Any]]]:
-  """(width, setting, run.json, the "full" scope's results.json) of each committed point."""
+def _committed(results_root: str, sweep: dict[int, str] | None = None
+               ) -> list[tuple[int, str, dict[str, Any], dict[str, Any]]]:
+  """(width, setting, run.json, the "full" scope's results.json) of each committed point of
+  ``sweep`` (width -> setting; ``cpu_paper.WIDTH_SWEEP`` by default)."""
   out = []
-  for width, setting in sorted(cpu_paper.WIDTH_SWEEP.items()):
+  for width, setting in sorted((sweep or cpu_paper.WIDTH_SWEEP).items()):
     folder = os.path.join(results_root, setting)
     if not os.path.exists(os.path.join(folder, "run.json")):
       continue
@@ -101,33 +103,31 @@ def _show(i: ss.Interval | None, digits: int) -> str:
   return f"{i.estimate:.{digits}f} [{i.low:.{digits}f}, {i.high:.{digits}f}]"
 
 
-def width_table(results_root: str) -> str:
-  """Markdown: the committed points of the width sweep, one row per width, then the slope of
-  each method's barrier (nats, and % of naive) per doubling of the width."""
-  points = _committed(results_root)
-  if not points:
-    return "No point of the width sweep is committed yet."
-  heads = cpu_paper.SWEEP_HEADS
-  lines = ["| width (head dim) | seeds | " + " | ".join(
+def _header() -> list[str]:
+  return ["| width (head dim) | seeds | " + " | ".join(
                f"{m}: loss barrier" for m in METHODS) + " | " +
            " | ".join(f"{m} (% of naive)" for m in METHODS[1:]) +
            " | training | wall time |",
            "|" + "---|" * (2 + 2 * len(METHODS) - 1 + 2)]
+
+
+def width_table(results_root: str) -> str:
+  """Markdown: the committed points of the width sweep, one row per width, then the slope of
+  each method's barrier (nats, and % of naive) per doubling of the width; then the points rerun
+  under the more patient rule (``cpu_paper.PATIENT_SWEEP``), where committed."""
+  points = _committed(results_root)
+  if not points:
+    return "No point of the width sweep is committed yet."
+  lines = _header()
   barriers = {m: [] for m in METHODS}
   ratios = {m: [] for m in METHODS[1:]}
   for width, _, run, res in points:
-    row = [f"{width} ({width // heads})"]
-    b = {m: ss.jackknife(_pairs(res, m, ratio=False)) for m in METHODS}
-    r = {m: ss.jackknife(_pairs(res, m, ratio=True)) for m in METHODS[1:]}
+    line, b, r = _row(width, run, res)
+    lines.append(line)
     for m in METHODS:
       barriers[m].append((width, b[m]))
     for m in METHODS[1:]:
       ratios[m].append((width, r[m]))
-    seeds = b["naive"].num_seeds if b["naive"] else "n/a"
-    row += [str(seeds), *(_show(b[m], 4) for m in METHODS), *(_show(r[m], 1) for m in METHODS[1:]),
-            report.training_cell(run.get("training", {}), "full"),
-            f"{run['wall_seconds'] / 60:.0f} min"]
-    lines.append("| " + " | ".join(row) + " |")
   lines += ["", "Slope per doubling of the width (least squares against log2 width over the "
                 "committed widths; 95 % interval from the per-width seed-level standard errors):",
             "", "| statistic | slope per doubling | 95 % interval | widths |", "|---|---|---|---|"]
@@ -142,7 +142,23 @@ def width_table(results_root: str) -> str:
       else:
         lines.append(f"| {m}: {label} | {s.estimate:+.{digits}f}{unit} | "
                      f"[{s.low:+.{digits}f}, {s.high:+.{digits}f}] | {widths} |")
+  patient = _committed(results_root, cpu_paper.PATIENT_SWEEP)
+  if patient:
+    lines += ["", "The same points under a rule with a 1,000-step window (patience 10):", "",
+              *_header(), *(_row(width, run, res)[0] for width, _, run, res in patient)]
   return "\n".join(lines)
+
+
+def _row(width: int, run: dict[str, Any], res: dict[str, Any]
+         ) -> tuple[str, dict[str, ss.Interval | None], dict[str, ss.Interval | None]]:
+  """(the table row of one point, each method's barrier and ratio intervals)."""
+  b = {m: ss.jackknife(_pairs(res, m, ratio=False)) for m in METHODS}
+  r = {m: ss.jackknife(_pairs(res, m, ratio=True)) for m in METHODS[1:]}
+  seeds = b["naive"].num_seeds if b["naive"] else "n/a"
+  row = [f"{width} ({width // cpu_paper.SWEEP_HEADS})", str(seeds),
+         *(_show(b[m], 4) for m in METHODS), *(_show(r[m], 1) for m in METHODS[1:]),
+         report.training_cell(run.get("training", {}), "full"), f"{run['wall_seconds'] / 60:.0f} min"]
+  return "| " + " | ".join(row) + " |", b, r
 
 
 # The positive control (cpu_paper's "control_vit_fashion_spawn"): children of one checkpoint.

@@ -50,8 +50,8 @@ def _results(naive, full, learned, seeds=5):
   return {"pairs": pairs}
 
 
-def _commit_point(root, width, res, training):
-  folder = os.path.join(root, cpu_paper.WIDTH_SWEEP[width])
+def _commit_point(root, width, res, training, sweep=None):
+  folder = os.path.join(root, (sweep or cpu_paper.WIDTH_SWEEP)[width])
   os.makedirs(os.path.join(folder, "full"))
   with open(os.path.join(folder, "run.json"), "w") as f:
     json.dump({"wall_seconds": 600, "training": training}, f)
@@ -78,6 +78,13 @@ def test_width_table_has_a_row_per_committed_width_and_the_slopes(tmp_path):
   assert cells["| naive: loss barrier"][0] == "-1.0600 nats"
   assert cells["| full: % of naive"][0] in ("+0.0 points", "-0.0 points")
   assert cells["| learned: loss barrier"][0] == "-0.1060 nats"
+  assert "patience 10" not in table
+  # a point rerun under the more patient rule gets a row of its own, outside the slopes
+  width = sorted(cpu_paper.PATIENT_SWEEP)[0]
+  _commit_point(str(tmp_path), width, _results(3.0, 1.5, 0.3), training, cpu_paper.PATIENT_SWEEP)
+  patient = regime.width_table(str(tmp_path)).split("patience 10")
+  assert len(patient) == 2 and patient[0].startswith(table)
+  assert f"| {width} ({width // heads}) | 5 | 3.1800 [" in patient[1]
 
 
 def test_training_cell_counts_stops_and_spans_steps_and_losses():
