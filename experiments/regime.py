@@ -14,10 +14,17 @@ SE_i, the least-squares slope is
     b = sum_i c_i m_i,   c_i = (x_i - mean(x)) / sum_j (x_j - mean(x))^2,
 
 the change per doubling of the width. The widths' models share no parameters, so the m_i
-are independent and SE_b^2 = sum_i c_i^2 SE_i^2; the interval is b +- t_{0.975, df} SE_b
+are taken as independent (they share the seeds' data orders, a dependence this error leaves
+out) and SE_b^2 = sum_i c_i^2 SE_i^2; the interval is b +- t_{0.975, df} SE_b
 with df the fewest seeds at any width less one (conservative: each SE_i rests on that many
 seeds or more). The slope is fitted to the per-width means, not to the pairs, so that
 its error follows the seeds as every other interval here does.
+
+``control_table`` reports the positive control (``CONTROL``: children spawned from one
+checkpoint, the "spawn" scope of ``experiments/reinit.py``): each method's barrier, its paired
+difference to naive judged against ``CONTROL_MARGIN``, and how near the element it found is to
+the identity. ``plot_width`` draws the sweep (``python -m experiments.regime`` writes
+``results/width_sweep.png``).
 """
 
 from __future__ import annotations
