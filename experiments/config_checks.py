@@ -10,7 +10,7 @@ with one line naming it::
 
 Each list of options is read from its owner when ``validate`` runs: methods
 from ``attn_symmetry.matching.METHODS``, distances from
-``attn_symmetry.matching.DISTANCES``, scopes from ``attn_symmetry.models.SCOPES``,
+``attn_symmetry.matching.DISTANCES``, scopes from ``experiments.reinit.scopes()``,
 model families and presets from ``attn_symmetry.models``, data sets and their
 kinds from ``attn_symmetry.data``.
 
@@ -28,6 +28,7 @@ import jax
 import ml_collections
 
 from attn_symmetry import data
+from attn_symmetry import models
 from experiments import config_schema
 
 # field path -> its check, from the schema. Ranges that depend on another field are in
@@ -69,6 +70,8 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
   if "naive" not in config.study.methods:
     _fail("study.methods", "must include 'naive' (the baseline of every comparison), "
           f"got {tuple(config.study.methods)}")
+  _check_heads_divide_width(config)
+  _check_rule_can_stop(config)
   d = config.dataset
   if config.reinit.patience and not d.validation_split:
     _fail("dataset.validation_split", "must name a held-out split when reinit.patience > 0 "
@@ -95,6 +98,50 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
       if level > 1:
         _fail(f"study.noise_levels[{i}]", "is a token replacement rate on text and must be in "
               f"[0, 1], got {level!r}")
+
+
+def _model_size(config: ml_collections.ConfigDict, name: str) -> Any:
+  """The model config's ``name`` ("width", "num_heads") as ``models.make_config`` sets it:
+  the override, else the family's preset, else the preset, else the family's default."""
+  if name in config.model.overrides:
+    return config.model.overrides[name]
+  family, preset = models.get_family(config.model.family), config.model.preset
+  values = {**family.defaults, **models.PRESETS[preset], **family.presets.get(preset, {})}
+  return values.get(name)
+
+
+def _check_heads_divide_width(config: ml_collections.ConfigDict) -> None:
+  """Each head reads width / num_heads of the residual stream: a width that the head count
+  does not divide has no head dimension. Names the overridden field (the width when both are)."""
+  width, heads = _model_size(config, "width"), _model_size(config, "num_heads")
+  if isinstance(width, int) and isinstance(heads, int) and heads > 0 and width % heads:
+    field = "width" if "width" in config.model.overrides else "num_heads"
+    _fail(f"model.overrides.{field}", f"gives a width of {width}, which {heads} heads do not "
+          "divide (each head reads width / num_heads dimensions)")
+
+
+def _check_rule_can_stop(config: ml_collections.ConfigDict) -> None:
+  """A stopping rule that can never stop a run before its budget is refused.
+
+  The first validation, at ``validate_every`` steps, sets the best loss; the run stops at the
+  ``patience``-th validation after it without improvement, so the earliest stop is at step
+  (patience + 1) * validate_every. That has to fall within the budget of every run the rule
+  governs: ``reinit.num_steps`` for a fine-tuned scope, ``train.num_steps`` for the "full"
+  scope and for the base model under ``reinit.stop_base``."""
+  r = config.reinit
+  if not r.patience:
+    return
+  first_stop = (r.patience + 1) * r.validate_every
+  budgets = {}
+  if any(scope != "full" for scope in r.scopes):
+    budgets["reinit.num_steps"] = r.num_steps
+  if "full" in r.scopes or r.stop_base:
+    budgets["train.num_steps"] = config.train.num_steps
+  for field, budget in budgets.items():
+    if first_stop > budget:
+      _fail("reinit.patience", f"{r.patience} can never stop a run: its earliest stop, "
+            f"(patience + 1) x reinit.validate_every = {first_stop} steps, is past the "
+            f"{budget}-step budget {field}")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:

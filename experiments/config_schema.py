@@ -28,7 +28,7 @@ default, its check and what it keys::
     python -m experiments.config_schema
 
 Lists of options are read from their owners when a check runs (methods from
-``attn_symmetry.matching.METHODS``, scopes from ``attn_symmetry.models.SCOPES``,
+``attn_symmetry.matching.METHODS``, scopes from ``experiments.reinit.scopes()``,
 data sets from ``attn_symmetry.data.DATASETS``, ...), so this module imports
 no model or data code (only the pure core's ``matching``, for its table of options) and a
 method or scope that its owner adds is accepted.
@@ -102,9 +102,11 @@ def _check_boolean(field: str, value: Any) -> None:
 
 
 def _owned(owner: str) -> tuple[str, ...]:
-  """The option list ``owner`` ("attn_symmetry.matching.METHODS"), read now from its module."""
+  """The option list ``owner`` ("attn_symmetry.matching.METHODS"), read now from its module
+  (called first if it is a function, such as "experiments.reinit.scopes")."""
   module, name = owner.rsplit(".", 1)
-  return tuple(getattr(importlib.import_module(module), name))
+  options = getattr(importlib.import_module(module), name)
+  return tuple(options() if callable(options) else options)
 
 
 def _one_of(noun: str, owner: str, *, or_empty: bool = False) -> Rule:
@@ -217,7 +219,8 @@ class Role(enum.Enum):
   TRAINING = "every training run"
   TRAIN_SCHEDULE = "the base run and the 'full' scope's runs"
   REINIT_SCHEDULE = "the fine-tuned scopes' runs"
-  STOPPING = "the re-initialised runs, when the stopping rule is on"
+  STOPPING = "the runs under the stopping rule: the re-initialised runs, and the base run " \
+             "with reinit.stop_base"
   STUDY = "the study stages that read it"
   PER_RUN = "each run or stage, by the value it uses"
   NOT_KEYED = "no stage"
@@ -300,7 +303,7 @@ SECTIONS = {
               "(patience > 0): a run stops after patience validations, one every "
               "validate_every steps, without improving its validation loss by more than "
               "min_delta relative, or at its budget, whichever comes first "
-              "(experiments/train.py).",
+              "(experiments/train.py); the base model too when stop_base is set.",
     "study": "the LMC study after training (experiments/study.py): the matching methods "
              "compared on the paths between each pair of seeds, the Stage 1 distance "
              "ablation, the ablation over every head order and the input-noise robustness "
@@ -403,7 +406,7 @@ FIELDS: tuple[Field, ...] = (
     Field("train.keep_checkpoints", 2, _AT_LEAST_1, Role.NOT_KEYED,
           "checkpoints kept per run, the newest"),
 
-    Field("reinit.scopes", (), _distinct(_one_of("scope", "attn_symmetry.models.SCOPES")),
+    Field("reinit.scopes", (), _distinct(_one_of("scope", "experiments.reinit.scopes")),
           Role.NOT_KEYED, "the scopes re-initialised in turn (() trains the base model only)"),
     Field("reinit.seeds", (1, 2, 3), _distinct(_AT_LEAST_0), Role.NOT_KEYED,
           "each scope is re-initialised once per seed; the study compares every pair"),
@@ -423,6 +426,9 @@ FIELDS: tuple[Field, ...] = (
           "the relative decrease of the validation loss that counts as an improvement"),
     Field("reinit.validate_every", 100, _AT_LEAST_1, Role.STOPPING,
           "steps between the stopping rule's validations"),
+    Field("reinit.stop_base", False, _BOOLEAN, Role.STOPPING,
+          "the base model follows the stopping rule too, with train.num_steps as its budget "
+          "(False: it trains its whole schedule)", unkeyed_default=False),
 
     Field("study.methods", ("naive", "perm", "ortho", "full"),
           _distinct(_one_of("method", "attn_symmetry.matching.METHODS")), Role.STUDY,

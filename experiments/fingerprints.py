@@ -13,8 +13,9 @@ Stages and their fields:
 
 * base run (``train.py``, ``workdir/base/fingerprint.json``): ``seed``,
   ``dataset.name``, ``TRAINING`` (the model's family, preset and every
-  override; the reader options; batch size and optimiser) and
-  ``TRAIN_SCHEDULE``.
+  override; the reader options; batch size and optimiser),
+  ``TRAIN_SCHEDULE``, and ``STOPPING`` when it follows the stopping rule
+  (``reinit.stop_base`` with ``reinit.patience`` > 0).
 * re-initialised run ``reinit/<scope>/seed_<s>``: its scope and seed, the data
   set it trains on (``reinit.dataset``, or ``dataset.name`` when empty),
   ``TRAINING``, its schedule (``REINIT_SCHEDULE`` when fine-tuning a scope,
@@ -119,7 +120,8 @@ TRAINING = config_schema.keyed_by(config_schema.Role.TRAINING)
 TRAIN_SCHEDULE = config_schema.keyed_by(config_schema.Role.TRAIN_SCHEDULE)
 # The schedule of a fine-tuned scope.
 REINIT_SCHEDULE = config_schema.keyed_by(config_schema.Role.REINIT_SCHEDULE)
-# The stopping rule of a re-initialised run, keyed when it is on (reinit.patience > 0).
+# The stopping rule, keyed for every run that follows it (``train.stopping``: the re-initialised
+# runs when reinit.patience > 0, and the base run with reinit.stop_base too).
 STOPPING = config_schema.keyed_by(config_schema.Role.STOPPING)
 # Fields that key study stages only (each stage keys those it reads: ``scope_study.py``, from
 # each field's ``study`` and ``option`` in the schema); no run keys them.

@@ -7,6 +7,14 @@ fine-tuned. A scope is given by the path prefixes that ``model.scope_paths``
 returns ("layers_0/attention"; "" for everything); the trainable set is a tree
 of Python bools over the parameters, which the optimiser turns into an optax
 mask and which the training step uses to pass frozen leaves through untouched.
+
+One more scope, ``SPAWN``, is the positive control: nothing is re-initialised,
+every parameter of the base model is trained on, and the seed changes only the
+order of the training data, so that the runs are children spawned from one
+shared checkpoint (the base model after ``train.num_steps``). Such children
+are expected to be linearly connected once the checkpoint is late enough: a
+study that aligns them must not make their barrier worse, and should find an
+element near the identity. ``scopes()`` lists every scope a setting may name.
 """
 
 from __future__ import annotations
@@ -17,10 +25,24 @@ from typing import Any
 import jax
 import numpy as np
 
+from attn_symmetry import models
 from attn_symmetry import runtime
 from attn_symmetry import spec as spec_lib
 
 Params = dict[str, Any]
+
+SPAWN = "spawn"
+
+
+def scopes() -> tuple[str, ...]:
+  """Every scope a setting may name: the model's (``models.SCOPES``, read now) and ``SPAWN``."""
+  return (*models.SCOPES, SPAWN)
+
+
+def scope_paths(model: models.Model, scope: str) -> tuple[str, ...]:
+  """The path prefixes that ``scope`` trains (and the study aligns): the model's own for
+  its scopes (``model.scope_paths``), every parameter ("") for ``SPAWN``."""
+  return ("",) if scope == SPAWN else tuple(model.scope_paths(scope))
 
 
 def _in_scope(path: str, prefix: str) -> bool:

@@ -6,6 +6,7 @@ into ``results.json``; nothing is typed in.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,7 +28,7 @@ REDUCED, EVERY_CORE = "reduced", "every_core"
 RERUN_FOLDERS = (REDUCED, EVERY_CORE)
 # The paired differences that reports show: (x, y) for x - y, in % of naive.
 DIFFERENCES = (("ortho", "perm"), ("full", "ortho"), ("learned", "full"))
-_COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green",
+COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green",
            "learned": "tab:red"}
 
 
@@ -327,6 +328,32 @@ def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any
   return "\n".join(lines)
 
 
+def training_cell(training: dict[str, dict[str, Any]], scope: str) -> str:
+  """How the runs of ``scope`` ended, from ``run.json``'s "training" (``train.steps_taken``
+  and the final test evaluation): how many stopped at a validation plateau and how many at
+  their budget, the range of steps taken and of test losses reached; the base model's too
+  when the scope fine-tunes it. "n/a" for a run recorded without them."""
+  def ended(runs: list[dict[str, Any]], count: bool = True) -> str:
+    counts = collections.Counter(r.get("stopped") or "unfinished" for r in runs)
+    how = ", ".join(f"{counts[k]} {k}" if count else k
+                    for k in ("plateau", "budget", "unfinished") if counts[k])
+    return f"{how}; {_span([r['steps'] for r in runs], '{:,}')} steps; test loss " \
+           f"{_span([r['loss'] for r in runs], '{:.3f}')}"
+  runs = [m for name, m in training.items() if name.startswith(f"reinit/{scope}/")]
+  if not runs or any("steps" not in r or "loss" not in r for r in runs):
+    return "n/a"
+  cell = f"seeds: {ended(runs)}"
+  base = training.get("base")
+  if scope != "full" and base and "steps" in base and "loss" in base:
+    cell += f"; base: {ended([base], count=False)}"
+  return cell
+
+
+def _span(values: list[float], fmt: str) -> str:
+  low, high = min(values), max(values)
+  return fmt.format(low) if low == high else f"{fmt.format(low)}–{fmt.format(high)}"
+
+
 def _finish(fig, title: str, path: str, *, dpi: int) -> str:
   """Titles ``fig``, writes it to ``path`` atomically (``atomic_io.save_figure``)."""
   fig.suptitle(title)
@@ -346,8 +373,8 @@ def plot_curves(path: str, title: str, lambdas: Sequence[float],
     for m in pairs[0]["methods"]:
       curves = np.asarray([p["methods"][m][metric] for p in pairs], np.float64)
       mean, std = curves.mean(0), curves.std(0)
-      ax.plot(lams, mean, label=METHOD_LABELS.get(m, m), color=_COLORS.get(m))
-      ax.fill_between(lams, mean - std, mean + std, alpha=0.2, color=_COLORS.get(m))
+      ax.plot(lams, mean, label=METHOD_LABELS.get(m, m), color=COLORS.get(m))
+      ax.fill_between(lams, mean - std, mean + std, alpha=0.2, color=COLORS.get(m))
     ax.set_xlabel("λ (0 = model A, 1 = aligned model B)")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)

@@ -2,11 +2,13 @@
 
 ``python experiments/reproduce.py --table`` calls ``write``, which replaces the
 text between the README's markers with ``markdown(results_root)``: per setting
-and scope, the barriers as shares of naive, Stage 1's rank and L-hat, the wall
-time, the commit and the command, all read from ``results/<setting>/run.json``,
-``config.json`` and ``<scope>/results.json``; nothing is typed in. It also
-writes the verdict on each of the paper's claims (``claims.verdict_table``) and the
-findings that open the README (``claims.findings``).
+and scope, the barriers as shares of naive, Stage 1's rank and L-hat, how the
+runs ended, the wall time, the commit and the command, all read from
+``results/<setting>/run.json``, ``config.json`` and ``<scope>/results.json``;
+nothing is typed in. It also writes the verdict on each of the paper's claims
+(``claims.verdict_table``), the findings that open the README
+(``claims.findings``), and the width sweep and its positive control
+(``regime.py``).
 Before that it restates each committed run (``restate``): what its reports derive
 from its measured pairs (the statistics, the seed-level intervals, summary.md)
 is rewritten as the current code derives it, so that runs stored before a
@@ -22,6 +24,7 @@ from typing import Any
 
 from experiments import atomic_io
 from experiments import claims
+from experiments import regime
 from experiments import report
 
 MARK_BEGIN = "<!-- table: written by experiments/reproduce.py --table; do not edit -->"
@@ -35,6 +38,12 @@ FINDINGS_END = "<!-- end of findings -->"
 TRAJECTORY_BEGIN = ("<!-- trajectory check: written by experiments/reproduce.py --table; "
                     "do not edit -->")
 TRAJECTORY_END = "<!-- end of trajectory check -->"
+WIDTH_BEGIN = ("<!-- width sweep: written by experiments/reproduce.py --table from "
+               "experiments/regime.py; do not edit -->")
+WIDTH_END = "<!-- end of width sweep -->"
+CONTROL_BEGIN = ("<!-- positive control: written by experiments/reproduce.py --table from "
+                 "experiments/regime.py; do not edit -->")
+CONTROL_END = "<!-- end of positive control -->"
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -63,13 +72,14 @@ def markdown(results_root: str) -> str:
   """Markdown table of every committed setting under ``results_root``: per setting and
   scope, the pairs (and how many have a ratio, when a naive barrier is zero), the naive loss
   barrier, each method's loss barrier as % of naive (mean ± std over pairs [the 95 %
-  interval over seeds], or "no ratio" under ``report.RATIO_FLOOR``), Stage 1's rank and L-hat, the wall time, the commit the run
-  started from and its command; then the settings' total and longest wall time."""
+  interval over seeds], or "no ratio" under ``report.RATIO_FLOOR``), Stage 1's rank and L-hat,
+  how its runs ended (``report.training_cell``), the wall time, the commit the run started from and
+  its command; then the settings' total and longest wall time."""
   methods = ("perm", "ortho", "full", "learned")
   lines = ["| setting | scope | pairs | naive loss barrier | Variant 1 (%) | Variant 2 (%) | "
-           "full (%) | learned (%) | rank of Stage 1 (of 24) | L̂ (%) | wall time | commit | "
-           "command |",
-           "|" + "---|" * 13]
+           "full (%) | learned (%) | rank of Stage 1 (of 24) | L̂ (%) | training | wall time | "
+           "commit | command |",
+           "|" + "---|" * 14]
   minutes, intervals = {}, []
   for setting in sorted(os.listdir(results_root)):
     run_path = os.path.join(results_root, setting, "run.json")
@@ -103,7 +113,8 @@ def markdown(results_root: str) -> str:
           f"| {setting} | {scope} | {pairs} | "
           f"{naive['loss_barrier_mean']:.4f} ± {naive['loss_barrier_std']:.4f} | "
           + " | ".join(_cell(rows.get(m), "loss_barrier_ratio_pct", floor) for m in methods)
-          + f" | {rank} | {lhat} | {run['wall_seconds'] / 60:.0f} min | {_commit(run)} | "
+          + f" | {rank} | {lhat} | {report.training_cell(run.get('training', {}), scope)} | "
+          f"{run['wall_seconds'] / 60:.0f} min | {_commit(run)} | "
           f"`{run['command']}` |")
   if minutes:
     longest = max(minutes, key=minutes.get)
@@ -249,8 +260,10 @@ def write(results_root: str) -> str:
   ``results_root/README.md``: the table (between ``MARK_BEGIN`` and ``MARK_END``), the
   verdicts on the paper's claims (``claims.verdict_table``, between ``VERDICTS_BEGIN`` and
   ``VERDICTS_END``), the findings drawn from them (``claims.findings``, between
-  ``FINDINGS_BEGIN`` and ``FINDINGS_END``) and the trajectory check (``trajectory_table``,
-  between ``TRAJECTORY_BEGIN`` and ``TRAJECTORY_END``)."""
+  ``FINDINGS_BEGIN`` and ``FINDINGS_END``), the trajectory check (``trajectory_table``,
+  between ``TRAJECTORY_BEGIN`` and ``TRAJECTORY_END``), and the width sweep and its positive
+  control (``regime.width_table`` and ``regime.control_table``, between ``WIDTH_BEGIN`` and
+  ``WIDTH_END``, ``CONTROL_BEGIN`` and ``CONTROL_END``)."""
   for d in setting_dirs(results_root):
     restate(d)
   path = os.path.join(results_root, "README.md")
@@ -263,5 +276,8 @@ def write(results_root: str) -> str:
                           claims.findings(results_root).rstrip("\n"), path)
   text = _replace_between(text, TRAJECTORY_BEGIN, TRAJECTORY_END,
                           trajectory_table(results_root), path)
+  text = _replace_between(text, WIDTH_BEGIN, WIDTH_END, regime.width_table(results_root), path)
+  text = _replace_between(text, CONTROL_BEGIN, CONTROL_END, regime.control_table(results_root),
+                          path)
   atomic_io.write_text(path, text)
   return path

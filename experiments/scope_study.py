@@ -46,6 +46,7 @@ from experiments import fingerprints
 from experiments import input_noise
 from experiments import inputs
 from experiments import path_evaluation
+from experiments import reinit
 from experiments import report
 from experiments import result_cache
 
@@ -137,6 +138,37 @@ def align(spec, params_a: Params, params_b: Params, *, scope: list[str], method:
   return matching.align_model(spec, params_a, params_b, scope=scope, method=method, **options)
 
 
+def identity_closeness(element: Mapping[str, Any], identity: Mapping[str, Any]
+                       ) -> dict[str, dict[str, float]]:
+  """How near an alignment element is to the identity, leaf by leaf.
+
+  Args:
+    element: the element that matching returned (``group_action.ModelElement``).
+    identity: ``group_action.identity_model`` of the same spec.
+
+  Returns:
+    {"fixed_points": {leaf: the fraction of the permutation's entries it leaves in place,
+    1 at the identity, about 1/n for a random permutation of n}, "relative_distance":
+    {leaf: ||g - I||_F / ||I||_F of a matrix leaf, 0 at the identity, about sqrt(2) for a
+    random orthogonal matrix}}, leaves named by their path in the element ("['residual']").
+    Leaves the identity lacks, or of another shape, are left out.
+  """
+  ident = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(
+      dict(identity))[0]}
+  out: dict[str, dict[str, float]] = {"fixed_points": {}, "relative_distance": {}}
+  for path, g in jax.tree_util.tree_flatten_with_path(dict(element))[0]:
+    name = jax.tree_util.keystr(path)
+    g, i = np.asarray(g), np.asarray(ident.get(name, np.zeros(0)))
+    if g.shape != i.shape or not g.size:
+      continue
+    if np.issubdtype(g.dtype, np.integer):
+      out["fixed_points"][name] = float(np.mean(g == i))
+    else:
+      i = i.astype(np.float64)
+      out["relative_distance"][name] = float(np.linalg.norm(g - i) / np.linalg.norm(i))
+  return out
+
+
 class ScopeStudy:
   """The study of one re-initialisation scope."""
 
@@ -146,7 +178,7 @@ class ScopeStudy:
     self.config, self.model, self.scope = config, model, scope
     self.evaluator = evaluator
     self.dir = os.path.join(workdir, "study", scope)
-    self.scope_paths = model.scope_paths(scope)
+    self.scope_paths = reinit.scope_paths(model, scope)
     self.learned_overlap = learned_overlap(config, self.dataset)
     self.seeds = list(config.reinit.seeds)
     self.params = {s: checkpoints[f"reinit/{scope}/seed_{s}"] for s in self.seeds}
@@ -247,7 +279,8 @@ class ScopeStudy:
     if method == "naive":
       return pa, pb, {}
     element, info = self._element(a, b, method, options)
-    info = runtime.jsonable(info)
+    info = runtime.jsonable(dict(info, identity=identity_closeness(
+        element, group_action.identity_model(self.model.spec))))
     if info.get("folded_norm_scales"):
       pa, pb = (group_action.fold_norm_scales(self.model.spec, p) for p in (pa, pb))
     return pa, self._apply(pb, element), info

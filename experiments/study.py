@@ -72,6 +72,7 @@ from experiments import fingerprints
 from experiments import inputs
 from experiments import path_evaluation
 from experiments import processes
+from experiments import reinit
 from experiments import report
 from experiments import result_cache
 from experiments import scope_study
@@ -85,7 +86,7 @@ def check_scopes(config: ml_collections.ConfigDict, model) -> None:
   """Raises ValueError for a re-initialisation scope that no symmetry of the model acts on
   alone (there would be nothing to align)."""
   for scope in config.reinit.scopes:
-    paths = model.scope_paths(scope)
+    paths = reinit.scope_paths(model, scope)
     if not matching.active_names(model.spec, paths):
       raise ValueError(f"config.reinit.scopes: scope {scope!r} re-initialises {paths}, which no "
                        "symmetry factor or attention site of the model acts on alone: nothing to align")

@@ -33,7 +33,8 @@ ended; ``inputs.py`` (model, batches, mesh) and ``evaluation.py``
 (``batch_metrics``, ``evaluate``) the pieces it needs to evaluate them.
 
 Stopping rule (``Stopping``; ``config.reinit.patience`` > 0). A re-initialised
-run, fine-tuned or ("full") trained from scratch, is trained until its
+run, fine-tuned or ("full") trained from scratch, and with
+``config.reinit.stop_base`` the base model, is trained until its
 validation loss stops improving or its step budget runs out, whichever comes
 first, so that the endpoints the study compares are converged. Every
 ``validate_every`` steps, and at the budget's last step, the run computes its
@@ -48,7 +49,13 @@ the parameters in every checkpoint). The budget is the schedule's
 ``num_steps`` (``config.reinit`` when fine-tuning, ``config.train`` for
 "full"), and the learning rate follows its warmup and cosine decay over the
 budget whether or not the run stops early. The base model trains its full
-schedule: it is the common starting point, not an endpoint of the study.
+schedule unless ``config.reinit.stop_base`` is set, when it follows the same
+rule with ``config.train.num_steps`` as its budget: an endpoint that the study
+compares only through the runs fine-tuned from it, which are converged from
+a converged start. ``config_checks`` refuses a rule that can never stop a
+run: the first stop it can make is at (patience + 1) x validate_every steps
+(the first validation sets the best loss, then patience more find no
+improvement), which has to fall within every budget it governs.
 The test split is read only for the evaluations that are reported: no
 decision reads it.
 
@@ -145,7 +152,7 @@ class Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class Stopping:
-  """The stopping rule of a re-initialised run (the module docstring; ``config.reinit``).
+  """The stopping rule of a run (the module docstring; ``config.reinit``).
 
   Attributes:
     patience: validation evaluations in a row without improvement after which
@@ -161,9 +168,10 @@ class Stopping:
 
 def stopping(config: ml_collections.ConfigDict, run: Run) -> Stopping | None:
   """The rule that ``run`` follows: every re-initialised run (the "full" scope too) when
-  ``config.reinit.patience`` > 0; None for the base model, or when the rule is off."""
+  ``config.reinit.patience`` > 0, and the base model when ``config.reinit.stop_base`` is set
+  too; None when the rule is off, or for the base model without ``stop_base``."""
   r = config.reinit
-  if run.scope is None or not r.patience:
+  if not r.patience or (run.scope is None and not r.stop_base):
     return None
   return Stopping(r.patience, r.min_delta, r.validate_every)
 
@@ -675,8 +683,10 @@ class Trainer:
       self._base = inputs.to_host(base_ckpts.restore_params(
           base_ckpts.latest_step(), checkpoints.abstract_like(fresh, self._place)))
       base_ckpts.close()
-    trainable = reinit.trainable_mask(self._base, self.model.scope_paths(run.scope))
+    trainable = reinit.trainable_mask(self._base, reinit.scope_paths(self.model, run.scope))
     base = jax.device_put(self._base, inputs.shardings(self._base, self._place))
+    if run.scope == reinit.SPAWN:  # a child of the base model: nothing re-initialised
+      return base, trainable, self._base
     return reinit.reinitialise(base, fresh, trainable), trainable, self._base
 
   def train(self, run: Run) -> dict[str, Any]:

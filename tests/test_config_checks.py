@@ -104,7 +104,7 @@ BAD = [
     (IMAGES, "reinit.seeds", ("1", "2"), "reinit.seeds[0]", "must be an integer"),
     (IMAGES, "reinit.num_steps", 0, "reinit.num_steps", "must be >= 1"),
     (IMAGES, "reinit.learning_rate", -1e-3, "reinit.learning_rate", "must be > 0"),
-    (IMAGES, "reinit.warmup_steps", 4, "reinit.warmup_steps", "must be < reinit.num_steps = 4"),
+    (IMAGES, "reinit.warmup_steps", 8, "reinit.warmup_steps", "must be < reinit.num_steps = 8"),
     (IMAGES, "reinit.dataset", "no_such_data", "reinit.dataset", "unknown data set"),
     (IMAGES, "reinit.dataset", "wiki_bytes", "reinit.dataset", "does not fit the model"),
     (IMAGES, "reinit.patience", -1, "reinit.patience", "must be >= 0"),
@@ -112,6 +112,17 @@ BAD = [
     (IMAGES, "reinit.min_delta", 1.0, "reinit.min_delta", "must be in [0, 1), got 1.0"),
     (IMAGES, "reinit.min_delta", -0.01, "reinit.min_delta", "in [0, 1)"),
     (IMAGES, "reinit.validate_every", 0, "reinit.validate_every", "must be >= 1, got 0"),
+    # runlocal: patience 1, validations 4 steps apart, budgets of 8 steps
+    (IMAGES, "reinit.patience", 2, "reinit.patience", "2 can never stop a run: its earliest "
+     "stop, (patience + 1) x reinit.validate_every = 12 steps, is past the 8-step budget "
+     "reinit.num_steps"),
+    (IMAGES, "reinit.validate_every", 5, "reinit.patience", "past the 8-step budget "
+     "reinit.num_steps"),
+    (IMAGES, "reinit.stop_base", "yes", "reinit.stop_base", "True or False"),
+    (IMAGES, "model.overrides", {"width": 30}, "model.overrides.width",
+     "gives a width of 30, which 4 heads do not divide"),
+    (IMAGES, "model.overrides", {"num_heads": 3}, "model.overrides.num_heads",
+     "gives a width of 32, which 3 heads do not divide"),
     (IMAGES, "study.methods", ("naive", "bogus"), "study.methods[1]", "unknown method 'bogus'"),
     (IMAGES, "study.methods", ("perm", "full"), "study.methods", "must include 'naive'"),
     (IMAGES, "study.methods", ("naive", "naive"), "study.methods", "lists 'naive' twice"),
@@ -210,6 +221,30 @@ def test_edge_values_are_accepted(setting, field, value):
   if field == "dataset.train_split":  # every run trains on the whole split; no rule
     changes.update({**no_holdout, "reinit.patience": 0})
   config_checks.validate(_config(setting, **changes))
+
+
+@pytest.mark.parametrize("scopes, stop_base, budget", [
+    (("full",), False, "train.num_steps"),  # trained from scratch on the base schedule
+    ((), True, "train.num_steps"),  # the base model alone, under the rule
+    (("first_attention",), False, "reinit.num_steps"),
+])
+def test_a_rule_is_checked_against_the_budget_of_each_run_it_governs(scopes, stop_base, budget):
+  """The earliest stop, (patience + 1) x validate_every, may fall on the budget's last step
+  and not past it; the budget is the one of the runs the rule governs."""
+  steps = {"train.num_steps": 8, "reinit.num_steps": 8}[budget]
+  fits = {"reinit.scopes": scopes, "reinit.stop_base": stop_base, "reinit.patience": 3,
+          "reinit.validate_every": steps // 4}
+  config_checks.validate(_config(**fits))  # stops at step 4 x validate_every = the budget
+  with pytest.raises(ValueError, match=rf"^config\.reinit\.patience 4 can never stop a run: .* "
+                     rf"= {5 * (steps // 4)} steps, is past the {steps}-step budget {budget}$"):
+    config_checks.validate(_config(**{**fits, "reinit.patience": 4}))
+
+
+def test_a_base_model_outside_the_rule_has_no_budget_to_fit():
+  """Without stop_base the base model trains its whole schedule: a rule too long for
+  train.num_steps is fine when no run trained on that schedule follows it."""
+  config_checks.validate(_config(**{"reinit.scopes": ("first_attention",), "reinit.patience": 1,
+                                    "train.num_steps": 3, "train.warmup_steps": 1}))
 
 
 def _module_level_lists(path):

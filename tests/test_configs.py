@@ -266,6 +266,7 @@ def test_fingerprint_groups_derive_from_the_schema():
   assert fingerprints.PER_RUN == tuple(expected["PER_RUN"])
   assert not any(n.startswith("model.") for g in GROUPS for n in getattr(fingerprints, g))
   assert fingerprints.UNKEYED_DEFAULTS == {"dataset.validation_examples": 0,
+                                           "reinit.stop_base": False,
                                            "study.eval_split": "test",
                                            "study.learn_factors": ("attention",)}
   for field in config_schema.FIELDS:

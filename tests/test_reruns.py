@@ -215,7 +215,8 @@ def test_unkeyed_fields_recompute_nothing(used, tmp_path, caplog):
 @pytest.mark.slow
 def test_study_refuses_a_damaged_endpoint_in_one_line(used, tmp_path):
   workdir = _copy(used, tmp_path)
-  step_dir = os.path.join(workdir, RUNS[2], "checkpoints", "4")
+  # the run's last checkpoint, the one the study reads
+  step_dir = os.path.join(workdir, RUNS[2], "checkpoints", str(make_config().reinit.num_steps))
   meta = os.path.join(step_dir, "meta", "metadata")
   with open(meta, "r+") as f:
     f.truncate(os.path.getsize(meta) // 2)

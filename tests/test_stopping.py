@@ -26,6 +26,7 @@ from experiments import checkpoints
 from experiments import evaluation
 from experiments import inputs
 from experiments import metric_writers
+from experiments import reinit
 from experiments import train
 from experiments.configs import quickstart
 from tests.test_train import _Crash
@@ -119,6 +120,27 @@ def test_plateau_stops_after_patience_evaluations(frozen):
   assert results["base"]["steps"] == config.train.num_steps
   assert results["base"]["stopped"] == "budget" and "validation_loss" not in results["base"]
   assert not _validation_losses(workdir, "base")  # the base model trains its whole schedule
+
+
+@pytest.mark.slow
+def test_base_model_follows_the_rule_with_stop_base(trained_workdir, tmp_path_factory):
+  """With reinit.stop_base the base model stops at its plateau too (frozen by a learning rate
+  of 1e-12: after patience evaluations), on its own budget train.num_steps; the scope
+  fine-tuned from it starts from the parameters at that stop."""
+  config = make_config(**FROZEN)
+  config.reinit.stop_base = True
+  config.train.learning_rate = 1e-12
+  config, workdir, results = _trained(trained_workdir, tmp_path_factory, "stop_base", config)
+  stop = FROZEN["validate_every"] * (1 + FROZEN["patience"])
+  assert stop < config.train.num_steps
+  losses = _validation_losses(workdir, "base")
+  assert sorted(losses) == list(range(2, stop + 1, 2)) and len(set(losses.values())) == 1
+  base = results["base"]
+  assert (base["steps"], base["stopped"], base["best_step"]) == (stop, "plateau", 2)
+  assert train.steps_taken(config, workdir)["base"]["num_steps"] == config.train.num_steps
+  fields = json.load(open(os.path.join(workdir, "base", "fingerprint.json")))["fields"]
+  assert fields.get("reinit.stop_base") is True and fields["reinit.patience"] == FROZEN["patience"]
+  assert results["reinit/first_attention/seed_1"]["stopped"] == "plateau"
 
 
 @pytest.mark.slow
@@ -389,3 +411,23 @@ def test_plateau_counts_relative_improvements():
   restored = train.Plateau.from_meta(rule, plateau.to_meta())
   assert restored == plateau
   assert train.Plateau.from_meta(rule, None) == train.Plateau(rule)
+
+
+@pytest.mark.slow
+def test_spawned_children_start_from_the_base_model_and_differ_only_in_data_order(
+    trained_workdir, tmp_path_factory):
+  """The positive control's scope: nothing is re-initialised and every parameter trains. With a
+  learning rate of 1e-12 the children stay the base model to float32 rounding; with a real
+  one, each seed's data order moves them apart."""
+  frozen = make_config(scopes=(reinit.SPAWN,), **{**FROZEN, "learning_rate": 1e-12})
+  config, workdir, _ = _trained(trained_workdir, tmp_path_factory, "spawn_frozen", frozen)
+  base = spec_lib.flatten(_params(config, workdir, "base"))
+  for seed in SEEDS:
+    child = spec_lib.flatten(_params(config, workdir, f"reinit/spawn/seed_{seed}"))
+    assert child.keys() == base.keys()
+    for path in base:
+      np.testing.assert_allclose(child[path], base[path], atol=1e-6, err_msg=path)
+  moving = make_config(scopes=(reinit.SPAWN,), **IMPROVING)
+  config, workdir, _ = _trained(trained_workdir, tmp_path_factory, "spawn_moving", moving)
+  one, two = (spec_lib.flatten(_params(config, workdir, f"reinit/spawn/seed_{s}")) for s in SEEDS)
+  assert any(not np.array_equal(one[p], two[p]) for p in one)

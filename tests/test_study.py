@@ -39,6 +39,7 @@ def _config(**study_changes):
   config.train.checkpoint_every = 150
   config.train.learning_rate = 3e-3
   config.reinit.num_steps = 60
+  config.reinit.patience, config.reinit.validate_every = 4, 2  # quickstart's patience
   config.reinit.seeds = [1, 2, 3]
   for k, v in study_changes.items():
     config.study[k] = v

@@ -107,6 +107,7 @@ def study_config() -> ml_collections.ConfigDict:
   config.study.learn_steps = 2
   config.study.learn_factors = ("attention", "heads")
   config.study.noise_levels = (0.5,)
+  config.reinit.stop_base = True  # the base model under the rule too (no study stage reads it)
   for path, value in fingerprints.UNKEYED_DEFAULTS.items():
     section, name = path.split(".")
     assert config[section][name] != value, path

@@ -85,6 +85,41 @@ Settings:
     "full" ones the learned method trains every factor of the model
     (``study.learn_factors``: the attention matrices, the head and FFN
     permutations and the residual basis), since every one was re-initialised.
+  width_vit_fashion_{32,64,128}: the full-model scope of scopes_vit_fashion
+    (every model trained from scratch on Fashion-MNIST, five seeds) at three
+    widths, studied by the naive, full and learned methods. The head count
+    stays at 4 and the head dimension grows with the width (8, 16, 32), the
+    way the paper's presets and most Transformer families widen: the group
+    being aligned keeps its 4! head orders at every width and only the
+    within-head factors grow, so a trend in width is not a trend in the
+    number of head permutations; the FFN is twice the width. Sized to one
+    core (measured on one core of this machine, batches of 64, validating
+    every 100 steps: about 80, 42 and 19 training steps/s at widths 32, 64
+    and 128): 2 layers instead of 6, a budget of 7,000 steps (about 8
+    epochs; scopes_vit_fashion's full-model runs all ended at their
+    1,500-step budget with the best validation loss at the end, and a
+    pilot at width 32 was still improving by about 1 % per 100 steps at
+    3,000), the stopping rule reading the first 2,000 images of the
+    validation slice, no 24-permutation ablation.
+  width_vit_fashion_{32,64}_patience10: the same points with a patience of
+    10 validations (a window of 1,000 steps) instead of 4: under the cosine
+    schedule a run whose validation loss stalls for 400 steps while the
+    learning rate is still high stops far from its best (at width 64 the
+    patience-4 runs stopped between 1,300 and 4,300 steps, at test losses
+    0.39-0.55); these measure how much the barriers depend on where the
+    rule stops.
+  control_vit_fashion_spawn: the positive control of the width sweep, at
+    width 64: a base model trained 2,000 steps (its own warmup and cosine
+    decay; about 2.4 epochs), then five children spawned from it (the
+    "spawn" scope of experiments/reinit.py: every parameter trained, nothing
+    re-initialised, the seed changing only the order of the data) with a
+    fresh AdamW state, a warmup of 50 steps to a quarter of the base's peak
+    learning rate, and the stopping rule on a 7,000-step budget. Children of
+    one late checkpoint are expected to be linearly connected (Frankle et
+    al.'s instability analysis, whose children also keep the parent's
+    optimiser state and schedule; these restart both): no method may raise
+    their barrier beyond the report's floor of 0.02 nats, and the element
+    each method finds is reported by its distance to the identity.
 """
 
 from __future__ import annotations
@@ -92,6 +127,7 @@ from __future__ import annotations
 import ml_collections
 
 from attn_symmetry import matching
+from experiments import reinit
 from experiments.configs import default
 
 _VISION_SCHEDULE = dict(num_steps=1500, batch_size=64, learning_rate=2e-3, warmup_steps=100)
@@ -203,6 +239,51 @@ def _scopes(config: ml_collections.ConfigDict, dataset: str, scopes: tuple[str, 
     config.study.learn_factors = matching.LEARNED_FACTORS
   if transfer_to:
     config.reinit.dataset = transfer_to
+
+
+# The width sweep of the full-model scope (module docstring): one setting per width.
+SWEEP_WIDTHS = (32, 64, 128)
+SWEEP_HEADS = 4
+
+
+def _width_sweep(config: ml_collections.ConfigDict, width: int, patience: int = 4) -> None:
+  """The ViT on Fashion-MNIST at ``width``, 2 layers and ``SWEEP_HEADS`` heads (head dim
+  width / 4), every run trained from scratch ("full" scope) until its validation loss
+  has not improved in ``patience`` validations or 7,000 steps pass; studied by the naive,
+  full and learned methods."""
+  _scopes(config, "fashion_mnist_deb", ("full",), every_factor=True)
+  config.model.overrides.update(width=width, num_heads=SWEEP_HEADS, mlp_dim=2 * width, depth=2)
+  t = config.train
+  t.num_steps = 7000
+  t.eval_every = t.checkpoint_every = 1000
+  config.dataset.validation_examples = 2000
+  config.reinit.patience = patience
+  s = config.study
+  s.methods = ("naive", "full", "learned")
+  s.permutation_ablation = False
+
+
+WIDTH_SWEEP = {w: f"width_vit_fashion_{w}" for w in SWEEP_WIDTHS}  # width -> setting
+SETTINGS.update({name: (lambda c, w=w: _width_sweep(c, w)) for w, name in WIDTH_SWEEP.items()})
+# The same points under a rule 2.5 times as patient (module docstring).
+PATIENT_SWEEP = {w: f"width_vit_fashion_{w}_patience10" for w in (32, 64)}
+SETTINGS.update({name: (lambda c, w=w: _width_sweep(c, w, patience=10))
+                 for w, name in PATIENT_SWEEP.items()})
+
+
+def _spawn_control(config: ml_collections.ConfigDict) -> None:
+  """The positive control (module docstring): the width sweep's model at width 64, a base
+  model trained 2,000 steps, then five children of it ("spawn": nothing re-initialised,
+  every parameter trained, the seed changing only the data order) at a quarter of the
+  base's peak learning rate, each until its validation plateau or 7,000 steps."""
+  _width_sweep(config, 64)
+  config.train.num_steps = 2000  # the spawn point
+  config.reinit.scopes = (reinit.SPAWN,)
+  r = config.reinit
+  r.num_steps, r.learning_rate, r.warmup_steps = 7000, config.train.learning_rate / 4, 50
+
+
+SETTINGS["control_vit_fashion_spawn"] = _spawn_control
 
 
 def reduced(config: ml_collections.ConfigDict) -> None:

@@ -80,9 +80,14 @@ def runlocal(config: ml_collections.ConfigDict) -> None:
   train.log_every = 4
   train.eval_every = 8
   train.checkpoint_every = 4
-  config.reinit.num_steps = 4
+  # Every run takes 8 steps, validating at 4 and 8 under the stopping rule, whose patience of 1
+  # makes step 8 its earliest stop: a rule that cannot stop within a run's budget is refused
+  # (config_checks), and one that could stop sooner would cut the runs that tests check whole.
+  config.reinit.num_steps = 8
   config.reinit.warmup_steps = 1
-  config.reinit.validate_every = 2  # a setting's patience >= 4 cannot stop an 8-step run
+  config.reinit.validate_every = 4
+  if config.reinit.patience:
+    config.reinit.patience = 1
   config.reinit.seeds = (1, 2)
   config.study.num_lambdas = 5
   config.study.match_steps = 20
