@@ -345,9 +345,10 @@ def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Opti
   """
   try:
     a, b, model = _read_pair(path_a, path_b)
-    if os.path.realpath(a.path) == os.path.realpath(b.path):
-      warnings.warn(f"MODEL_A and MODEL_B are the same folder ({os.path.realpath(a.path)}): B is "
-                    "aligned to itself", AlignWarning, stacklevel=2)
+    real = os.path.realpath(a.path)
+    if real == os.path.realpath(b.path):
+      warnings.warn(f"MODEL_A and MODEL_B are the same folder ({real}): B is aligned to itself",
+                    AlignWarning, stacklevel=2)
     check_memory(a, b, model, options)
     if options.out is not None:
       _check_out(options.out, options.overwrite, (a, b))

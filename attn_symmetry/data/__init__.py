@@ -69,8 +69,8 @@ from attn_symmetry.data._splits import SplitRange
 from attn_symmetry.data._text import tokenize
 
 __all__ = [
-    "DATASETS", "DATA_DIR_ENV", "DEFAULT_SEQ_LEN", "DatasetInfo", "DatasetUnavailable", "Entry", "FASHION_MNIST_APT",
-    "SplitRange", "VOCAB_SIZE", "dataset_info", "dataset_kind", "default_data_dir",
-    "eval_iterator", "prepare_dataset", "prepare_command", "register_dataset", "split_range",
-    "tokenize", "train_iterator",
+    "DATASETS", "DATA_DIR_ENV", "DEFAULT_SEQ_LEN", "DatasetInfo", "DatasetUnavailable", "Entry",
+    "FASHION_MNIST_APT", "SplitRange", "VOCAB_SIZE", "dataset_info", "dataset_kind",
+    "default_data_dir", "eval_iterator", "prepare_dataset", "prepare_command", "register_dataset",
+    "split_range", "tokenize", "train_iterator",
 ]
