@@ -117,6 +117,13 @@ Settings:
     epochs; lm_gpt2_wiki_full's runs all ended at their 2,000-step budget, 0.4
     epoch, with the best validation loss near the end), validating every 200
     steps with a patience of 4 (a window of 800 steps).
+  data_vit_fashion_{5k,20k}, data_gpt2_wiki_{quarter,half}: the data-size
+    sweep at width 64: width_vit_fashion_64 trained on the first 5,000 or
+    20,000 of its 54,000 training images, and width_gpt2_wiki_64 on the first
+    quarter or half of the Wikipedia bytes' training split; the validation
+    slice, the test split, the budget and the rule are the full setting's.
+    The points with all of the training data are width_vit_fashion_64 and
+    width_gpt2_wiki_64.
   control_vit_fashion_spawn: the positive control of the width sweep, at
     width 64: a base model trained 2,000 steps (its own warmup and cosine
     decay; about 2.4 epochs), then five children spawned from it (the
@@ -302,6 +309,28 @@ def _lm_width_sweep(config: ml_collections.ConfigDict, width: int) -> None:
 
 SETTINGS.update({name: (lambda c, w=w: _lm_width_sweep(c, w))
                  for w, name in LM_WIDTH_SWEEP.items()})
+
+
+# The data-size sweep at width 64 (module docstring): setting -> the training slice it reads.
+# The whole training slice is width_vit_fashion_64's and width_gpt2_wiki_64's.
+DATA_SWEEP = {
+    "data_vit_fashion_5k": ("vit", "train[:5000]"),
+    "data_vit_fashion_20k": ("vit", "train[:20000]"),
+    "data_gpt2_wiki_quarter": ("gpt2", "train[:25%]"),
+    "data_gpt2_wiki_half": ("gpt2", "train[:50%]"),
+}
+
+
+def _data_sweep(config: ml_collections.ConfigDict, model: str, train_split: str) -> None:
+  """The width sweep's point at width 64 (``model`` "vit" or "gpt2") trained on the first
+  records of its training data only (``train_split``); the validation and test slices are
+  the full setting's."""
+  (_width_sweep if model == "vit" else _lm_width_sweep)(config, 64)
+  config.dataset.train_split = train_split
+
+
+SETTINGS.update({name: (lambda c, m=m, split=split: _data_sweep(c, m, split))
+                 for name, (m, split) in DATA_SWEEP.items()})
 
 
 def _spawn_control(config: ml_collections.ConfigDict) -> None:
