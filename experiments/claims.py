@@ -55,6 +55,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from experiments import regime
 from experiments import report
 from experiments import seed_statistics as ss
 
@@ -378,6 +379,14 @@ ACROSS: tuple[tuple[str, str, str, tuple[float, float]], ...] = (
 
 ACROSS_SETTING = "Table 1 settings"  # the setting cell of the rows across them
 
+# The paper's full-model claim as a trend: "as dataset scale and model capacity increase, the loss
+# landscape becomes sufficiently complex to preclude LMC", judged on each sweep's slope
+# (``regime.trends``: points of % of naive per doubling of the width or the data) of each
+# aligned method: it agrees when the slope's interval lies above 0, differs when below, and
+# is flat ("no gap") when inside [-delta_0, delta_0] per doubling.
+TREND = ("scale-precludes-lmc", "capacity and data scale preclude full-model LMC (the aligned "
+         "barrier, % of naive, rises per doubling of width or data)")
+
 
 class Row(NamedTuple):
   claim: str
@@ -486,7 +495,24 @@ def verdict_rows(results_root: str, rules: Rules = Rules()) -> list[Row]:
     judged = _across([s for s, _ in scopes], method, bounds, rules)
     (after,) = _corrected([judged], rules)
     rows.append(_row(key, text, ACROSS_SETTING, FIRST, "Table 1", judged, after, ""))
+  trends = [(sweep, m, _trend(s, rules)) for sweep in regime.SWEEPS
+            for m, s in regime.trends(results_root, sweep).items()]
+  for (sweep, method, judged), after in zip(trends, _corrected([j for *_, j in trends], rules)):
+    rows.append(_row(TREND[0], TREND[1], f"sweep {sweep.key}", method, "extrapolation", judged,
+                     after, ""))
   return rows
+
+
+def _trend(slope: regime.Slope | None, rules: Rules) -> Judged:
+  """``TREND``'s verdict on one slope: the ordering rule on its negation, so that a rise
+  agrees."""
+  if slope is None:
+    return _na("n/a: fewer than two points with a ratio")
+  unit = " points/doubling"
+  # -slope below 0 (the ordering rule's "agrees") is a rise
+  verdict, p, fallback = ordering_verdict(Estimate(-slope.estimate, slope.se, slope.df), rules)
+  text = f"{slope.estimate:+.1f}{unit} [{slope.low:+.1f}, {slope.high:+.1f}] (df {slope.df})"
+  return Judged(text, verdict, p, fallback, (slope.estimate, slope.low, slope.high, unit))
 
 
 def _p(p: float | None) -> str:

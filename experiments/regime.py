@@ -1,13 +1,15 @@
-"""Where full-model LMC holds: the width sweep's table and trend, from the committed runs.
+"""Where full-model LMC holds: the sweeps' tables and trends, from the committed runs.
 
-The settings ``width_vit_fashion_<w>`` of ``experiments/configs/cpu_paper.py`` train the
-same model at widths w (head count fixed, head dimension w / heads) from scratch on five
-seeds each, and study the "full" scope. ``width_table`` sets the committed ones side by
-side: per width, each method's mean loss barrier over the pairs with its 95 % interval over
-seeds (``seed_statistics.jackknife``), each method's barrier in % of naive, and how the
-runs ended (``report.training_cell``).
+A sweep (``Sweep``, ``SWEEPS``) is a set of settings of ``experiments/configs/cpu_paper.py``
+that differ in one quantity x and study the "full" scope (every model trained from scratch
+on five seeds): the ViT's and the byte-level GPT-2's widths (head count fixed, head
+dimension w / heads), and the training data's size at width 64. ``sweep_table`` sets a
+sweep's committed points side by side: per point, each method's mean loss barrier over the
+pairs with its 95 % interval over seeds (``seed_statistics.jackknife``), each method's
+barrier in % of naive, and how the runs ended (``report.training_cell``); ``width_table``
+is the ViT's width sweep with its points under a more patient rule.
 
-The trend is a slope against log2 width. With k widths x_i = log2 w_i, per-width
+The trend is a slope against log2 x (below, "width" for x). With k widths x_i = log2 w_i, per-width
 estimates m_i (the mean over that width's pairs) and their seed-level standard errors
 SE_i, the least-squares slope is
 
@@ -23,8 +25,8 @@ its error follows the seeds as every other interval here does.
 ``control_table`` reports the positive control (``CONTROL``: children spawned from one
 checkpoint, the "spawn" scope of ``experiments/reinit.py``): each method's barrier, its paired
 difference to naive judged against ``CONTROL_MARGIN``, and how near the element it found is to
-the identity. ``plot_width`` draws the sweep (``python -m experiments.regime`` writes
-``results/width_sweep.png``).
+the identity. ``plot_sweep`` draws a sweep (``python -m experiments.regime`` writes
+``results/<sweep.figure>`` for every sweep with a committed point).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from matplotlib import figure
@@ -42,7 +44,46 @@ from experiments import report
 from experiments import seed_statistics as ss
 from experiments.configs import cpu_paper
 
-METHODS = ("naive", "full", "learned")
+# The order of the columns: these first, then any other method a point has, by name.
+METHOD_ORDER = ("naive", "full", "activation", "learned")
+
+
+class Sweep(NamedTuple):
+  """Settings that differ in one quantity x, studied in the "full" scope.
+
+  Attributes:
+    key: a name for the sweep (figure file, anchors).
+    title: what is swept, for the figure's title.
+    axis: the x axis's label.
+    points: x -> the setting that has it.
+    label: the table's cell for x.
+    figure: the file under results/ that ``plot_sweep`` writes.
+  """
+  key: str
+  title: str
+  axis: str
+  points: dict[float, str]
+  label: Callable[[float], str]
+  figure: str
+
+
+_HEADS = cpu_paper.SWEEP_HEADS
+_width_axis = f"width ({_HEADS} heads, head dim = width / {_HEADS})"
+_width_label = lambda w: f"{w:g} ({int(w) // _HEADS})"
+VIT_WIDTH = Sweep("vit_width", "ViT on Fashion-MNIST, full model re-initialised, by width",
+                  _width_axis, dict(cpu_paper.WIDTH_SWEEP), _width_label, "width_sweep.png")
+GPT2_WIDTH = Sweep("gpt2_width", "byte-level GPT-2 on Wikipedia, full model re-initialised, "
+                   "by width", _width_axis, dict(cpu_paper.LM_WIDTH_SWEEP), _width_label,
+                   "width_sweep_gpt2.png")
+VIT_DATA = Sweep("vit_data", "ViT on Fashion-MNIST at width 64, by training images",
+                 "training images", {5000: "data_vit_fashion_5k", 20000: "data_vit_fashion_20k",
+                                     54000: cpu_paper.WIDTH_SWEEP[64]},
+                 lambda n: f"{n:,.0f}", "data_sweep_vit.png")
+GPT2_DATA = Sweep("gpt2_data", "byte-level GPT-2 at width 64, by training bytes",
+                  "fraction of the training split's articles",
+                  {0.25: "data_gpt2_wiki_quarter", 0.5: "data_gpt2_wiki_half",
+                   1.0: cpu_paper.LM_WIDTH_SWEEP[64]}, lambda f: f"{f:g}", "data_sweep_gpt2.png")
+SWEEPS = (VIT_WIDTH, GPT2_WIDTH, VIT_DATA, GPT2_DATA)
 
 
 class Slope(NamedTuple):
@@ -88,12 +129,12 @@ def _pairs(res: dict[str, Any], method: str, ratio: bool) -> list[ss.Pair]:
   return out
 
 
-def _committed(results_root: str, sweep: dict[int, str] | None = None
-               ) -> list[tuple[int, str, dict[str, Any], dict[str, Any]]]:
-  """(width, setting, run.json, the "full" scope's results.json) of each committed point of
-  ``sweep`` (width -> setting; ``cpu_paper.WIDTH_SWEEP`` by default)."""
+def _committed(results_root: str, points: dict[float, str] | None = None
+               ) -> list[tuple[float, str, dict[str, Any], dict[str, Any]]]:
+  """(x, setting, run.json, the "full" scope's results.json) of each committed point of
+  ``points`` (x -> setting; the ViT's width sweep by default)."""
   out = []
-  for width, setting in sorted((sweep or cpu_paper.WIDTH_SWEEP).items()):
+  for width, setting in sorted((points or VIT_WIDTH.points).items()):
     folder = os.path.join(results_root, setting)
     if not os.path.exists(os.path.join(folder, "run.json")):
       continue
@@ -110,60 +151,103 @@ def _show(i: ss.Interval | None, digits: int) -> str:
   return f"{i.estimate:.{digits}f} [{i.low:.{digits}f}, {i.high:.{digits}f}]"
 
 
-def _header() -> list[str]:
-  return ["| width (head dim) | seeds | " + " | ".join(
-               f"{m}: loss barrier" for m in METHODS) + " | " +
-           " | ".join(f"{m} (% of naive)" for m in METHODS[1:]) +
-           " | training | wall time |",
-           "|" + "---|" * (2 + 2 * len(METHODS) - 1 + 2)]
+def methods_of(results: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+  """The methods that every pair of every results.json has, in ``METHOD_ORDER`` and then by
+  name (naive first: the ratios divide by it)."""
+  common = set.intersection(*(set(p["methods"]) for res in results for p in res["pairs"]))
+  return (*(m for m in METHOD_ORDER if m in common),
+          *sorted(m for m in common if m not in METHOD_ORDER))
 
 
-def width_table(results_root: str) -> str:
-  """Markdown: the committed points of the width sweep, one row per width, then the slope of
-  each method's barrier (nats, and % of naive) per doubling of the width; then the points rerun
-  under the more patient rule (``cpu_paper.PATIENT_SWEEP``), where committed."""
-  points = _committed(results_root)
+def _header(sweep: Sweep, methods: Sequence[str]) -> list[str]:
+  x = "width (head dim)" if sweep.axis == _width_axis else sweep.axis
+  return [f"| {x} | seeds | " + " | ".join(f"{m}: loss barrier" for m in methods) + " | " +
+          " | ".join(f"{m} (% of naive)" for m in methods[1:]) + " | training | wall time |",
+          "|" + "---|" * (2 + 2 * len(methods) - 1 + 2)]
+
+
+def trends(results_root: str, sweep: Sweep) -> dict[str, Slope | None]:
+  """Each aligned method's slope of the barrier in % of naive per doubling of x, over the
+  committed points of ``sweep`` that have it ({} when none is committed)."""
+  points = _committed(results_root, sweep.points)
   if not points:
-    return "No point of the width sweep is committed yet."
-  lines = _header()
-  barriers = {m: [] for m in METHODS}
-  ratios = {m: [] for m in METHODS[1:]}
-  for width, _, run, res in points:
-    line, b, r = _row(width, run, res)
+    return {}
+  methods = methods_of([res for *_, res in points])
+  out = {}
+  for m in methods[1:]:
+    kept = [(x, i) for x, *_, res in points
+            if (i := ss.jackknife(_pairs(res, m, ratio=True))) is not None]
+    out[m] = slope([x for x, _ in kept], [i for _, i in kept]) if kept else None
+  return out
+
+
+def sweep_table(results_root: str, sweep: Sweep) -> str:
+  """Markdown: the committed points of ``sweep``, one row per x, then the slope of each
+  method's barrier (nats, and % of naive) per doubling of x."""
+  points = _committed(results_root, sweep.points)
+  if not points:
+    return f"No point of the sweep '{sweep.title}' is committed yet."
+  methods = methods_of([res for *_, res in points])
+  lines = _header(sweep, methods)
+  barriers = {m: [] for m in methods}
+  ratios = {m: [] for m in methods[1:]}
+  for x, _, run, res in points:
+    line, b, r = _row(sweep, x, run, res, methods)
     lines.append(line)
-    for m in METHODS:
-      barriers[m].append((width, b[m]))
-    for m in METHODS[1:]:
-      ratios[m].append((width, r[m]))
-  lines += ["", "Slope per doubling of the width (least squares against log2 width over the "
-                "committed widths; 95 % interval from the per-width seed-level standard errors):",
-            "", "| statistic | slope per doubling | 95 % interval | widths |", "|---|---|---|---|"]
+    for m in methods:
+      barriers[m].append((x, b[m]))
+    for m in methods[1:]:
+      ratios[m].append((x, r[m]))
+  what = "the width" if sweep.axis == _width_axis else sweep.axis
+  lines += ["", f"Slope per doubling of {what} (least squares against log2 of it over the "
+                "committed points; 95 % interval from the per-point seed-level standard "
+                "errors):",
+            "", "| statistic | slope per doubling | 95 % interval | points |", "|---|---|---|---|"]
   for label, table, unit, digits in (("loss barrier", barriers, " nats", 4),
                                      ("% of naive", ratios, " points", 1)):
     for m, points_m in table.items():
-      kept = [(w, i) for w, i in points_m if i is not None]
-      s = slope([w for w, _ in kept], [i for _, i in kept]) if kept else None
-      widths = ", ".join(str(w) for w, _ in kept)
+      kept = [(x, i) for x, i in points_m if i is not None]
+      s = slope([x for x, _ in kept], [i for _, i in kept]) if kept else None
+      xs = ", ".join(sweep.label(x) for x, _ in kept)
       if s is None:
-        lines.append(f"| {m}: {label} | n/a | n/a | {widths} |")
+        lines.append(f"| {m}: {label} | n/a | n/a | {xs} |")
       else:
         lines.append(f"| {m}: {label} | {s.estimate:+.{digits}f}{unit} | "
-                     f"[{s.low:+.{digits}f}, {s.high:+.{digits}f}] | {widths} |")
-  patient = _committed(results_root, cpu_paper.PATIENT_SWEEP)
-  if patient:
-    lines += ["", "The same points under a rule with a 1,000-step window (patience 10):", "",
-              *_header(), *(_row(width, run, res)[0] for width, _, run, res in patient)]
+                     f"[{s.low:+.{digits}f}, {s.high:+.{digits}f}] | {xs} |")
   return "\n".join(lines)
 
 
-def _row(width: int, run: dict[str, Any], res: dict[str, Any]
+def width_table(results_root: str) -> str:
+  """Markdown: the ViT's width sweep (``sweep_table``), then its points rerun under the more
+  patient rule (``cpu_paper.PATIENT_SWEEP``), where committed."""
+  if not _committed(results_root, VIT_WIDTH.points):
+    return "No point of the width sweep is committed yet."
+  lines = [sweep_table(results_root, VIT_WIDTH)]
+  patient = _committed(results_root, cpu_paper.PATIENT_SWEEP)
+  if patient:
+    methods = methods_of([res for *_, res in patient])
+    lines += ["", "The same points under a rule with a 1,000-step window (patience 10):", "",
+              *_header(VIT_WIDTH, methods),
+              *(_row(VIT_WIDTH, x, run, res, methods)[0] for x, _, run, res in patient)]
+  return "\n".join(lines)
+
+
+def other_sweeps_table(results_root: str) -> str:
+  """Markdown: every sweep but the ViT's width sweep, each under a heading of its title."""
+  return "\n\n".join(f"**{sweep.title[0].upper() + sweep.title[1:]}** "
+                      f"(figure: [{sweep.figure}]({sweep.figure}))\n\n"
+                      + sweep_table(results_root, sweep) for sweep in SWEEPS[1:])
+
+
+def _row(sweep: Sweep, x: float, run: dict[str, Any], res: dict[str, Any],
+         methods: Sequence[str]
          ) -> tuple[str, dict[str, ss.Interval | None], dict[str, ss.Interval | None]]:
   """(the table row of one point, each method's barrier and ratio intervals)."""
-  b = {m: ss.jackknife(_pairs(res, m, ratio=False)) for m in METHODS}
-  r = {m: ss.jackknife(_pairs(res, m, ratio=True)) for m in METHODS[1:]}
+  b = {m: ss.jackknife(_pairs(res, m, ratio=False)) for m in methods}
+  r = {m: ss.jackknife(_pairs(res, m, ratio=True)) for m in methods[1:]}
   seeds = b["naive"].num_seeds if b["naive"] else "n/a"
-  row = [f"{width} ({width // cpu_paper.SWEEP_HEADS})", str(seeds),
-         *(_show(b[m], 4) for m in METHODS), *(_show(r[m], 1) for m in METHODS[1:]),
+  row = [sweep.label(x), str(seeds),
+         *(_show(b[m], 4) for m in methods), *(_show(r[m], 1) for m in methods[1:]),
          report.training_cell(run.get("training", {}), "full"), f"{run['wall_seconds'] / 60:.0f} min"]
   return "| " + " | ".join(row) + " |", b, r
 
@@ -220,7 +304,7 @@ def control_table(results_root: str) -> str:
   lines = [f"| method | loss barrier | method − naive | verdict (margin {CONTROL_MARGIN:g} nats) "
            "| element against the identity |", "|---|---|---|---|---|"]
   naive = _pairs(res, "naive", ratio=False)
-  for m in METHODS:
+  for m in methods_of([res]):
     b = ss.jackknife(_pairs(res, m, ratio=False))
     if m == "naive":
       lines.append(f"| naive | {_show(b, 4)} | | | |")
@@ -233,41 +317,41 @@ def control_table(results_root: str) -> str:
   return "\n".join(lines)
 
 
-FIGURE = "width_sweep.png"  # under results/, written by ``python -m experiments.regime``
+FIGURE = VIT_WIDTH.figure  # under results/, written by ``python -m experiments.regime``
 
 
-def plot_width(results_root: str, path: str) -> str | None:
-  """PNG of each method's mean loss barrier against width (log scale), with its 95 % interval
+def plot_sweep(results_root: str, path: str, sweep: Sweep = VIT_WIDTH) -> str | None:
+  """PNG of each method's mean loss barrier against x (log scale), with its 95 % interval
   over seeds as a band, and of the same in % of naive; None when no point is committed."""
-  points = _committed(results_root)
+  points = _committed(results_root, sweep.points)
   if not points:
     return None
-  widths = [w for w, *_ in points]
+  xs = [x for x, *_ in points]
+  methods = methods_of([res for *_, res in points])
   fig = figure.Figure(figsize=(9, 3.6))
   axes = fig.subplots(1, 2)
-  for ax, ratio, methods, ylabel in ((axes[0], False, METHODS, "loss barrier (nats)"),
-                                     (axes[1], True, METHODS[1:], "loss barrier, % of naive")):
-    for m in methods:
+  for ax, ratio, shown, ylabel in ((axes[0], False, methods, "loss barrier"),
+                                   (axes[1], True, methods[1:], "loss barrier, % of naive")):
+    for m in shown:
       cis = [ss.jackknife(_pairs(res, m, ratio)) for *_, res in points]
-      kept = [(w, i) for w, i in zip(widths, cis) if i is not None]
-      ax.plot([w for w, _ in kept], [i.estimate for _, i in kept], "o-", label=m,
+      kept = [(x, i) for x, i in zip(xs, cis) if i is not None]
+      ax.plot([x for x, _ in kept], [i.estimate for _, i in kept], "o-", label=m,
               color=report.COLORS.get(m))
-      ax.fill_between([w for w, _ in kept], [i.low for _, i in kept],
+      ax.fill_between([x for x, _ in kept], [i.low for _, i in kept],
                       [i.high for _, i in kept], alpha=0.2, color=report.COLORS.get(m))
     ax.set_xscale("log", base=2)
-    ax.set_xticks(widths, [str(w) for w in widths])
-    ax.set_xlabel(f"width ({cpu_paper.SWEEP_HEADS} heads, head dim = width / "
-                  f"{cpu_paper.SWEEP_HEADS})")
+    ax.set_xticks(xs, [sweep.label(x) for x in xs])
+    ax.set_xlabel(sweep.axis)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
   axes[0].legend(fontsize=8)
-  fig.suptitle("ViT on Fashion-MNIST, full model re-initialised: mean over pairs, "
-               "95 % interval over seeds")
+  fig.suptitle(f"{sweep.title}: mean over pairs, 95 % interval over seeds")
   fig.tight_layout()
   atomic_io.save_figure(fig, path, dpi=120)
   return path
 
 
-if __name__ == "__main__":  # python -m experiments.regime: the figure of the committed sweep
+if __name__ == "__main__":  # python -m experiments.regime: the figure of every committed sweep
   _results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
-  print(plot_width(_results, os.path.join(_results, FIGURE)))
+  for _sweep in SWEEPS:
+    print(plot_sweep(_results, os.path.join(_results, _sweep.figure), _sweep))

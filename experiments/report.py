@@ -29,7 +29,7 @@ RERUN_FOLDERS = (REDUCED, EVERY_CORE)
 # The paired differences that reports show: (x, y) for x - y, in % of naive.
 DIFFERENCES = (("ortho", "perm"), ("full", "ortho"), ("learned", "full"))
 COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green",
-           "learned": "tab:red"}
+           "activation": "tab:purple", "learned": "tab:red"}
 
 
 def _finite(values: Sequence[float | None]) -> np.ndarray:

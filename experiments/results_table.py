@@ -41,6 +41,9 @@ TRAJECTORY_END = "<!-- end of trajectory check -->"
 WIDTH_BEGIN = ("<!-- width sweep: written by experiments/reproduce.py --table from "
                "experiments/regime.py; do not edit -->")
 WIDTH_END = "<!-- end of width sweep -->"
+SWEEPS_BEGIN = ("<!-- other sweeps: written by experiments/reproduce.py --table from "
+                "experiments/regime.py; do not edit -->")
+SWEEPS_END = "<!-- end of other sweeps -->"
 CONTROL_BEGIN = ("<!-- positive control: written by experiments/reproduce.py --table from "
                  "experiments/regime.py; do not edit -->")
 CONTROL_END = "<!-- end of positive control -->"
@@ -261,9 +264,10 @@ def write(results_root: str) -> str:
   verdicts on the paper's claims (``claims.verdict_table``, between ``VERDICTS_BEGIN`` and
   ``VERDICTS_END``), the findings drawn from them (``claims.findings``, between
   ``FINDINGS_BEGIN`` and ``FINDINGS_END``), the trajectory check (``trajectory_table``,
-  between ``TRAJECTORY_BEGIN`` and ``TRAJECTORY_END``), and the width sweep and its positive
-  control (``regime.width_table`` and ``regime.control_table``, between ``WIDTH_BEGIN`` and
-  ``WIDTH_END``, ``CONTROL_BEGIN`` and ``CONTROL_END``)."""
+  between ``TRAJECTORY_BEGIN`` and ``TRAJECTORY_END``), the ViT's width sweep, the other
+  sweeps and the positive control (``regime.width_table``, ``regime.other_sweeps_table`` and
+  ``regime.control_table``, between ``WIDTH_BEGIN`` and ``WIDTH_END``, ``SWEEPS_BEGIN`` and
+  ``SWEEPS_END``, ``CONTROL_BEGIN`` and ``CONTROL_END``)."""
   for d in setting_dirs(results_root):
     restate(d)
   path = os.path.join(results_root, "README.md")
@@ -277,6 +281,8 @@ def write(results_root: str) -> str:
   text = _replace_between(text, TRAJECTORY_BEGIN, TRAJECTORY_END,
                           trajectory_table(results_root), path)
   text = _replace_between(text, WIDTH_BEGIN, WIDTH_END, regime.width_table(results_root), path)
+  text = _replace_between(text, SWEEPS_BEGIN, SWEEPS_END,
+                          regime.other_sweeps_table(results_root), path)
   text = _replace_between(text, CONTROL_BEGIN, CONTROL_END, regime.control_table(results_root),
                           path)
   atomic_io.write_text(path, text)

@@ -225,3 +225,16 @@ def test_a_second_trajectory_says_whether_each_verdict_holds(tmp_path):
   other = {r.claim: r.other for r in claims.verdict_rows(str(tmp_path)) if r.setting == "s"}
   assert other["full method at 7-12 % of naive"] == "→ differs"
   assert other["Variant 1 high (above 16 %)"] == "holds"
+
+
+@pytest.mark.parametrize("estimate, verdict", [(6.0, claims.AGREES), (-6.0, claims.DIFFERS),
+                                               (0.1, claims.NO_GAP), (1.5, claims.UNDETERMINED)])
+def test_the_scale_trend_agrees_on_a_rise_differs_on_a_fall_and_is_flat_inside_the_margin(
+    estimate, verdict):
+  se = {claims.NO_GAP: 0.2, claims.UNDETERMINED: 1.0}.get(verdict, 0.5)
+  t = claims.ss.t_quantile(0.975, 4) * se
+  slope = claims.regime.Slope(estimate, estimate - t, estimate + t, se, 4)
+  judged = claims._trend(slope, claims.Rules())
+  assert judged.verdict == verdict
+  assert judged.figure == (estimate, estimate - t, estimate + t, " points/doubling")
+  assert claims._trend(None, claims.Rules()).verdict == claims.NA

@@ -124,3 +124,22 @@ def test_control_verdict_against_the_margin(low, high, verdict):
   interval = ss.Interval((low + high) / 2, low, high, 5, 10, 0.0)
   assert regime.control_verdict(ss.Difference(interval.estimate, interval, 0, 0, 0)) == verdict
   assert regime.CONTROL_MARGIN == 0.02
+
+
+def test_a_sweep_table_shows_every_method_its_points_have_and_judges_each_trend(tmp_path):
+  sweep = regime.GPT2_DATA
+  for x, naive in ((0.25, 2.0), (0.5, 1.6), (1.0, 1.2)):
+    res = _results(naive, 0.5 * naive, 0.2 * naive)
+    for p in res["pairs"]:
+      p["methods"]["activation"] = {"loss_barrier": 0.3 * p["methods"]["naive"]["loss_barrier"],
+                                    "accuracy_barrier": 0.0}
+    _commit_point(str(tmp_path), x, res, {}, sweep=sweep.points)
+  table = regime.sweep_table(str(tmp_path), sweep)
+  header = table.splitlines()[0]
+  assert header.index("full: loss") < header.index("activation: loss") < header.index(
+      "learned: loss")
+  assert "| 0.25 | 5 | " in table and "| activation: % of naive | +0.0 points |" in table
+  slopes = regime.trends(str(tmp_path), sweep)
+  assert set(slopes) == {"full", "activation", "learned"}
+  assert slopes["activation"].estimate == pytest.approx(0.0, abs=1e-9)
+  assert "No point of the sweep" in regime.sweep_table(str(tmp_path), regime.VIT_DATA)
