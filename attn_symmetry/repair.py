@@ -74,12 +74,12 @@ class Moments:
 class _Point:
   """One repaired point: its intermediate's name and the leaves the correction folds into.
 
-  ``writer`` "out": the attention output projection, channels on the kernel's last axis;
-  "down": the FFN down projection, channels on the kernel's first axis. ``bias`` is None where
-  the family has no bias there (only the scale folds).
+  ``writes``: True when the kernel writes the point (its last axis holds the channels: the
+  attention output projection), False when it reads it (its first axis: the FFN down
+  projection). ``bias`` is None where the family has no bias there (only the scale folds).
   """
   name: str
-  writer: str
+  writes: bool
   kernel: str
   bias: str | None
 
@@ -96,16 +96,13 @@ def _points(model: Any, points: Sequence[str]) -> list[_Point]:
     for kind in POINTS:
       if kind not in points:
         continue
-      if kind == "attention":
-        prefix, writer = f"layers_{i}/attention/out", "out"
-      else:
-        prefix = f"layers_{i}/mlp/{'down' if getattr(cfg, 'gated_mlp', False) else 'wo'}"
-        writer = "down"
-      kernel, bias = f"{prefix}/kernel", f"{prefix}/bias"
+      leaf, writes = (("attention/out", True) if kind == "attention" else
+                      (f"mlp/{'down' if getattr(cfg, 'gated_mlp', False) else 'wo'}", False))
+      kernel, bias = f"layers_{i}/{leaf}/kernel", f"layers_{i}/{leaf}/bias"
       if kernel not in shapes:
         raise ValueError(f"REPAIR cannot fold into family {cfg.family!r}: it has no {kernel} "
                          f"to take the {kind!r} point's correction")
-      found.append(_Point(f"layers_{i}/{kind}", writer, kernel, bias if bias in shapes else None))
+      found.append(_Point(f"layers_{i}/{kind}", writes, kernel, bias if bias in shapes else None))
   return found
 
 
@@ -212,15 +209,15 @@ def _fold(params: Params, point: _Point, a: np.ndarray, c: np.ndarray | None) ->
   kernel = flat[point.kernel]
   dtype = kernel.dtype
   a_ = jnp.asarray(a, dtype)
-  if point.writer == "down":  # [F, D]: rows are channels
+  if point.writes:  # [..., C]: the last axis holds the channels
+    flat[point.kernel] = (kernel * a_).astype(dtype)
+    if c is not None:
+      flat[point.bias] = (flat[point.bias] * a_ + jnp.asarray(c, dtype)).astype(dtype)
+  else:  # [C, D]: the rows are the channels
     flat[point.kernel] = (kernel * a_[:, None]).astype(dtype)
     if c is not None:
       shift = jnp.tensordot(jnp.asarray(c, dtype), kernel, 1, precision=jax.lax.Precision.HIGHEST)
       flat[point.bias] = (flat[point.bias] + shift).astype(dtype)
-  else:  # [N, H, D]: the last axis holds the channels
-    flat[point.kernel] = (kernel * a_).astype(dtype)
-    if c is not None:
-      flat[point.bias] = (flat[point.bias] * a_ + jnp.asarray(c, dtype)).astype(dtype)
   return spec_lib.unflatten(flat)
 
 
