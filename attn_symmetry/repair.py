@@ -1,0 +1,287 @@
+"""REPAIR for Transformers: the interpolated model's per-channel statistics reset, folded into
+its weights (docs/lmc.md, 'REPAIR').
+
+REPAIR (Jordan et al., 2022) corrects the variance collapse of an interpolated network: at
+each repaired point, channel j of the interpolated model theta(lam) = (1 - lam) theta_A +
+lam theta_B has mean mu_lam and standard deviation sigma_lam on a few batches, and is moved to
+the interpolation of the endpoints' statistics,
+
+    mu_t = (1 - lam) mu_A + lam mu_B,        sigma_t = (1 - lam) sigma_A + lam sigma_B,
+
+by the affine map h -> a h + c with a = sigma_t / sigma_lam and c = mu_t - a mu_lam. The map is
+folded into the weights that write the point, so the repaired model is a standard checkpoint
+of the same architecture. The points (``POINTS``), in each layer ``layers_i``:
+
+* "attention": the attention output y [B, T, D] after W_O (``Model.apply``'s intermediate
+  "layers_i/attention"). a scales W_O's output columns (``attention/out/kernel`` [N, H, D])
+  and its bias; c is added to the bias: y' = z (W_O a) + (a b_O + c).
+* "mlp": the FFN hidden units h [B, T, F] ("layers_i/mlp"). a scales the rows of the down
+  projection (``mlp/wo/kernel`` [F, D], ``mlp/down/kernel`` for a gated FFN); c W_down is
+  added to its bias: (a h + c) W + b = h (a W) + (c W + b). The fold sits after the point, so
+  ``Model.apply`` reports the uncorrected h there and the down projection reads a h + c.
+
+A shift folds only where the family has the bias that takes it (``Config.out_bias`` for
+"attention", ``Config.mlp_bias`` for "mlp"): ViT, BERT, GPT-2 and GPT-NeoX fold both parts of
+both points; Llama (no biases) folds the scales alone, c = 0, and the repaired mean is then
+a mu_lam instead of mu_t (the info's "mean_gap" measures it). The points are repaired in
+forward order, each measured with the earlier ones already repaired, as REPAIR re-estimates;
+a repair changes nothing upstream of its point, so the repaired model meets every target.
+
+Statistics stream: one jitted pass per batch returns, per point, the batch's count, a shift
+(the first counted position's activation), the shifted mean and the centred sum of squares;
+the host merges batches in float64 (Chan et al.'s pairwise update). A constant channel gives
+exactly zero variance. No activations are kept beyond one batch.
+
+This module imports jax and numpy only; the model (``models.Model``) is an argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_symmetry import lmc
+from attn_symmetry import spec as spec_lib
+
+Params = Any
+POINTS = ("attention", "mlp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Moments:
+  """Per-channel statistics of one point over the counted positions of the batches.
+
+  Attributes:
+    count: the number of positions counted (mask True; every position without a mask).
+    mean: [C] float64 channel means.
+    var: [C] float64 population variances.
+  """
+  count: float
+  mean: np.ndarray
+  var: np.ndarray
+
+  @property
+  def std(self) -> np.ndarray:
+    return np.sqrt(self.var)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Point:
+  """One repaired point: its intermediate's name and the leaves the correction folds into.
+
+  ``writes``: True when the kernel writes the point (its last axis holds the channels: the
+  attention output projection), False when it reads it (its first axis: the FFN down
+  projection). ``bias`` is None where the family has no bias there (only the scale folds).
+  """
+  name: str
+  writes: bool
+  kernel: str
+  bias: str | None
+
+
+def _points(model: Any, points: Sequence[str]) -> list[_Point]:
+  """The repaired points in forward order; ValueError for an unknown point name or a family
+  that lacks what a point folds into."""
+  unknown = [p for p in points if p not in POINTS]
+  if unknown or not points:
+    raise ValueError(f"repair points must be a non-empty subset of {POINTS}, got {tuple(points)}")
+  cfg, shapes = model.config, model.param_shapes
+  found = []
+  for i in range(cfg.depth):
+    for kind in POINTS:
+      if kind not in points:
+        continue
+      leaf, writes = (("attention/out", True) if kind == "attention" else
+                      (f"mlp/{'down' if getattr(cfg, 'gated_mlp', False) else 'wo'}", False))
+      kernel, bias = f"layers_{i}/{leaf}/kernel", f"layers_{i}/{leaf}/bias"
+      if kernel not in shapes:
+        raise ValueError(f"REPAIR cannot fold into family {cfg.family!r}: it has no {kernel} "
+                         f"to take the {kind!r} point's correction")
+      found.append(_Point(f"layers_{i}/{kind}", writes, kernel, bias if bias in shapes else None))
+  return found
+
+
+def _batch_parts(model: Any, batch: Any) -> tuple[Any, Any, Any]:
+  """(inputs, mask, segments) of one batch: an array of inputs, or a mapping with the inputs
+  under "inputs" or the model's input key ("tokens", "image") and optional "mask" and
+  "segments"."""
+  if not isinstance(batch, Mapping):
+    return batch, None, None
+  key = "inputs" if "inputs" in batch else getattr(model, "input_key", "inputs")
+  if key not in batch:
+    raise ValueError(f"a repair batch needs its inputs under 'inputs' or {key!r}; it has "
+                     f"{sorted(batch)}")
+  return batch[key], batch.get("mask"), batch.get("segments")
+
+
+def moments_fn(model: Any, names: Sequence[str]) -> Callable[..., dict[str, tuple]]:
+  """The jitted statistics of one batch: ``(params, inputs, mask, segments) -> {name: (n,
+  shift [C], mean [C], m2 [C])}``.
+
+  For the intermediate x [..., C] of each name, over the positions with mask True (all when
+  mask is None): n the count, shift the first counted position's x, mean the mean of x - shift
+  and m2 the sum of squares of x - shift about it, in the activations' dtype. Pure; one
+  compilation serves every model of the same shapes and dtypes.
+  """
+  names = tuple(names)
+
+  def moments(params, inputs, mask, segments):
+    _, inter = model.apply(params, inputs, mask=mask, segments=segments)
+    out = {}
+    for name in names:
+      x = inter[name]
+      x = x.reshape(-1, x.shape[-1])
+      w = (jnp.ones(x.shape[:1], x.dtype) if mask is None
+           else jnp.reshape(mask, (-1,)).astype(x.dtype))
+      shift = x[jnp.argmax(w > 0)]
+      y = x - shift
+      n = jnp.sum(w)
+      mean = jnp.sum(w[:, None] * y, 0) / jnp.maximum(n, 1)
+      m2 = jnp.sum(w[:, None] * jnp.square(y - mean), 0)
+      out[name] = (n, shift, mean, m2)
+    return out
+
+  return jax.jit(moments)
+
+
+def _accumulate(fn: Callable[..., dict[str, tuple]], model: Any, params: Params,
+                batches: Iterable[Any], names: Sequence[str]) -> dict[str, Moments]:
+  """The batches' ``Moments`` of ``names`` under ``params``, merged in float64 on the host."""
+  totals: dict[str, tuple[float, np.ndarray, np.ndarray]] = {}
+  for batch in batches:
+    inputs, mask, segments = _batch_parts(model, batch)
+    for name, (n, shift, mean, m2) in fn(params, inputs, mask, segments).items():
+      n = float(n)
+      if n == 0:
+        continue
+      mean = np.asarray(shift, np.float64) + np.asarray(mean, np.float64)
+      m2 = np.asarray(m2, np.float64)
+      if name not in totals:
+        totals[name] = (n, mean, m2)
+        continue
+      count, total_mean, total_m2 = totals[name]
+      merged, delta = count + n, mean - total_mean
+      totals[name] = (merged, total_mean + delta * (n / merged),
+                      total_m2 + m2 + delta ** 2 * (count * n / merged))
+  if not totals:
+    raise ValueError("repair got no batches (or no position with mask True)")
+  return {name: Moments(n, mean, m2 / n) for name, (n, mean, m2) in totals.items()}
+
+
+def statistics(model: Any, params: Params, batches: Iterable[Any],
+               names: Sequence[str]) -> dict[str, Moments]:
+  """Per-channel ``Moments`` of the intermediates ``names`` ("layers_0/mlp", ...) of
+  ``model.apply(params, .)`` over ``batches``, streamed a batch at a time.
+
+  Args:
+    model: a ``models.Model``.
+    params: its parameters.
+    batches: model inputs (tokens [B, T], images [B, S, S, C]), or mappings holding them under
+      "inputs" or the model's input key with an optional bool "mask" [B, T] (positions with
+      False are not counted) and "segments"; iterated once.
+    names: intermediates of ``Model.apply``.
+  """
+  return _accumulate(moments_fn(model, names), model, params, batches, names)
+
+
+def _flat(m: Moments, eps: float) -> np.ndarray:
+  """bool [C]: channels whose standard deviation is at the rounding level of the activations,
+  eps (|mean| + the point's RMS standard deviation), zero included."""
+  std = m.std
+  return std <= eps * (np.abs(m.mean) + np.sqrt(np.mean(m.var)))
+
+
+def _check_finite(stats: Mapping[str, Moments], names: Sequence[str], which: str) -> None:
+  for name in names:
+    m = stats[name]
+    if not (np.isfinite(m.mean).all() and np.isfinite(m.var).all()):
+      raise ValueError(f"REPAIR: the activations at {name} of {which} are not finite")
+
+
+def _fold(params: Params, point: _Point, a: np.ndarray, c: np.ndarray | None) -> Params:
+  """``params`` with h -> a h + c at ``point`` folded into its writer (module docstring)."""
+  flat = dict(spec_lib.flatten(params))
+  kernel = flat[point.kernel]
+  dtype = kernel.dtype
+  a_ = jnp.asarray(a, dtype)
+  if point.writes:  # [..., C]: the last axis holds the channels
+    flat[point.kernel] = (kernel * a_).astype(dtype)
+    if c is not None:
+      flat[point.bias] = (flat[point.bias] * a_ + jnp.asarray(c, dtype)).astype(dtype)
+  else:  # [C, D]: the rows are the channels
+    flat[point.kernel] = (kernel * a_[:, None]).astype(dtype)
+    if c is not None:
+      shift = jnp.tensordot(jnp.asarray(c, dtype), kernel, 1, precision=jax.lax.Precision.HIGHEST)
+      flat[point.bias] = (flat[point.bias] + shift).astype(dtype)
+  return spec_lib.unflatten(flat)
+
+
+def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: Iterable[Any],
+           *, points: Sequence[str] = POINTS) -> tuple[Params, dict[str, dict[str, Any]]]:
+  """The REPAIRed interpolation (1 - lam) theta_A + lam theta_B (module docstring).
+
+  Args:
+    model: a ``models.Model`` (its ``apply``, ``config`` and ``param_shapes`` are read).
+    params_a, params_b: the endpoints, B already aligned to A (e.g. ``group_action.apply_model``).
+    lam: the point of the path, in [0, 1].
+    batches: as ``statistics`` takes them; a sequence (it is read 2 + len(points) x depth
+      times: once per endpoint, once per repaired point).
+    points: which of ``POINTS`` to repair in every layer.
+
+  Returns:
+    (params, info): the repaired parameters, a checkpoint of ``model`` with the pytree
+    structure, shapes and dtypes of ``params_a``; info maps each repaired point
+    ("layers_i/attention", "layers_i/mlp") to {"channels": C, "corrected": channels moved,
+    "degenerate": channels left as they are (a = 1, c = 0) because their standard deviation
+    vanishes in A, B or the interpolated model (``_flat``), "shift_folded": whether c folds
+    (the family has the bias), "mean_gap": RMS over the corrected channels of (repaired mean -
+    mu_t) / sigma_t, 0 where the shift folds, "scale": a [C] and "offset": c [C] (float64
+    arrays; c = 0 where the shift does not fold)}. The "mlp" fold sits after the point: the
+    repaired model's ``Model.apply`` still reports h there, and its down projection reads
+    a h + c, whose statistics are the targets.
+
+  Raises:
+    ValueError: lam outside [0, 1]; an unknown point; a family with nothing to fold a point
+      into (one line naming the family); parameters that do not fit the model; no batches;
+      activations that are not finite (naming the point and the model).
+  """
+  lam = float(lam)
+  if not 0.0 <= lam <= 1.0:
+    raise ValueError(f"repair lam must lie in [0, 1], got {lam}")
+  found = _points(model, points)
+  names = [p.name for p in found]
+  model.check_params(params_a)
+  model.check_params(params_b)
+  batches = list(batches)
+  fn = moments_fn(model, names)
+  stats_a = _accumulate(fn, model, params_a, batches, names)
+  _check_finite(stats_a, names, "model A")
+  stats_b = _accumulate(fn, model, params_b, batches, names)
+  _check_finite(stats_b, names, "model B")
+  params = lmc.interpolate(params_a, params_b, lam)
+  info = {}
+  for point in found:
+    stats = _accumulate(fn, model, params, batches, names)
+    _check_finite(stats, [point.name], f"the interpolated model at lam = {lam}")
+    ma, mb, ml = stats_a[point.name], stats_b[point.name], stats[point.name]
+    eps = float(jnp.finfo(spec_lib.flatten(params)[point.kernel].dtype).eps)
+    degenerate = _flat(ma, eps) | _flat(mb, eps) | _flat(ml, eps)
+    mu_t = (1 - lam) * ma.mean + lam * mb.mean
+    sigma_t = (1 - lam) * ma.std + lam * mb.std
+    a = np.where(degenerate, 1.0, sigma_t / np.where(degenerate, 1.0, ml.std))
+    c = np.where(degenerate, 0.0, mu_t - a * ml.mean) if point.bias is not None else None
+    params = _fold(params, point, a, c)
+    offset = np.zeros_like(a) if c is None else c
+    moved = ~degenerate
+    gap = (a * ml.mean + offset - mu_t)[moved] / sigma_t[moved]
+    info[point.name] = {
+        "channels": int(a.size), "corrected": int(moved.sum()),
+        "degenerate": int(degenerate.sum()), "shift_folded": c is not None,
+        "mean_gap": 0.0 if c is not None or not gap.size else float(np.sqrt(np.mean(gap ** 2))),
+        "scale": a, "offset": offset}
+  return params, info

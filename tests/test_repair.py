@@ -1,0 +1,221 @@
+"""REPAIR: endpoints, targets met, a numpy reference, every family, degenerate channels, refusals."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn_symmetry import lmc
+from attn_symmetry import models
+from attn_symmetry import repair as repair_lib
+from attn_symmetry import spec as spec_lib
+
+
+def _params64(model, seed):
+  """Float64 params with every leaf perturbed (non-zero biases, non-unit norm scales)."""
+  rng = np.random.default_rng(seed)
+  flat = spec_lib.flatten(model.init(jax.random.key(seed)))
+  return spec_lib.unflatten({p: jnp.asarray(leaf, jnp.float64) + 0.1 * rng.normal(size=leaf.shape)
+                             for p, leaf in sorted(flat.items())})
+
+
+def _batches(model, num=3, seed=0):
+  """``num`` float64 input batches of 4 examples (6 tokens or one image each)."""
+  keys = jax.random.split(jax.random.key(seed), num)
+  if model.input_key == "tokens":
+    return [jax.random.randint(k, (4, 6), 0, model.config.vocab_size) for k in keys]
+  cfg = model.config
+  return [jax.random.normal(k, (4, cfg.image_size, cfg.image_size, cfg.num_channels), jnp.float64)
+          for k in keys]
+
+
+def _pair(family, **overrides):
+  model = models.build(family, "tiny", **overrides)
+  return model, _params64(model, 0), _params64(model, 1), _batches(model)
+
+
+def _targets(model, params_a, params_b, lam, batches, names):
+  sa, sb = (repair_lib.statistics(model, p, batches, names) for p in (params_a, params_b))
+  return {n: ((1 - lam) * sa[n].mean + lam * sb[n].mean, (1 - lam) * sa[n].std + lam * sb[n].std)
+          for n in names}
+
+
+@pytest.mark.parametrize("family", models.FAMILIES)
+def test_endpoints_compute_the_endpoints_functions(x64, family):
+  """lam = 0 is A's function and lam = 1 B's; the result is a checkpoint of the architecture."""
+  model, params_a, params_b, batches = _pair(family)
+  for lam, params in ((0.0, params_a), (1.0, params_b)):
+    repaired, info = repair_lib.repair(model, params_a, params_b, lam, batches)
+    assert jax.tree.structure(repaired) == jax.tree.structure(params_a)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), repaired) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), params_a)
+    for batch in batches:
+      np.testing.assert_allclose(model.apply(repaired, batch)[0], model.apply(params, batch)[0],
+                                 atol=1e-9, rtol=0)
+    assert set(info) == {f"layers_{i}/{k}" for i in range(model.config.depth)
+                         for k in ("attention", "mlp")}
+    assert all(v["degenerate"] == 0 and v["corrected"] == v["channels"] for v in info.values())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_repaired_statistics_meet_the_targets(x64, family):
+  """Every point of the repaired model meets its target: the attention output as measured, the
+  FFN hidden units as the down projection reads them (a h + c). Llama folds the scales alone:
+  its standard deviations meet the targets and its means sit at a mu_lam, as mean_gap says."""
+  model, params_a, params_b, batches = _pair(family)
+  lam = 0.3
+  repaired, info = repair_lib.repair(model, params_a, params_b, lam, batches)
+  targets = _targets(model, params_a, params_b, lam, batches, list(info))
+  after = repair_lib.statistics(model, repaired, batches, list(info))
+  naive = repair_lib.statistics(model, lmc.interpolate(params_a, params_b, lam), batches,
+                                list(info))
+  shift = family != "llama"
+  for name, point in info.items():
+    mu_t, sigma_t = targets[name]
+    a, c = (point["scale"], point["offset"]) if name.endswith("mlp") else (1.0, 0.0)
+    np.testing.assert_allclose(a * after[name].std, sigma_t, atol=1e-9, rtol=0)
+    mean = a * after[name].mean + c
+    assert point["shift_folded"] == shift
+    if shift:
+      np.testing.assert_allclose(mean, mu_t, atol=1e-9, rtol=0)
+      assert point["mean_gap"] == 0.0
+    else:
+      gap = np.sqrt(np.mean(((mean - mu_t) / sigma_t) ** 2))
+      np.testing.assert_allclose(point["mean_gap"], gap, rtol=1e-9)
+      assert gap > 0 and not np.any(c)
+  # The repair moved something: the first layer's attention output differs from naive's.
+  assert not np.allclose(after["layers_0/attention"].std, naive["layers_0/attention"].std)
+
+
+def _numpy_repair(model, params_a, params_b, lam, batches):
+  """The same procedure, straightforwardly: all activations at once, np.mean and np.std, the
+  fold written out per row and column in numpy."""
+  def acts(params, name):
+    return np.concatenate([np.asarray(model.apply(params, b)[1][name]).reshape(
+        -1, np.shape(model.apply(params, b)[1][name])[-1]) for b in batches])
+
+  flat = {p: (1 - lam) * np.asarray(x) + lam * np.asarray(spec_lib.flatten(params_b)[p])
+          for p, x in spec_lib.flatten(params_a).items()}
+  for i in range(model.config.depth):
+    for kind in ("attention", "mlp"):
+      name = f"layers_{i}/{kind}"
+      ha, hb = acts(params_a, name), acts(params_b, name)
+      hl = acts(spec_lib.unflatten(flat), name)
+      sigma_t = (1 - lam) * ha.std(0) + lam * hb.std(0)
+      mu_t = (1 - lam) * ha.mean(0) + lam * hb.mean(0)
+      a = sigma_t / hl.std(0)
+      c = mu_t - a * hl.mean(0)
+      if kind == "attention":
+        kernel, bias = f"{name}/out/kernel", f"{name}/out/bias"
+        new_kernel = flat[kernel].copy()
+        for d in range(a.size):
+          new_kernel[:, :, d] *= a[d]
+        if bias in flat:
+          flat[bias] = a * flat[bias] + c
+      else:
+        down = "down" if model.config.gated_mlp else "wo"
+        kernel, bias = f"{name}/{down}/kernel", f"{name}/{down}/bias"
+        new_kernel = flat[kernel].copy()
+        for j in range(a.size):
+          new_kernel[j, :] *= a[j]
+        if bias in flat:
+          flat[bias] = flat[bias] + sum(c[j] * flat[kernel][j, :] for j in range(c.size))
+      flat[kernel] = new_kernel
+  return flat
+
+
+@pytest.mark.parametrize("family, depth, use_bias", [
+    ("gpt2", 1, True), ("gpt2", 2, True), ("gpt2", 2, False), ("llama", 1, False)])
+def test_matches_a_numpy_reference(x64, family, depth, use_bias):
+  model = models.build(family, "tiny", depth=depth, width=16, num_heads=2, num_kv_heads=None,
+                       mlp_dim=24, use_bias=use_bias)
+  params_a, params_b = _params64(model, 0), _params64(model, 1)
+  batches = _batches(model, num=2)
+  repaired, _ = repair_lib.repair(model, params_a, params_b, 0.6, batches)
+  expected = _numpy_repair(model, params_a, params_b, 0.6, batches)
+  got = spec_lib.flatten(repaired)
+  assert set(got) == set(expected)
+  for path, value in expected.items():
+    np.testing.assert_allclose(got[path], value, atol=1e-9, rtol=1e-9, err_msg=path)
+
+
+def test_float32_checkpoint_keeps_its_dtypes():
+  model = models.build("gpt_neox", "tiny")
+  params_a, params_b = model.init(jax.random.key(0)), model.init(jax.random.key(1))
+  repaired, info = repair_lib.repair(model, params_a, params_b, 0.5,
+                                     [b.astype(jnp.int32) for b in _batches(model)])
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), repaired) == jax.tree.map(
+      lambda x: (x.shape, x.dtype), params_a)
+  assert all(v["corrected"] == v["channels"] for v in info.values())
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(repaired))
+
+
+def test_statistics_stream_and_count_only_masked_in_positions(x64):
+  """Batch by batch equals all at once, over the positions with mask True."""
+  model = models.build("bert", "tiny")
+  params = _params64(model, 0)
+  tokens = jax.random.randint(jax.random.key(3), (6, 7), 0, model.config.vocab_size)
+  mask = np.arange(7)[None, :] < np.array([7, 5, 3, 7, 1, 6])[:, None]
+  batches = [{"tokens": tokens[i:i + 2], "mask": mask[i:i + 2]} for i in range(0, 6, 2)]
+  stats = repair_lib.statistics(model, params, batches, ["layers_1/mlp"])["layers_1/mlp"]
+  h = np.asarray(model.apply(params, tokens, mask=jnp.asarray(mask))[1]["layers_1/mlp"])[mask]
+  assert stats.count == mask.sum()
+  np.testing.assert_allclose(stats.mean, h.mean(0), atol=1e-12)
+  np.testing.assert_allclose(stats.var, h.var(0), atol=1e-12)
+
+
+def test_degenerate_channels_are_left_and_counted(x64):
+  """A channel constant in A (an FFN unit with a zero input column) or in B (an attention output
+  channel with a zero W_O column) keeps a = 1, c = 0 and is counted."""
+  model = models.build("gpt2", "tiny")
+  flat_a = spec_lib.flatten(_params64(model, 0))
+  flat_b = spec_lib.flatten(_params64(model, 1))
+  flat_a["layers_0/mlp/wi/kernel"] = flat_a["layers_0/mlp/wi/kernel"].at[:, 3].set(0.0)
+  flat_b["layers_1/attention/out/kernel"] = flat_b["layers_1/attention/out/kernel"].at[..., 5].set(0.0)
+  params_a, params_b = spec_lib.unflatten(flat_a), spec_lib.unflatten(flat_b)
+  batches = _batches(model)
+  repaired, info = repair_lib.repair(model, params_a, params_b, 0.5, batches)
+  assert {n: v["degenerate"] for n, v in info.items()} == {
+      "layers_0/attention": 0, "layers_0/mlp": 1, "layers_1/attention": 1, "layers_1/mlp": 0}
+  for name, channel in (("layers_0/mlp", 3), ("layers_1/attention", 5)):
+    assert info[name]["scale"][channel] == 1.0 and info[name]["offset"][channel] == 0.0
+    assert info[name]["corrected"] == info[name]["channels"] - 1
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(repaired))
+
+
+def test_statistics_compile_once(x64):
+  """One compiled pass serves A, B and every repaired point."""
+  model = models.build("llama", "tiny")
+  traces = []
+
+  def apply(params, inputs, **kwargs):
+    traces.append(1)
+    return model.apply(params, inputs, **kwargs)
+
+  counting = types.SimpleNamespace(config=model.config, param_shapes=model.param_shapes,
+                                   input_key=model.input_key, check_params=model.check_params,
+                                   apply=apply)
+  repair_lib.repair(counting, _params64(model, 0), _params64(model, 1), 0.5, _batches(model))
+  assert len(traces) == 1
+
+
+def test_refusals(x64):
+  model, params_a, params_b, batches = _pair("gpt2")
+  for lam in (-0.1, 1.5, float("nan")):
+    with pytest.raises(ValueError, match=r"lam must lie in \[0, 1\]"):
+      repair_lib.repair(model, params_a, params_b, lam, batches)
+  with pytest.raises(ValueError, match="repair points must be"):
+    repair_lib.repair(model, params_a, params_b, 0.5, batches, points=("residual",))
+  with pytest.raises(ValueError, match="no batches"):
+    repair_lib.repair(model, params_a, params_b, 0.5, [])
+  broken = spec_lib.flatten(params_b)
+  broken["layers_1/mlp/wi/kernel"] = broken["layers_1/mlp/wi/kernel"].at[0, 0].set(jnp.nan)
+  with pytest.raises(ValueError, match="activations at layers_1/mlp of model B are not finite"):
+    repair_lib.repair(model, params_a, spec_lib.unflatten(broken), 0.5, batches)
+  # A family whose layers have no output projection to fold into.
+  bare = types.SimpleNamespace(config=types.SimpleNamespace(family="meanpool", depth=1),
+                               param_shapes={"layers_0/mlp/wo/kernel": (4, 2)})
+  with pytest.raises(ValueError, match="REPAIR cannot fold into family 'meanpool'.*attention"):
+    repair_lib.repair(bare, params_a, params_b, 0.5, batches)
