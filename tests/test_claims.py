@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from experiments import claims
+from experiments.report import claims
 
 SEEDS = ("seed_1", "seed_2", "seed_3", "seed_4", "seed_5")
 

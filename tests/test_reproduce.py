@@ -11,13 +11,13 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import claims
-from experiments import config_checks
-from experiments import report
-from experiments import results_table
-from experiments import runner
-from experiments import scheduler
 from experiments.configs import cpu_paper
+from experiments.report import claims
+from experiments.report import report
+from experiments.report import results_table
+from experiments.reproduction import runner
+from experiments.reproduction import scheduler
+from experiments.setting import config_checks
 from tests.conftest import compile_options_removed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

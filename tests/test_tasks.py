@@ -14,7 +14,7 @@ import pytest
 from attn_symmetry import _eval_files
 from attn_symmetry import models
 from attn_symmetry import tasks
-from experiments import evaluation
+from experiments.train import evaluation
 
 WORDS = "the cat sat on a mat dog ran far away while birds sang in tall green trees".split()
 

@@ -136,8 +136,8 @@ from __future__ import annotations
 import ml_collections
 
 from attn_symmetry import matching
-from experiments import reinit
 from experiments.configs import default
+from experiments.train import reinit
 
 _VISION_SCHEDULE = dict(num_steps=1500, batch_size=64, learning_rate=2e-3, warmup_steps=100)
 _TEXT_SCHEDULE = dict(num_steps=1500, batch_size=32, learning_rate=1e-3, warmup_steps=100)

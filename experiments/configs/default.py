@@ -21,7 +21,7 @@ from __future__ import annotations
 import ml_collections
 
 from attn_symmetry import models
-from experiments import config_schema
+from experiments.setting import config_schema
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

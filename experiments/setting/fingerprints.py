@@ -108,8 +108,8 @@ import ml_collections
 import numpy as np
 
 from attn_symmetry import runtime
-from experiments import atomic_io
-from experiments import config_schema
+from experiments.setting import config_schema
+from experiments.workdir import atomic_io
 
 log = logging.getLogger(__name__)
 

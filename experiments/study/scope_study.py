@@ -41,14 +41,14 @@ from attn_symmetry import matching
 from attn_symmetry import runtime
 from attn_symmetry import tasks
 from attn_symmetry.spec import SymmetrySpec, subtree
-from experiments import config_schema
-from experiments import fingerprints
-from experiments import input_noise
-from experiments import inputs
-from experiments import path_evaluation
-from experiments import reinit
-from experiments import report
-from experiments import result_cache
+from experiments.report import report
+from experiments.setting import config_schema
+from experiments.setting import fingerprints
+from experiments.study import input_noise
+from experiments.study import path_evaluation
+from experiments.study import result_cache
+from experiments.train import inputs
+from experiments.train import reinit
 
 Params = dict[str, Any]
 log = logging.getLogger(__name__)

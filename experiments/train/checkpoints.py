@@ -32,8 +32,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from attn_symmetry import spec as spec_lib
-from experiments import fingerprints
-from experiments import processes
+from experiments.setting import fingerprints
+from experiments.workdir import processes
 
 Params = dict[str, Any]
 

@@ -37,10 +37,10 @@ from typing import Any, NamedTuple
 
 from matplotlib import figure
 
-from experiments import atomic_io
-from experiments import report
-from experiments import seed_statistics as ss
 from experiments.configs import cpu_paper
+from experiments.report import report
+from experiments.report import seed_statistics as ss
+from experiments.workdir import atomic_io
 
 METHODS = ("naive", "full", "learned")
 
@@ -268,6 +268,7 @@ def plot_width(results_root: str, path: str) -> str | None:
   return path
 
 
-if __name__ == "__main__":  # python -m experiments.regime: the figure of the committed sweep
-  _results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+if __name__ == "__main__":  # python -m experiments.report.regime: the figure of the committed sweep
+  _results = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__)))), "results")
   print(plot_width(_results, os.path.join(_results, FIGURE)))

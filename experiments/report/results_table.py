@@ -22,10 +22,10 @@ import json
 import os
 from typing import Any
 
-from experiments import atomic_io
-from experiments import claims
-from experiments import regime
-from experiments import report
+from experiments.report import claims
+from experiments.report import regime
+from experiments.report import report
+from experiments.workdir import atomic_io
 
 MARK_BEGIN = "<!-- table: written by experiments/reproduce.py --table; do not edit -->"
 MARK_END = "<!-- end of table -->"

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 from matplotlib import figure  # bare Figures, no pyplot: the caller's backend stays as it is
 
-from experiments import atomic_io
-from experiments import seed_statistics
+from experiments.report import seed_statistics
+from experiments.workdir import atomic_io
 
 METHOD_LABELS = {"naive": "naive", "perm": "Variant 1 (Stage 1)", "ortho": "Variant 2 (+ ortho init)",
                  "full": "full (+ gradient refinement)", "learned": "learned (+ loss of the path)"}

@@ -25,7 +25,7 @@ The fields of the matching options (``study.match_*``, ``study.distance``,
 Adding a field is one entry here and the code that reads it. Every field, its
 default, its check and what it keys::
 
-    python -m experiments.config_schema
+    python -m experiments.setting.config_schema
 
 Lists of options are read from their owners when a check runs (methods from
 ``attn_symmetry.matching.METHODS``, scopes from ``experiments.reinit.scopes()``,
@@ -103,7 +103,7 @@ def _check_boolean(field: str, value: Any) -> None:
 
 def _owned(owner: str) -> tuple[str, ...]:
   """The option list ``owner`` ("attn_symmetry.matching.METHODS"), read now from its module
-  (called first if it is a function, such as "experiments.reinit.scopes")."""
+  (called first if it is a function, such as "experiments.train.reinit.scopes")."""
   module, name = owner.rsplit(".", 1)
   options = getattr(importlib.import_module(module), name)
   return tuple(options() if callable(options) else options)
@@ -382,7 +382,7 @@ FIELDS: tuple[Field, ...] = (
           "'learned' picks its iterate on study.learn_holdout_batches batches of it)",
           study=(LEARNED,)),
     Field("train.param_sharding", "replicated",
-          _one_of("parameter sharding", "experiments.inputs.PARAM_SHARDINGS"), Role.NOT_KEYED,
+          _one_of("parameter sharding", "experiments.train.inputs.PARAM_SHARDINGS"), Role.NOT_KEYED,
           "'replicated' (a copy of the parameters and optimiser state on every device) or "
           "'fsdp' (each leaf split over the devices: about 1/N of the model on each; the "
           "same steps up to float32 rounding)"),
@@ -406,7 +406,7 @@ FIELDS: tuple[Field, ...] = (
     Field("train.keep_checkpoints", 2, _AT_LEAST_1, Role.NOT_KEYED,
           "checkpoints kept per run, the newest"),
 
-    Field("reinit.scopes", (), _distinct(_one_of("scope", "experiments.reinit.scopes")),
+    Field("reinit.scopes", (), _distinct(_one_of("scope", "experiments.train.reinit.scopes")),
           Role.NOT_KEYED, "the scopes re-initialised in turn (() trains the base model only)"),
     Field("reinit.seeds", (1, 2, 3), _distinct(_AT_LEAST_0), Role.NOT_KEYED,
           "each scope is re-initialised once per seed; the study compares every pair"),

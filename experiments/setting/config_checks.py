@@ -29,7 +29,7 @@ import ml_collections
 
 from attn_symmetry import data
 from attn_symmetry import models
-from experiments import config_schema
+from experiments.setting import config_schema
 
 # field path -> its check, from the schema. Ranges that depend on another field are in
 # _check_relations.
