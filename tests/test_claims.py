@@ -1,4 +1,4 @@
-"""The verdict table of the paper's claims (experiments/claims.py), on made-up results."""
+"""The verdict table of the paper's claims (experiments/report/claims.py), on made-up results."""
 
 import itertools
 import json

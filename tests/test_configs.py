@@ -1,5 +1,5 @@
 """Every setting in experiments/configs: its command, its variants, a valid model and data set;
-the schema its fields come from (experiments/config_schema.py) and what derives from it."""
+the schema its fields come from (experiments/setting/config_schema.py) and what derives from it."""
 
 import dataclasses
 import glob
@@ -176,7 +176,8 @@ def test_command_line_overrides():
     _parse(["main.py", setting, "--config.train.num_stepz=3"])
 
 
-# The schema (experiments/config_schema.py): every field defined there once, the rest derived.
+# The schema (experiments/setting/config_schema.py): every field defined there once, the rest
+# derived.
 
 
 def _setting_args(name):

@@ -242,7 +242,8 @@ def test_two_processes_equal_two_devices_and_rerun_nothing(tmp_path, request):
   assert single.returncode == 0, single.stderr[-4000:]
   assert _largest_difference(_outcome(procs), _outcome(devices)) <= 1e-5
   assert "study of scope first_attention" in outputs[0]
-  assert "study of scope" not in outputs[1] and "train.py" not in outputs[1]
+  assert "study of scope" not in outputs[1] and "trainer.py" not in outputs[1] and (
+      "loop.py" not in outputs[1])
 
   config = quickstart.get_config("runlocal")
   config.reinit.scopes = ("first_attention",)

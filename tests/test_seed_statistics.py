@@ -1,4 +1,4 @@
-"""Seed-level intervals of the study's pairs (experiments/seed_statistics.py)."""
+"""Seed-level intervals of the study's pairs (experiments/report/seed_statistics.py)."""
 
 import itertools
 import math

@@ -1,6 +1,6 @@
 """The study's cache keys derive from the schema, and key every config field a stage reads.
 
-Each field of ``experiments/config_schema.py`` names the study stages that read it
+Each field of ``experiments/setting/config_schema.py`` names the study stages that read it
 (``Field.study``) or the ``align_model`` option it sets (``Field.option``);
 ``scope_study`` keys every stage from that alone. Here the study of one scope runs on a
 config that records every field read (``RecordingConfig``), each stage computed afresh,

@@ -21,9 +21,9 @@ seeds or more). The slope is fitted to the per-width means, not to the pairs, so
 its error follows the seeds as every other interval here does.
 
 ``control_table`` reports the positive control (``CONTROL``: children spawned from one
-checkpoint, the "spawn" scope of ``experiments/reinit.py``): each method's barrier, its paired
+checkpoint, the "spawn" scope of ``experiments/train/reinit.py``): each method's barrier, its paired
 difference to naive judged against ``CONTROL_MARGIN``, and how near the element it found is to
-the identity. ``plot_width`` draws the sweep (``python -m experiments.regime`` writes
+the identity. ``plot_width`` draws the sweep (``python -m experiments.report.regime`` writes
 ``results/width_sweep.png``).
 """
 
@@ -233,7 +233,7 @@ def control_table(results_root: str) -> str:
   return "\n".join(lines)
 
 
-FIGURE = "width_sweep.png"  # under results/, written by ``python -m experiments.regime``
+FIGURE = "width_sweep.png"  # under results/, written by ``python -m experiments.report.regime``
 
 
 def plot_width(results_root: str, path: str) -> str | None:

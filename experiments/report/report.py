@@ -329,7 +329,7 @@ def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any
 
 
 def training_cell(training: dict[str, dict[str, Any]], scope: str) -> str:
-  """How the runs of ``scope`` ended, from ``run.json``'s "training" (``train.steps_taken``
+  """How the runs of ``scope`` ended, from ``run.json``'s "training" (``saved_runs.steps_taken``
   and the final test evaluation): how many stopped at a validation plateau and how many at
   their budget, the range of steps taken and of test losses reached; the base model's too
   when the scope fine-tunes it. "n/a" for a run recorded without them."""

@@ -30,19 +30,19 @@ from experiments.workdir import atomic_io
 MARK_BEGIN = "<!-- table: written by experiments/reproduce.py --table; do not edit -->"
 MARK_END = "<!-- end of table -->"
 VERDICTS_BEGIN = ("<!-- verdicts: written by experiments/reproduce.py --table from "
-                  "experiments/claims.py; do not edit -->")
+                  "experiments/report/claims.py; do not edit -->")
 VERDICTS_END = "<!-- end of verdicts -->"
 FINDINGS_BEGIN = ("<!-- findings: written by experiments/reproduce.py --table from "
-                  "experiments/claims.py; do not edit -->")
+                  "experiments/report/claims.py; do not edit -->")
 FINDINGS_END = "<!-- end of findings -->"
 TRAJECTORY_BEGIN = ("<!-- trajectory check: written by experiments/reproduce.py --table; "
                     "do not edit -->")
 TRAJECTORY_END = "<!-- end of trajectory check -->"
 WIDTH_BEGIN = ("<!-- width sweep: written by experiments/reproduce.py --table from "
-               "experiments/regime.py; do not edit -->")
+               "experiments/report/regime.py; do not edit -->")
 WIDTH_END = "<!-- end of width sweep -->"
 CONTROL_BEGIN = ("<!-- positive control: written by experiments/reproduce.py --table from "
-                 "experiments/regime.py; do not edit -->")
+                 "experiments/report/regime.py; do not edit -->")
 CONTROL_END = "<!-- end of positive control -->"
 
 

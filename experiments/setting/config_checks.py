@@ -1,6 +1,6 @@
 """``validate(config)``: the whole setting config checked before any work.
 
-Every field has one rule, its entry's in ``experiments/config_schema.py``
+Every field has one rule, its entry's in ``experiments/setting/config_schema.py``
 (``RULES``: type and range, or the options it is drawn from); then the rules
 that relate fields (warmup shorter than training, a transfer data set of the
 base set's kind, ...) run. The first field that cannot work raises ValueError
@@ -10,7 +10,7 @@ with one line naming it::
 
 Each list of options is read from its owner when ``validate`` runs: methods
 from ``attn_symmetry.matching.METHODS``, distances from
-``attn_symmetry.matching.DISTANCES``, scopes from ``experiments.reinit.scopes()``,
+``attn_symmetry.matching.DISTANCES``, scopes from ``experiments.train.reinit.scopes()``,
 model families and presets from ``attn_symmetry.models``, data sets and their
 kinds from ``attn_symmetry.data``.
 
@@ -148,7 +148,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first field of ``config`` that cannot work; runs nothing.
 
   Args:
-    config: a setting config, with the fields of ``experiments/config_schema.py``.
+    config: a setting config, with the fields of ``experiments/setting/config_schema.py``.
 
   Raises:
     ValueError: one line, "config.<field> ...": a missing or unknown field, a
@@ -158,10 +158,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
   present = list(field_paths(config))
   for field in RULES:
     if field not in present:
-      _fail(field, "is missing (every field of experiments/config_schema.py is needed)")
+      _fail(field, "is missing (every field of experiments/setting/config_schema.py is needed)")
   for field in present:
     if field not in RULES:
-      _fail(field, "is not a field of the setting config (experiments/config_schema.py); "
+      _fail(field, "is not a field of the setting config (experiments/setting/config_schema.py); "
             "a typo?")
   for field, rule in RULES.items():
     rule(field, config_schema.value(config, field))

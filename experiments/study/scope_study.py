@@ -12,7 +12,7 @@ result kept by ``result_cache.cached`` under ``workdir/study/<scope>/pairs/``:
 * the accuracy of the endpoints and of each method's midpoint under input
   noise (``input_noise``).
 
-Each stage is keyed by the config fields it reads, as ``experiments/config_schema.py``
+Each stage is keyed by the config fields it reads, as ``experiments/setting/config_schema.py``
 says field by field (``Field.study``, ``Field.option``): ``method_keys`` and
 ``config_schema.study_keyed`` derive them; ``fingerprints.py`` lists them.
 
@@ -56,7 +56,7 @@ log.setLevel(logging.INFO)
 
 
 # What every stage keys and what the stages of each method key, by config field, derive from
-# experiments/config_schema.py: each field names the stages that read it (``Field.study``)
+# experiments/setting/config_schema.py: each field names the stages that read it (``Field.study``)
 # or the align_model option it sets (``Field.option``).
 
 

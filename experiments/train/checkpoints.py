@@ -12,7 +12,7 @@ whose arrays do not hash to what its ``meta`` recorded (a flipped bit, a
 truncated file), raises ``CorruptCheckpointError``, one line naming the
 checkpoint and what was expected. Checkpoints written before hashes were
 recorded cannot be verified and are refused the same way; a rerun of
-training moves such a run aside (``train.py``) and trains it again.
+training moves such a run aside (``trainer.py``) and trains it again.
 
 The architecture recorded in ``meta`` is what makes a workdir safe to reuse:
 ``check_architecture`` compares it with the model about to be trained and

@@ -65,7 +65,7 @@ class RunLoop:
       says; every step donates it and returns the next.
     step: the last step taken (at the start, the restored one; 0 for a new run).
     num_steps: the budget: the schedule's last step.
-    how: how the run ended, "plateau" or "budget" (as ``ended``); None while
+    how: how the run ended, "plateau" or "budget" (as ``schedules.ended``); None while
       it runs. A run restored at its end takes no step.
     batches: the training batches from the one after ``step``'s; their
       position is saved in every checkpoint.
