@@ -76,7 +76,7 @@ FLAGS = flags.FLAGS
 
 # The stages of a run, in order: each takes (config, workdir) and skips what the workdir
 # already holds, so that a rerun after a crash continues where it stopped. main() checks the
-# config once, before the first, and runs each with checked=True.
+# config once, before the first; the stages see that it was (config_checks.validated).
 STAGES = (trainer.train_and_evaluate, study.run_study)
 
 
@@ -179,7 +179,7 @@ def main(argv):
     with runtime.CompileClock() as clock:
       for stage in STAGES:
         stage_start = time.perf_counter()
-        outputs = stage(FLAGS.config, workdir, checked=True)
+        outputs = stage(FLAGS.config, workdir)
         seconds[stage.__name__] = time.perf_counter() - stage_start
   except (checkpoints.CorruptCheckpointError, data.DatasetUnavailable) as e:  # one line each
     sys.exit(f"FATAL {e}")

@@ -14,6 +14,11 @@ from ``attn_symmetry.matching.METHODS``, distances from
 model families and presets from ``attn_symmetry.models``, data sets and their
 kinds from ``attn_symmetry.data``.
 
+A config is validated once per run: ``validate`` remembers the last config it
+passed, with its content, and ``validated`` tells a stage that it need not check
+that config again (``main.py`` validates before the first stage; each stage
+validates a config that it is given unchecked, or changed since).
+
 ``study.num_lambdas`` must be at least 3: the barrier of a path is its largest
 gap to the chord joining its endpoints, so with the two endpoints alone every
 barrier is 0 whatever the models.
@@ -30,6 +35,9 @@ import ml_collections
 from attn_symmetry import data
 from attn_symmetry import models
 from experiments.setting import config_schema
+
+# The last config that ``validate`` passed: (its id, its content then).
+_last_valid: tuple[int, str] | None = None
 
 # field path -> its check, from the schema. Ranges that depend on another field are in
 # _check_relations.
@@ -166,3 +174,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for field, rule in RULES.items():
     rule(field, config_schema.value(config, field))
   _check_relations(config)
+  global _last_valid
+  _last_valid = (id(config), _content(config))
+
+
+def validated(config: ml_collections.ConfigDict) -> bool:
+  """Whether ``config`` is the last config that ``validate`` passed in this process, unchanged
+  since: a stage given it (``main.py`` validates before the first) does not validate it again."""
+  return _last_valid == (id(config), _content(config))
+
+
+def _content(config: ml_collections.ConfigDict) -> str:
+  """Every field's value, as JSON (a config that changed gives another string)."""
+  return config.to_json_best_effort(sort_keys=True)

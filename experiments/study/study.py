@@ -92,16 +92,11 @@ def check_scopes(config: ml_collections.ConfigDict, model) -> None:
                        "symmetry factor or attention site of the model acts on alone: nothing to align")
 
 
-def run_study(config: ml_collections.ConfigDict, workdir: str, *,
-              checked: bool = False) -> dict[str, str]:
+def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
   """Runs (or resumes) the study of every re-initialisation scope; returns the report paths.
 
-  Args:
-    config: the setting.
-    workdir: where it was trained.
-    checked: the caller has validated ``config`` and its process count for this run
-      (``main.py`` and ``runner.py`` do, once per run, before every stage): they are
-      not checked again.
+  The config and its batches' shares over the processes are checked first unless they were
+  for this run (``config_checks.validated``: ``main.py`` checks both once, before every stage).
 
   Raises:
     ValueError: a bad study config, a scope with nothing to align, an evaluation
@@ -110,6 +105,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, *,
       (``saved_runs.load_checkpoints``), before any work.
     checkpoints.CorruptCheckpointError: a damaged endpoint (one line naming it).
   """
+  checked = config_checks.validated(config)
   if not checked:
     config_checks.validate(config)
   if not config.reinit.scopes:

@@ -277,23 +277,17 @@ def check_workdir(config: ml_collections.ConfigDict, model: models.Model, workdi
     checkpoints.check_architecture(runs_lib.run_dir(workdir, run), arch)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       checked: bool = False) -> dict[str, dict]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, dict]:
   """Trains the base model and every re-initialised seed; returns final evaluations by run.
 
   Everything that can be checked is checked before the first step: the
   config (``config_checks.validate``) and its batches' shares over the processes
-  (``inputs.check_processes``), the data (``data_checks.check_data``), the
-  model it builds, and the checkpoints already in ``workdir``.
-
-  Args:
-    config: the setting.
-    workdir: where its runs live (``runs.run_dir``).
-    checked: the caller has validated ``config`` and its process count for this run
-      (``main.py`` and ``runner.py`` do, once per run, before every stage): they are
-      not checked again.
+  (``inputs.check_processes``) unless they were for this run
+  (``config_checks.validated``: ``main.py`` checks both once, before every stage), the
+  data (``data_checks.check_data``), the model it builds, and the checkpoints already in
+  ``workdir``.
   """
-  if not checked:
+  if not config_checks.validated(config):
     config_checks.validate(config)
     inputs.check_processes(config)
   data_checks.check_data(config)
