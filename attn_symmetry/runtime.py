@@ -32,7 +32,7 @@ replicated over several CPU devices (arrays placed on a mesh of
 that pool; when every pool thread runs such a kernel, no thread is left for the
 pieces, and the process sleeps forever (2 devices on 2 cores, in the batched
 SVDs of ``matching.match_attention_exhaustive``). Run matching on arrays of one
-device (host arrays go to the default device), as ``experiments/study.py`` does.
+device (host arrays go to the default device), as ``experiments/study/study.py`` does.
 
 XLA's CPU buffers and numpy's arrays come from the C heap, and glibc's malloc
 keeps freed memory of up to 32 MiB per block for reuse rather than returning it

@@ -1,6 +1,6 @@
 r"""``attn-symmetry align`` on two GPT-2-small-shaped random checkpoints on disk.
 
-    python benchmarks/bench_align_checkpoints.py [--quick] [--layers=N] [--dtype=float32|bfloat16]
+    python -m benchmarks.bench_align_checkpoints [--quick] [--layers=N] [--dtype=float32|bfloat16]
                                                  [--workdir=DIR]
 
 Writes two random GPT-2 checkpoints (124M parameters at GPT-2 small's shape;
@@ -18,15 +18,12 @@ RSS of a child that only imports the command (JAX, Flax) is part of every peak.
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 from safetensors.numpy import save_file
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-# pylint: disable=g-import-not-at-top,wrong-import-position
 from attn_symmetry.models import convert
 from attn_symmetry.models import safetensors_io
 from attn_symmetry.models.model import Model

@@ -1,6 +1,6 @@
 r"""The 25-point interpolation path against 25 separate plain evaluations.
 
-    python benchmarks/bench_interpolation.py [--preset=small] [--chunk=1] [--repeats=3]
+    python -m benchmarks.bench_interpolation [--preset=small] [--chunk=1] [--repeats=3]
 
 Both sides evaluate the same ViT endpoints on the same digits test split in one
 process: the path side with ``lmc.path_evaluator`` (one compilation, lambda an
@@ -12,8 +12,6 @@ compilations of the path function.
 """
 
 import argparse
-import os
-import sys
 import time
 
 import jax
@@ -23,11 +21,8 @@ from attn_symmetry import data
 from attn_symmetry import lmc
 from attn_symmetry import models
 
-if __package__ in (None, ""):  # run by path: the repository root holds the `experiments` package
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from experiments import evaluation  # noqa: E402  (after the path above)
-from experiments import inputs
+from experiments.train import evaluation
+from experiments.train import inputs
 
 
 def main():

@@ -1,6 +1,6 @@
 r"""The streamed ``attn-symmetry align`` on a planted Mistral-7B-shaped bfloat16 pair.
 
-    python benchmarks/bench_streamed_alignment.py [--layers=32] [--method=perm] [--max-rounds=N]
+    python -m benchmarks.bench_streamed_alignment [--layers=32] [--method=perm] [--max-rounds=N]
                                                   [--memory-budget=GB] [--workdir=DIR]
 
 Writes A (random, Mistral-7B's shapes: width 4096, FFN 14336, 32 heads in 8 kv groups of head
@@ -17,7 +17,7 @@ write (and plant) tensor by tensor; the alignment holds one layer of each at a t
 in-memory function check holds (7 GB at one layer), so that every depth streams end to end and
 the function check reads the written folders back a layer at a time.
 
-    python benchmarks/bench_streamed_alignment.py --check-only --workdir=DIR
+    python -m benchmarks.bench_streamed_alignment --check-only --workdir=DIR
 
 runs only that read-back function check (``align._function_check.streamed_function_check``) on
 the pair and the outputs that an earlier run left in DIR, in a child: its time and peak RSS.
@@ -31,8 +31,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-# pylint: disable=g-import-not-at-top,wrong-import-position
 from tests import child_memory
 from tests import test_streamed_alignment as helpers
 
@@ -80,9 +78,7 @@ def check_written(a: str, b: str, out: str) -> None:
 
 def _check_only(work: str) -> None:
   """``--check-only``: ``check_written`` on ``work``'s a, b and out in a child."""
-  here, root = os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__)))
-  code = (f"import sys; sys.path[:0] = [{here!r}, {root!r}]; import bench_streamed_alignment; "
+  code = ("import sys; from benchmarks import bench_streamed_alignment; "  # the same folder
           "bench_streamed_alignment.check_written(*sys.argv[1:])")
   child = child_memory.run(code, *(os.path.join(work, x) for x in ("a", "b", "out")))
   if child.status:

@@ -1,7 +1,7 @@
 r"""The device check: what one accelerator does with the library, in at most ten minutes.
 
-    python benchmarks/device_check.py [--out=DIR] [--layers=2] [--lap-size=14336]
-    python benchmarks/device_check.py --small     # every stage at toy sizes (any CPU, seconds)
+    python -m benchmarks.device_check [--out=DIR] [--layers=2] [--lap-size=14336]
+    python -m benchmarks.device_check --small     # every stage at toy sizes (any CPU, seconds)
 
 Run it whenever an accelerator is at hand and quote its lines; nothing in CI needs it. Four
 stages, each one line (and, with ``--out``, one entry of ``DIR/device_check.json``):
@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 
@@ -41,14 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-# pylint: disable=g-import-not-at-top,wrong-import-position
-import bench_assignment
-import bench_train_step
 from attn_symmetry import align
 from attn_symmetry import models
 from attn_symmetry.matching import _auction
+from benchmarks import bench_assignment
+from benchmarks import bench_train_step
 from tests import test_streamed_alignment as helpers
 
 # Dense bfloat16 matmul peaks of the vendors' datasheets, TFLOP/s, by a part of the device kind

@@ -1,6 +1,6 @@
 r"""The bad-folder property of ``tests/test_folder_fuzz.py``, run long.
 
-    python benchmarks/fuzz_folders.py [--examples=2000] [--seed=0]
+    python -m benchmarks.fuzz_folders [--examples=2000] [--seed=0]     # from the checkout's root
 
 Draws ``--examples`` cases per kind (safetensors headers, index files, torch.save zip
 pickles) with hypothesis, from ``--seed``, reads each folder as the align command does, and
@@ -11,15 +11,12 @@ example of it (exit status 1).
 
 import argparse
 import collections
-import os
 import sys
 import tempfile
 import time
 
 import hypothesis
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-# pylint: disable=g-import-not-at-top,wrong-import-position
 from tests import test_folder_fuzz as fuzz
 
 

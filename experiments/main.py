@@ -19,11 +19,12 @@ flags and workdir (a folder every process can read) and
 out is taken from the environment where a cluster sets it (Slurm, Open MPI,
 Cloud TPU, ``JAX_COORDINATOR_ADDRESS``); ``--multihost`` alone takes all three
 from there. Every process trains and studies on the global batches' shares of
-its devices, process 0 writes the files (``train.py``, ``study.py``), and the
+its devices, process 0 writes the files (``train/trainer.py``, ``study/study.py``), and the
 results are those of one process with as many devices. On CPU, the processes'
 collectives run over gloo (JAX's default ``jax_cpu_collectives_implementation``).
 """
 
+import importlib.util
 import logging as python_logging
 import os
 import sys
@@ -40,14 +41,18 @@ from ml_collections import config_flags
 from attn_symmetry import data
 from attn_symmetry import runtime
 
-if __package__ in (None, ""):  # run by path: the repository root holds the `experiments` package
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run by path: import the package this file is in, from its own folder
+  _SPEC = importlib.util.spec_from_file_location(
+      "experiments", os.path.join(os.path.dirname(os.path.abspath(__file__)), "__init__.py"))
+  sys.modules["experiments"] = importlib.util.module_from_spec(_SPEC)
+  _SPEC.loader.exec_module(sys.modules["experiments"])
 
-from experiments import checkpoints  # noqa: E402  (after the path above)
-from experiments import config_checks
-from experiments import inputs
-from experiments import study
-from experiments import train
+# pylint: disable=g-import-not-at-top,wrong-import-position  (after the package above)
+from experiments.setting import config_checks
+from experiments.study import study
+from experiments.train import checkpoints
+from experiments.train import inputs
+from experiments.train import trainer
 
 config_flags.DEFINE_config_file("config", None, "A setting in experiments/configs/.",
                                 lock_config=True)
@@ -70,8 +75,9 @@ flags.mark_flag_as_required("config")
 FLAGS = flags.FLAGS
 
 # The stages of a run, in order: each takes (config, workdir) and skips what the workdir
-# already holds, so that a rerun after a crash continues where it stopped.
-STAGES = (train.train_and_evaluate, study.run_study)
+# already holds, so that a rerun after a crash continues where it stopped. main() checks the
+# config once, before the first; the stages see that it was (config_checks.validated).
+STAGES = (trainer.train_and_evaluate, study.run_study)
 
 
 def default_workdir(config_path: str) -> str:
@@ -124,21 +130,29 @@ def distributed_arguments() -> dict[str, Any] | None:
 
 def join_processes() -> None:
   """``jax.distributed.initialize`` with ``distributed_arguments`` (nothing when this process
-  runs alone); every failure exits with one line. Processes other than 0 then log warnings
-  and errors only: process 0's progress lines are the run's."""
+  runs alone); every failure exits with one line. The config's batches must split over the
+  processes (``inputs.check_processes``): checked here, before waiting for the others, when
+  the flags give their count, else once they have joined. Processes other than 0 then log
+  warnings and errors only: process 0's progress lines are the run's."""
   try:
     arguments = distributed_arguments()
-    if arguments is not None and "num_processes" in arguments:  # before waiting for the others
-      inputs.check_processes(FLAGS.config, arguments["num_processes"])
+    if arguments is None:
+      return
+    count = arguments.get("num_processes")
+    if count is not None:
+      inputs.check_processes(FLAGS.config, count)
   except ValueError as e:
     sys.exit(f"FATAL {e}")
-  if arguments is None:
-    return
   try:
     jax.distributed.initialize(**arguments)
   except (ValueError, RuntimeError) as e:  # JAX's own errors: a missing field, no coordinator
     message = (str(e).strip().splitlines() or [type(e).__name__])[0]
     sys.exit(f"FATAL jax.distributed.initialize: {message}")
+  if count is None:  # the cluster's count
+    try:
+      inputs.check_processes(FLAGS.config)
+    except ValueError as e:
+      sys.exit(f"FATAL {e}")
   if jax.process_index() != 0:
     # absl's handler passes each record to its python_handler, whose filters apply.
     logging.get_absl_handler().python_handler.addFilter(
@@ -153,13 +167,12 @@ def main(argv):
   join_processes()
   if FLAGS.compilation_cache:
     jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache)
-  try:  # before training, so a bad field costs nothing
+  try:  # once, before training, so a bad field costs nothing
     config_checks.validate(FLAGS.config)
-    inputs.check_processes(FLAGS.config)
   except ValueError as e:
     sys.exit(f"FATAL {e}")
   workdir = FLAGS.workdir or default_workdir(config_flags.get_config_filename(FLAGS["config"]))
-  train.log.info("workdir: %s", workdir)
+  trainer.log.info("workdir: %s", workdir)
   start = time.perf_counter()
   seconds = {}
   try:

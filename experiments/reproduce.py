@@ -34,14 +34,15 @@ settings at a time finish more settings per hour than one on both cores,
 because XLA's CPU code for models this small gains little from a second
 thread (``benchmarks/bench_settings_at_once.py``).
 
-The pieces: ``runner.py`` runs one setting (``run_setting``, ``use_one_core``),
-``scheduler.py`` several at a time (``run_settings``), and
-``results_table.py`` writes the table of ``results/README.md``; this script is
-their command line.
+The pieces: ``reproduction/runner.py`` runs one setting (``run_setting``,
+``use_one_core``), ``reproduction/scheduler.py`` several at a time
+(``run_settings``), and ``report/results_table.py`` writes the table of
+``results/README.md``; this script is their command line.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import tempfile
@@ -54,14 +55,18 @@ from absl import logging
 
 from attn_symmetry import runtime
 
-if __package__ in (None, ""):  # run by path: the repository root holds the `experiments` package
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run by path: import the package this file is in, from its own folder
+  _SPEC = importlib.util.spec_from_file_location(
+      "experiments", os.path.join(os.path.dirname(os.path.abspath(__file__)), "__init__.py"))
+  sys.modules["experiments"] = importlib.util.module_from_spec(_SPEC)
+  _SPEC.loader.exec_module(sys.modules["experiments"])
 
-from experiments import config_checks  # noqa: E402  (after the path above)
-from experiments import results_table
-from experiments import runner
-from experiments import scheduler
+# pylint: disable=g-import-not-at-top,wrong-import-position  (after the package above)
 from experiments.configs import cpu_paper
+from experiments.report import results_table
+from experiments.reproduction import runner
+from experiments.reproduction import scheduler
+from experiments.setting import config_checks
 
 FLAGS = flags.FLAGS
 

@@ -249,14 +249,14 @@ class TrainedWorkdirs:
     self._finished: dict[str, tuple[str, dict[str, Any]]] = {}
 
   def _source(self, config, study: bool) -> tuple[str, dict[str, Any]]:
-    from experiments import fingerprints  # pylint: disable=import-outside-toplevel
-    from experiments import study as study_lib  # pylint: disable=import-outside-toplevel
-    from experiments import train  # pylint: disable=import-outside-toplevel
+    from experiments.setting import fingerprints  # pylint: disable=import-outside-toplevel
+    from experiments.study import study as study_lib  # pylint: disable=import-outside-toplevel
+    from experiments.train import trainer  # pylint: disable=import-outside-toplevel
     key = fingerprints.key({"config": json.loads(config.to_json(sort_keys=True)),
                             "study": study})[:16]
     if key not in self._finished:
       workdir = os.path.join(self._root, key)
-      results = train.train_and_evaluate(config, workdir)
+      results = trainer.train_and_evaluate(config, workdir)
       if study:
         study_lib.run_study(config, workdir)
       self._finished[key] = workdir, results

@@ -16,12 +16,13 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import atomic_io
-from experiments import checkpoints
-from experiments import fingerprints
-from experiments import metric_writers
-from experiments import train
 from experiments.configs import quickstart
+from experiments.setting import fingerprints
+from experiments.train import checkpoints
+from experiments.train import metric_writers
+from experiments.train import saved_runs
+from experiments.train import trainer
+from experiments.workdir import atomic_io
 
 
 def _config():
@@ -34,7 +35,7 @@ def _config():
 def trained(trained_workdir, tmp_path_factory):
   """(workdir, final metrics, params) of the base run, never modified."""
   workdir, results = trained_workdir(_config(), tmp_path_factory.mktemp("trained") / "w")
-  params = jax.tree.map(np.asarray, train.load_checkpoints(_config(), workdir)["base"])
+  params = jax.tree.map(np.asarray, saved_runs.load_checkpoints(_config(), workdir)["base"])
   return workdir, results["base"], params
 
 
@@ -90,7 +91,7 @@ def test_flipped_bits_never_restore_other_values(trained, workdir):
   for offset in np.linspace(0, size - 1, 12).astype(int):
     _flip(path, offset)
     try:
-      params = train.load_checkpoints(_config(), workdir)["base"]
+      params = saved_runs.load_checkpoints(_config(), workdir)["base"]
     except checkpoints.CorruptCheckpointError as e:
       text = str(e)
       assert "\n" not in text and _step_dir(workdir) in text, text
@@ -124,7 +125,7 @@ def test_damaged_checkpoint_is_refused_in_one_line(workdir, damage):
       json.dump(meta, f)
     match = "records no content hash .* train it again"
   with pytest.raises(checkpoints.CorruptCheckpointError, match=match) as error:
-    train.load_checkpoints(_config(), workdir)
+    saved_runs.load_checkpoints(_config(), workdir)
   _one_line_naming(error, step_dir)
 
 
@@ -138,7 +139,7 @@ def test_training_falls_back_to_the_newest_intact_checkpoint(trained, workdir, c
   else:
     _truncate(os.path.join(_step_dir(workdir), "meta", "metadata"))
   with caplog.at_level(logging.INFO):
-    results = train.train_and_evaluate(_config(), workdir)
+    results = trainer.train_and_evaluate(_config(), workdir)
   messages = [r.getMessage() for r in caplog.records]
   moved = glob.glob(os.path.join(workdir, "base", "corrupt_checkpoints", "8.corrupt-*"))
   assert len(moved) == 1
@@ -146,7 +147,7 @@ def test_training_falls_back_to_the_newest_intact_checkpoint(trained, workdir, c
   assert len(fallback) == 1 and _step_dir(workdir) in fallback[0] and moved[0] in fallback[0]
   assert "base: resuming from step 4" in " ".join(messages)
   assert results["base"] == trained[1]
-  assert _bits_equal(train.load_checkpoints(_config(), workdir)["base"], trained[2])
+  assert _bits_equal(saved_runs.load_checkpoints(_config(), workdir)["base"], trained[2])
 
 
 @pytest.mark.slow
@@ -154,7 +155,7 @@ def test_empty_final_metrics_is_reevaluated_with_a_warning(trained, workdir, cap
   path = os.path.join(workdir, "base", "final_metrics.json")
   open(path, "w").close()  # a kill between open and write, before writes were atomic
   with caplog.at_level(logging.INFO):
-    results = train.train_and_evaluate(_config(), workdir)
+    results = trainer.train_and_evaluate(_config(), workdir)
   warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
   assert len(warnings) == 1 and path in warnings[0] and "does not parse" in warnings[0]
   assert not [r for r in caplog.records if "resuming" in r.getMessage()]
@@ -169,9 +170,9 @@ def test_run_without_fingerprint_is_moved_aside_and_retrained(trained, workdir, 
   """A run directory from before fingerprints cannot be trusted to match the config."""
   os.remove(os.path.join(workdir, "base", fingerprints.RECORD))
   with pytest.raises(ValueError, match="no readable fingerprint.json.*rerun training"):
-    train.load_checkpoints(_config(), workdir)
+    saved_runs.load_checkpoints(_config(), workdir)
   with caplog.at_level(logging.INFO):
-    results = train.train_and_evaluate(_config(), workdir)
+    results = trainer.train_and_evaluate(_config(), workdir)
   line = [r.getMessage() for r in caplog.records if "old state moved to" in r.getMessage()]
   assert len(line) == 1 and line[0].startswith("base: no readable fingerprint.json")
   stale = glob.glob(os.path.join(workdir, "base.stale-*"))
@@ -184,7 +185,7 @@ def test_load_checkpoints_refuses_a_run_of_other_fields(workdir):
   config = _config()
   config.train.learning_rate = 1e-3
   with pytest.raises(ValueError, match=r"train.learning_rate 0.003 -> 0.001.*rerun training"):
-    train.load_checkpoints(config, workdir)
+    saved_runs.load_checkpoints(config, workdir)
 
 
 def test_cut_last_line_of_the_metrics_log_is_dropped(tmp_path, caplog):

@@ -1,4 +1,4 @@
-"""The verdict table of the paper's claims (experiments/claims.py), on made-up results."""
+"""The verdict table of the paper's claims (experiments/report/claims.py), on made-up results."""
 
 import itertools
 import json
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from experiments import claims
+from experiments.report import claims
 
 SEEDS = ("seed_1", "seed_2", "seed_3", "seed_4", "seed_5")
 

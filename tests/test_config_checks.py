@@ -13,14 +13,14 @@ from absl.testing import flagsaver
 from attn_symmetry import data
 from attn_symmetry import matching
 from attn_symmetry import models
-from experiments import config_checks
-from experiments import config_schema
 from experiments import main
-from experiments import path_evaluation
-from experiments import train
 from experiments.configs import default
 from experiments.configs import gpt2_wiki_bytes
 from experiments.configs import quickstart
+from experiments.setting import config_checks
+from experiments.setting import config_schema
+from experiments.study import path_evaluation
+from experiments.train import data_checks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGES = "quickstart"  # digits, every scope re-initialised with seeds (1, 2)
@@ -353,11 +353,11 @@ def test_learned_needs_a_validation_split():
 
 
 def test_eval_split_must_be_a_split_of_the_studied_data_set():
-  """Checked with the other splits before training (train.check_data) and before the study
+  """Checked with the other splits before training (data_checks.check_data) and before the study
   reads it (path_evaluation.evaluation_examples)."""
   config = _config(**{"study.eval_split": "validation"})
   says = "config.study.eval_split 'validation' does not fit: Dataset 'digits' has no split"
   with pytest.raises(ValueError, match=re.escape(says)):
-    train.check_data(config)
+    data_checks.check_data(config)
   with pytest.raises(ValueError, match=re.escape(says)):
     path_evaluation.evaluation_examples(config, "digits")

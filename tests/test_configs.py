@@ -1,5 +1,5 @@
 """Every setting in experiments/configs: its command, its variants, a valid model and data set;
-the schema its fields come from (experiments/config_schema.py) and what derives from it."""
+the schema its fields come from (experiments/setting/config_schema.py) and what derives from it."""
 
 import dataclasses
 import glob
@@ -13,11 +13,11 @@ from ml_collections import config_flags
 
 from attn_symmetry import data
 from attn_symmetry import models
-from experiments import config_checks
-from experiments import config_schema
-from experiments import fingerprints
-from experiments import inputs
-from experiments import train
+from experiments.setting import config_checks
+from experiments.setting import config_schema
+from experiments.setting import fingerprints
+from experiments.train import data_checks
+from experiments.train import inputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cpu_paper names its settings by variant (table1_vit_mnist_ape, ...) rather than ape/rope;
@@ -141,7 +141,7 @@ def test_transfer_variants(name, arg, dataset):
 def test_offline_settings_read_real_data(name):
   config = _module(name).get_config("runlocal")
   config_checks.validate(config)
-  train.check_data(config)
+  data_checks.check_data(config)
   model = inputs.create_model(config)
   assert model.config == _model_config(config)
   assert model.input_key == inputs.dataset_info(config, config.dataset.name).input_key
@@ -176,7 +176,8 @@ def test_command_line_overrides():
     _parse(["main.py", setting, "--config.train.num_stepz=3"])
 
 
-# The schema (experiments/config_schema.py): every field defined there once, the rest derived.
+# The schema (experiments/setting/config_schema.py): every field defined there once, the rest
+# derived.
 
 
 def _setting_args(name):

@@ -106,7 +106,7 @@ def test_ci_installs_every_extra_the_tests_import():
 def test_experiments_is_not_installed_and_its_scripts_run_by_path(tmp_path):
   """Only the library installs (pyproject's package list): outside the checkout no module
   named ``experiments`` can be imported, and the scripts still run by path from anywhere,
-  putting the checkout's root on the path themselves."""
+  loading their own package from their own folder (``experiments/main.py``'s first lines)."""
   include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
       "packages"]["find"]["include"]
   assert all(pattern.startswith("attn_symmetry") for pattern in include), include

@@ -19,11 +19,12 @@ from attn_symmetry import data
 from attn_symmetry import matching
 from attn_symmetry import models
 from attn_symmetry import registry
-from experiments import config_checks
-from experiments import inputs
-from experiments import scope_study
-from experiments import study
-from experiments import train
+from experiments.setting import config_checks
+from experiments.study import scope_study
+from experiments.study import study
+from experiments.train import inputs
+from experiments.train import saved_runs
+from experiments.train import trainer
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                     "extending.md")
@@ -110,7 +111,7 @@ def test_the_setting_trains_and_is_studied_with_the_new_method(extended):
   config.study.num_lambdas = 3
   config.study.methods = ("naive", "full_attention_only")  # "full" is tested elsewhere
   workdir = str(tmp / "workdir")
-  train.train_and_evaluate(config, workdir)
+  trainer.train_and_evaluate(config, workdir)
   paths = study.run_study(config, workdir)
   result = json.load(open(paths["first_layer/results.json"]))
   methods = result["methods"]
@@ -118,7 +119,7 @@ def test_the_setting_trains_and_is_studied_with_the_new_method(extended):
   assert all(np.isfinite(m["loss_barrier_mean"]) for m in methods.values())
   # The new method moved the heads of B and nothing else: its element is what study applied.
   model = inputs.create_model(config)
-  checkpoints = train.load_checkpoints(config, workdir)
+  checkpoints = saved_runs.load_checkpoints(config, workdir)
   a, b = (checkpoints[f"reinit/first_layer/seed_{s}"] for s in (1, 2))
   element, _ = scope_study.align(model.spec, a, b, scope=model.scope_paths("first_layer"),
                                  method="full_attention_only",

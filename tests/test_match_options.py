@@ -16,7 +16,7 @@ import pytest
 
 from attn_symmetry import matching
 from attn_symmetry.align import _check, _cli, _records
-from experiments import config_schema
+from experiments.setting import config_schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILT_IN = ("naive", "perm", "ortho", "full", "learned")
@@ -99,7 +99,8 @@ import jax
 import numpy as np
 from attn_symmetry import matching, models
 from attn_symmetry.align import _check, _cli, _records
-from experiments import config_schema, scope_study
+from experiments.setting import config_schema
+from experiments.study import scope_study
 
 seen = []
 def align_soft(spec, params_a, params_b, *, scope, temperature):

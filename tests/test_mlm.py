@@ -11,11 +11,11 @@ import pytest
 
 from attn_symmetry import models
 from attn_symmetry import tasks
-from experiments import evaluation
-from experiments import inputs
-from experiments import scope_study
 from experiments.configs import bert_mlm_wiki_bytes
 from experiments.configs import gpt2_wiki_bytes
+from experiments.study import scope_study
+from experiments.train import evaluation
+from experiments.train import inputs
 
 
 def _windows(seed, n=64, t=33, vocab=256):

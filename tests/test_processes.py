@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from attn_symmetry import data
-from experiments import inputs
 from experiments import main
-from experiments import train
 from experiments.configs import quickstart
+from experiments.train import inputs
+from experiments.train import runs
+from experiments.train import saved_runs
 from tests import conftest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,8 +184,11 @@ def test_main_exits_on_bad_process_flags_with_one_line_and_writes_nothing(tmp_pa
 _ABLATION_ON_TWO_DEVICES = r"""
 import json, sys
 import jax
-from experiments import inputs, study, train
 from experiments.configs import quickstart
+from experiments.study import study
+from experiments.train import inputs
+from experiments.train import runs
+from experiments.train import saved_runs
 
 assert jax.device_count() == 2
 config = quickstart.get_config("runlocal")
@@ -192,13 +196,13 @@ config.reinit.scopes = ("first_attention",)
 config.study.methods, config.study.distances, config.study.noise_levels = ("naive",), (), ()
 model = inputs.create_model(config)
 mesh = inputs.create_mesh()
-# Untrained endpoints, placed as train.load_checkpoints places trained ones: replicated on
+# Untrained endpoints, placed as saved_runs.load_checkpoints places trained ones: replicated on
 # both devices, or host copies of them where the study asks (on_host). The study's Stage 1
 # ablation (24 head permutations, each with Stage 2's batched LAPACK calls) deadlocked on
 # replicated endpoints before it matched host copies on one device.
 params = {run.name: jax.device_put(model.init(jax.random.key(run.seed)), inputs.replicated(mesh))
-          for run in train.runs(config)}
-train.load_checkpoints = lambda config, workdir, *, require_complete, on_host: (
+          for run in runs.runs(config)}
+saved_runs.load_checkpoints = lambda config, workdir, *, require_complete, on_host: (
     inputs.to_host(params) if on_host else params)
 paths = study.run_study(config, sys.argv[1])
 with open(paths["first_attention/results.json"]) as f:
@@ -238,11 +242,12 @@ def test_two_processes_equal_two_devices_and_rerun_nothing(tmp_path, request):
   assert single.returncode == 0, single.stderr[-4000:]
   assert _largest_difference(_outcome(procs), _outcome(devices)) <= 1e-5
   assert "study of scope first_attention" in outputs[0]
-  assert "study of scope" not in outputs[1] and "train.py" not in outputs[1]
+  assert "study of scope" not in outputs[1] and "trainer.py" not in outputs[1] and (
+      "loop.py" not in outputs[1])
 
   config = quickstart.get_config("runlocal")
   config.reinit.scopes = ("first_attention",)
-  assert set(train.load_checkpoints(config, procs)) == {
+  assert set(saved_runs.load_checkpoints(config, procs)) == {
       "base", "reinit/first_attention/seed_1", "reinit/first_attention/seed_2"}
 
   before = _stamps(procs)

@@ -9,10 +9,10 @@ import os
 import numpy as np
 import pytest
 
-from experiments import regime
-from experiments import report
-from experiments import seed_statistics as ss
 from experiments.configs import cpu_paper
+from experiments.report import regime
+from experiments.report import report
+from experiments.report import seed_statistics as ss
 
 
 def _interval(estimate, se, seeds=5):
@@ -103,7 +103,7 @@ def test_training_cell_counts_stops_and_spans_steps_and_losses():
 
 
 def test_identity_closeness_is_one_and_zero_at_the_identity_and_measures_a_move():
-  from experiments import scope_study
+  from experiments.study import scope_study
   identity = {"residual": np.arange(4, dtype=np.int32), "rot": np.eye(2),
               "site": {"perm": np.arange(2, dtype=np.int32), "qk": np.stack([np.eye(2)] * 2)}}
   same = scope_study.identity_closeness(identity, identity)

@@ -7,8 +7,8 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from experiments import report
-from experiments import seed_statistics
+from experiments.report import report
+from experiments.report import seed_statistics
 
 NAN = float("nan")
 

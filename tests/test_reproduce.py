@@ -11,13 +11,13 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import claims
-from experiments import config_checks
-from experiments import report
-from experiments import results_table
-from experiments import runner
-from experiments import scheduler
 from experiments.configs import cpu_paper
+from experiments.report import claims
+from experiments.report import report
+from experiments.report import results_table
+from experiments.reproduction import runner
+from experiments.reproduction import scheduler
+from experiments.setting import config_checks
 from tests.conftest import compile_options_removed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -507,7 +507,7 @@ def test_jobs_must_be_positive():
 def test_use_one_core_pins_this_process_and_refuses_a_core_it_may_not_use():
   """In a child process (pinning is for the process's life): the lowest core by default, a
   named core if allowed, a clear error otherwise."""
-  script = ("import os; from experiments import runner\n"
+  script = ("import os; from experiments.reproduction import runner\n"
             "low = min(os.sched_getaffinity(0)); high = max(os.sched_getaffinity(0))\n"
             "assert runner.use_one_core() == low and os.sched_getaffinity(0) == {low}\n"
             "try:\n  runner.use_one_core(high + 1)\nexcept ValueError as e:\n  print(e)\n")

@@ -17,11 +17,12 @@ import sys
 
 import pytest
 
-from experiments import checkpoints
-from experiments import fingerprints
-from experiments import study
-from experiments import train
 from experiments.configs import quickstart
+from experiments.setting import fingerprints
+from experiments.study import study
+from experiments.train import checkpoints
+from experiments.train import runs
+from experiments.train import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCOPE = "all_attention"
@@ -46,7 +47,7 @@ def make_config(**changes):
 
 
 def run_all(config, workdir):
-  train.train_and_evaluate(config, workdir)
+  trainer.train_and_evaluate(config, workdir)
   study.run_study(config, workdir)
 
 
@@ -151,7 +152,7 @@ def test_a_training_field_keys_the_base_run(field, value, line):
   """The change that makes the base run retrain (above, end to end), for fields whose path to
   the run's fingerprint differs: the top-level seed is the base run's own."""
   old, new = make_config(), make_config(**{field: value})
-  base_fields = lambda config: train.run_fields(config, train.runs(config)[0])
+  base_fields = lambda config: runs.run_fields(config, runs.runs(config)[0])
   assert fingerprints.change_line(base_fields(old), base_fields(new)) == line
 
 
@@ -247,13 +248,16 @@ import os, signal, sys
 import jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[3])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-from experiments import inputs, study, train
+from experiments.study import study
+from experiments.train import inputs
+from experiments.train import runs
+from experiments.train import trainer
 from tests.test_reruns import make_config
 
 where, workdir = sys.argv[1], sys.argv[2]
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
 if where == "step":  # the base run, while step 6 may still be computing: before batch 7
-  from experiments import checkpoints
+  from experiments.train import checkpoints
   save = checkpoints.RunCheckpoints.save  # synchronous, so that step 4 is surely on disk
   checkpoints.RunCheckpoints.save = lambda self, *a: (save(self, *a), self.wait())
   real = inputs.train_batches
@@ -280,7 +284,7 @@ elif where == "study":  # the second stage file: computed, about to replace its 
     return real(src, dst)
   os.replace = replace
 config = make_config()
-train.train_and_evaluate(config, workdir)
+trainer.train_and_evaluate(config, workdir)
 study.run_study(config, workdir)
 print("not killed")
 """

@@ -1,4 +1,4 @@
-"""Seed-level intervals of the study's pairs (experiments/seed_statistics.py)."""
+"""Seed-level intervals of the study's pairs (experiments/report/seed_statistics.py)."""
 
 import itertools
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from experiments import seed_statistics as ss
+from experiments.report import seed_statistics as ss
 
 
 def _pairs(values, seeds=("s1", "s2", "s3")):

@@ -22,15 +22,18 @@ import pytest
 
 from attn_symmetry import data
 from attn_symmetry import spec as spec_lib
-from experiments import checkpoints
-from experiments import evaluation
-from experiments import inputs
-from experiments import metric_writers
-from experiments import reinit
-from experiments import train
 from experiments.configs import quickstart
-from tests.test_train import _Crash
+from experiments.train import checkpoints
+from experiments.train import evaluation
+from experiments.train import inputs
+from experiments.train import metric_writers
+from experiments.train import reinit
+from experiments.train import runs
+from experiments.train import saved_runs
+from experiments.train import schedules
+from experiments.train import trainer
 from tests.test_train import _bits_equal
+from tests.test_train import _Crash
 from tests.test_train import _tree_digest
 
 SEEDS = (1, 2)
@@ -89,7 +92,7 @@ def _expected_end(losses, rule, budget):
 
 
 def _params(config, workdir, name):
-  return jax.tree.map(np.asarray, train.load_checkpoints(config, workdir)[name])
+  return jax.tree.map(np.asarray, saved_runs.load_checkpoints(config, workdir)[name])
 
 
 def _assert_same_params(a, b):
@@ -137,7 +140,7 @@ def test_base_model_follows_the_rule_with_stop_base(trained_workdir, tmp_path_fa
   assert sorted(losses) == list(range(2, stop + 1, 2)) and len(set(losses.values())) == 1
   base = results["base"]
   assert (base["steps"], base["stopped"], base["best_step"]) == (stop, "plateau", 2)
-  assert train.steps_taken(config, workdir)["base"]["num_steps"] == config.train.num_steps
+  assert saved_runs.steps_taken(config, workdir)["base"]["num_steps"] == config.train.num_steps
   fields = json.load(open(os.path.join(workdir, "base", "fingerprint.json")))["fields"]
   assert fields.get("reinit.stop_base") is True and fields["reinit.patience"] == FROZEN["patience"]
   assert results["reinit/first_attention/seed_1"]["stopped"] == "plateau"
@@ -146,7 +149,7 @@ def test_base_model_follows_the_rule_with_stop_base(trained_workdir, tmp_path_fa
 @pytest.mark.slow
 def test_full_scope_follows_the_rule_on_the_base_schedule(frozen):
   config, workdir, results = frozen
-  rule = train.stopping(config, train.runs(config)[-1])
+  rule = runs.stopping(config, runs.runs(config)[-1])
   for seed in SEEDS:
     name = f"reinit/full/seed_{seed}"
     losses = _validation_losses(workdir, name)
@@ -158,8 +161,8 @@ def test_full_scope_follows_the_rule_on_the_base_schedule(frozen):
 @pytest.mark.slow
 def test_steps_taken_reads_how_each_run_ended(frozen):
   config, workdir, results = frozen
-  taken = train.steps_taken(config, workdir)
-  assert list(taken) == [run.name for run in train.runs(config)]
+  taken = saved_runs.steps_taken(config, workdir)
+  assert list(taken) == [run.name for run in runs.runs(config)]
   for name, end in taken.items():
     fields = ("steps", "stopped", "validation_loss", "best_validation_loss", "best_step")
     assert {k: end[k] for k in fields if k in end} == {
@@ -173,7 +176,7 @@ def test_budget_when_the_loss_keeps_improving(tmp_path):
   config = make_config(**IMPROVING)
   config.train.batch_size = 32  # the barely trained base model learns in 30 steps, not in 4
   config, workdir, results = _trained_here(tmp_path, config)
-  rule = train.stopping(config, train.runs(config)[1])
+  rule = runs.stopping(config, runs.runs(config)[1])
   for seed in SEEDS:
     name = f"reinit/first_attention/seed_{seed}"
     losses = _validation_losses(workdir, name)
@@ -186,14 +189,14 @@ def test_budget_when_the_loss_keeps_improving(tmp_path):
 
 def _trained_here(tmp_path, config):
   workdir = str(tmp_path / "w")
-  return config, workdir, train.train_and_evaluate(config, workdir)
+  return config, workdir, trainer.train_and_evaluate(config, workdir)
 
 
 @pytest.mark.slow
 def test_plateau_with_moving_parameters(halving):
   """Real training that stops at a plateau, because no evaluation halves the first loss."""
   config, workdir, results = halving
-  rule = train.stopping(config, train.runs(config)[1])
+  rule = runs.stopping(config, runs.runs(config)[1])
   base = spec_lib.flatten(_params(config, workdir, "base"))
   for seed in SEEDS:
     name = f"reinit/first_attention/seed_{seed}"
@@ -213,13 +216,13 @@ def test_stopped_run_is_complete(frozen, caplog):
   config, workdir, results = frozen
   before = _tree_digest(workdir)
   with caplog.at_level(logging.INFO):
-    assert train.train_and_evaluate(config, workdir) == results
+    assert trainer.train_and_evaluate(config, workdir) == results
   assert _tree_digest(workdir) == before
   messages = [r.getMessage() for r in caplog.records]
   for seed in SEEDS:
     assert (f"reinit/first_attention/seed_{seed}: complete (step 6, stopped at a validation "
             "plateau), skipped") in messages
-  loaded = train.load_checkpoints(config, workdir, require_complete=True)
+  loaded = saved_runs.load_checkpoints(config, workdir, require_complete=True)
   assert set(loaded) == set(results)
 
 
@@ -233,8 +236,8 @@ def test_unfinished_run_is_refused_by_the_study_loader(frozen, tmp_path):
   name = "reinit/first_attention/seed_2"
   shutil.rmtree(os.path.join(copy, name, "checkpoints", "6"))
   with pytest.raises(ValueError, match=f"run '{name}' stopped at step 4 of 20"):
-    train.load_checkpoints(config, copy, require_complete=True)
-  assert train.steps_taken(config, copy)[name]["stopped"] is None
+    saved_runs.load_checkpoints(config, copy, require_complete=True)
+  assert saved_runs.steps_taken(config, copy)[name]["stopped"] is None
 
 
 @pytest.mark.slow
@@ -244,7 +247,7 @@ def test_changed_patience_retrains_the_runs_under_the_rule(frozen, tmp_path, cap
   shutil.copytree(workdir, copy)
   config = make_config(scopes=("first_attention", "full"), **{**FROZEN, "patience": 3})
   with caplog.at_level(logging.INFO):
-    results = train.train_and_evaluate(config, copy)
+    results = trainer.train_and_evaluate(config, copy)
   messages = " ".join(r.getMessage() for r in caplog.records)
   for scope in ("first_attention", "full"):
     for seed in SEEDS:
@@ -259,14 +262,14 @@ def test_the_rule_can_validate_on_the_first_examples_of_the_split(halving, tmp_p
   """dataset.validation_examples: the rule's loss is that of the split's first examples; 0, the
   whole split, keys nothing; another value retrains."""
   config, reference, results = halving
-  assert "dataset.validation_examples" not in json.dumps(train.run_fields(
-      config, train.runs(config)[1], base_params="x"))
+  assert "dataset.validation_examples" not in json.dumps(runs.run_fields(
+      config, runs.runs(config)[1], base_params="x"))
   copy = str(tmp_path / "w")
   shutil.copytree(reference, copy)
   subset = make_config(**HALVING)
   subset.dataset.validation_examples = 20
   with caplog.at_level(logging.INFO):
-    got = train.train_and_evaluate(subset, copy)
+    got = trainer.train_and_evaluate(subset, copy)
   messages = " ".join(r.getMessage() for r in caplog.records)
   model = inputs.create_model(subset)
   split = data.eval_iterator("digits", batch_size=subset.train.eval_batch_size,
@@ -287,13 +290,13 @@ def test_turning_the_rule_on_retrains(frozen, tmp_path, caplog):
   """With the rule off its fields are not keyed; turning it on adds them, so the runs retrain."""
   config = make_config(patience=0, learning_rate=1e-12, num_steps=4)
   workdir = str(tmp_path / "w")
-  results = train.train_and_evaluate(config, workdir)
+  results = trainer.train_and_evaluate(config, workdir)
   assert results["reinit/first_attention/seed_1"]["steps"] == 4
   assert "validation_loss" not in results["reinit/first_attention/seed_1"]
   assert not _validation_losses(workdir, "reinit/first_attention/seed_1")
   on = make_config(patience=1, learning_rate=1e-12, num_steps=4, validate_every=1)
   with caplog.at_level(logging.INFO):
-    results = train.train_and_evaluate(on, workdir)
+    results = trainer.train_and_evaluate(on, workdir)
   assert "reinit/first_attention/seed_1: config changed (dataset.validation_split (none) -> " \
          "train[90%:]" in " ".join(r.getMessage() for r in caplog.records)
   assert (results["reinit/first_attention/seed_1"]["steps"],
@@ -330,17 +333,17 @@ def test_resume_after_a_crash_is_bit_identical(halving, tmp_path, monkeypatch, c
         Dying(real(config, dataset, seed=seed)) if seed == 1 else real(config, dataset,
                                                                         seed=seed)))
     with pytest.raises(_Crash):
-      train.train_and_evaluate(config, workdir)
+      trainer.train_and_evaluate(config, workdir)
   name = "reinit/first_attention/seed_1"
   ckpts = checkpoints.RunCheckpoints(os.path.join(workdir, name), read_only=True)
   assert ckpts.all_steps() == [2]
   assert ckpts.restore_meta(2)["stopping"]["since_best"] == 1
   ckpts.close()
   with caplog.at_level(logging.INFO):
-    resumed = train.train_and_evaluate(config, workdir)
+    resumed = trainer.train_and_evaluate(config, workdir)
   assert f"{name}: resuming from step 2" in " ".join(r.getMessage() for r in caplog.records)
   assert resumed == results
-  for run in train.runs(config):
+  for run in runs.runs(config):
     _assert_same_params(_params(config, workdir, run.name), _params(config, reference, run.name))
     assert _validation_losses(workdir, run.name) == _validation_losses(reference, run.name)
 
@@ -366,11 +369,11 @@ def test_no_decision_reads_the_test_split(halving, tmp_path, monkeypatch):
       yield {**batch, "label": (batch["label"] + 1) % 10}
   monkeypatch.setattr(inputs, "eval_batches", scrambled)
   workdir = str(tmp_path / "w")
-  got = train.train_and_evaluate(config, workdir)
+  got = trainer.train_and_evaluate(config, workdir)
   assert set(reads) == {("train_iterator", "digits", "train[:90%]"),
                         ("eval_iterator", "digits", "train[90%:]"),
                         ("eval_iterator", "digits", "test")}
-  for run in train.runs(config):
+  for run in runs.runs(config):
     kept = ("steps", "stopped", "validation_loss", "best_validation_loss", "best_step")
     assert {k: got[run.name].get(k) for k in kept} == {
         k: results[run.name].get(k) for k in kept}
@@ -396,21 +399,21 @@ def test_bad_splits_fail_before_training(changes, message, tmp_path):
     config[section][key] = value
   workdir = str(tmp_path / "w")
   with pytest.raises(ValueError, match=message):
-    train.train_and_evaluate(config, workdir)
+    trainer.train_and_evaluate(config, workdir)
   assert not os.path.exists(workdir)
 
 
 def test_plateau_counts_relative_improvements():
-  rule = train.Stopping(patience=2, min_delta=0.01, validate_every=1)
-  plateau = train.Plateau(rule)
+  rule = schedules.Stopping(patience=2, min_delta=0.01, validate_every=1)
+  plateau = schedules.Plateau(rule)
   # 1.0 best; 0.995 is not 1 % better; 0.98 is; then 0.975 and 0.99 are not: stop.
   stops = [plateau.observe(step, loss) for step, loss in enumerate([1.0, 0.995, 0.98, 0.975,
                                                                    0.99], start=1)]
   assert stops == [False, False, False, False, True]
   assert (plateau.best_loss, plateau.best_step, plateau.since_best) == (0.98, 3, 2)
-  restored = train.Plateau.from_meta(rule, plateau.to_meta())
+  restored = schedules.Plateau.from_meta(rule, plateau.to_meta())
   assert restored == plateau
-  assert train.Plateau.from_meta(rule, None) == train.Plateau(rule)
+  assert schedules.Plateau.from_meta(rule, None) == schedules.Plateau(rule)
 
 
 @pytest.mark.slow

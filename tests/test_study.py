@@ -18,16 +18,16 @@ import pytest
 from attn_symmetry import data
 from attn_symmetry import matching
 from attn_symmetry import models
-from experiments import evaluation
-from experiments import fingerprints
-from experiments import input_noise
-from experiments import inputs
-from experiments import report
-from experiments import path_evaluation
-from experiments import scope_study
-from experiments import study
-from experiments import train
 from experiments.configs import quickstart
+from experiments.report import report
+from experiments.setting import fingerprints
+from experiments.study import input_noise
+from experiments.study import path_evaluation
+from experiments.study import scope_study
+from experiments.study import study
+from experiments.train import evaluation
+from experiments.train import inputs
+from experiments.train import saved_runs
 
 
 def _config(**study_changes):
@@ -153,7 +153,7 @@ def test_each_path_is_its_aligned_models_path_evaluated_at_every_lambda(finished
   evaluator = path_evaluation.PathEvaluator(
       model, path_evaluation.evaluation_examples(config, config.dataset.name),
       chunk_size=config.study.lambda_chunk, bits_per_byte=False)
-  checkpoints = train.load_checkpoints(config, workdir, require_complete=True)
+  checkpoints = saved_runs.load_checkpoints(config, workdir, require_complete=True)
   scope = scope_study.ScopeStudy(config, model, "first_attention", checkpoints, evaluator,
                                  workdir=str(workdir), data_fingerprint="")
   one_example = 1.0 / 300  # the digits test split has more examples than that
@@ -257,9 +257,9 @@ def test_full_method_beats_naive(finished):
 @pytest.mark.slow
 def test_checkpoint_with_itself_has_no_barrier(finished):
   config, workdir, _, _ = finished
-  from experiments import inputs
+  from experiments.train import inputs
   model = inputs.create_model(config)
-  checkpoints = train.load_checkpoints(config, workdir)
+  checkpoints = saved_runs.load_checkpoints(config, workdir)
   batches = list(inputs.eval_batches(config, config.dataset.name))
   evaluator = path_evaluation.PathEvaluator(model, batches, chunk_size=25, bits_per_byte=False)
   s = scope_study.ScopeStudy(config, model, "first_attention", checkpoints, evaluator,
@@ -366,7 +366,7 @@ def test_study_evaluates_the_paths_on_study_eval_split(finished, tmp_path):
     assert stored["fields"]["study.eval_split"] == "train[:50%]"
   test_ends = _results(finished)["endpoints"]
   assert all(res["endpoints"][s]["loss"] != test_ends[s]["loss"] for s in test_ends)
-  model, params = inputs.create_model(changed), train.load_checkpoints(changed, copy)
+  model, params = inputs.create_model(changed), saved_runs.load_checkpoints(changed, copy)
   first_40 = list(inputs.first_examples(
       data.eval_iterator("digits", batch_size=changed.train.eval_batch_size, split="train"), 40))
   for seed in changed.reinit.seeds:
@@ -414,7 +414,7 @@ def test_learned_reads_training_and_validation_slices_only(finished, monkeypatch
   """The learned stage reads the training slice and the validation slice, never the test
   split (every data set read it makes is recorded)."""
   config, workdir, _, _ = finished
-  checkpoints = train.load_checkpoints(config, workdir, require_complete=True)
+  checkpoints = saved_runs.load_checkpoints(config, workdir, require_complete=True)
   model = inputs.create_model(config)
   scope = scope_study.ScopeStudy(config, model, "first_attention", checkpoints,
                            evaluator=None, workdir=str(workdir), data_fingerprint="")

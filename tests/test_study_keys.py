@@ -1,6 +1,6 @@
 """The study's cache keys derive from the schema, and key every config field a stage reads.
 
-Each field of ``experiments/config_schema.py`` names the study stages that read it
+Each field of ``experiments/setting/config_schema.py`` names the study stages that read it
 (``Field.study``) or the ``align_model`` option it sets (``Field.option``);
 ``scope_study`` keys every stage from that alone. Here the study of one scope runs on a
 config that records every field read (``RecordingConfig``), each stage computed afresh,
@@ -30,13 +30,13 @@ import pytest
 
 from attn_symmetry import matching
 from attn_symmetry import runtime
-from experiments import config_schema
-from experiments import fingerprints
-from experiments import inputs
-from experiments import path_evaluation
-from experiments import result_cache
-from experiments import scope_study
 from experiments.configs import quickstart
+from experiments.setting import config_schema
+from experiments.setting import fingerprints
+from experiments.study import path_evaluation
+from experiments.study import result_cache
+from experiments.study import scope_study
+from experiments.train import inputs
 
 SCOPE = "first_attention"  # the scope of every kind of stage: methods, both ablations, noise
 METHODS = ("naive", "perm", "ortho", "full", "learned")

@@ -2,7 +2,7 @@
 
 Each test compares with the convention as it was written before it was shared (the
 ``_previous_*`` references below: the host's in ``_eval_files``, jit's in
-``experiments.evaluation.batch_metrics``), bit for bit, on fixed inputs.
+``experiments.train.evaluation.batch_metrics``), bit for bit, on fixed inputs.
 """
 
 import jax
@@ -14,7 +14,7 @@ import pytest
 from attn_symmetry import _eval_files
 from attn_symmetry import models
 from attn_symmetry import tasks
-from experiments import evaluation
+from experiments.train import evaluation
 
 WORDS = "the cat sat on a mat dog ran far away while birds sang in tall green trees".split()
 
@@ -38,7 +38,7 @@ def _previous_host_mlm(inputs, ordinary_positions, mask_id):
 
 
 def _previous_batch_metrics(model, params, batch):
-  """experiments.evaluation.batch_metrics before model_batch."""
+  """experiments.train.evaluation.batch_metrics before model_batch."""
   if model.task == tasks.LM:
     tokens = batch[model.input_key]
     logits, _ = model.apply(params, tokens[:, :-1])

@@ -19,17 +19,21 @@ import pytest
 from absl.testing import flagsaver
 
 from attn_symmetry import spec as spec_lib
-from experiments import checkpoints
-from experiments import inputs
 from experiments import main
-from experiments import metric_writers
-from experiments import train
 from experiments.configs import bert_mlm_wiki_bytes
 from experiments.configs import bert_offline
 from experiments.configs import gpt2_wiki_bytes
 from experiments.configs import llama_wiki_bytes
 from experiments.configs import quickstart
 from experiments.configs import vit_mnist_to_fashion
+from experiments.train import checkpoints
+from experiments.train import inputs
+from experiments.train import metric_writers
+from experiments.train import optimizer as optimizer_lib
+from experiments.train import runs
+from experiments.train import saved_runs
+from experiments.train import schedules
+from experiments.train import trainer
 from tests import conftest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,15 +72,15 @@ def _bits_equal(a, b):
 @pytest.mark.slow
 def test_quickstart_trains_every_run(quickstart_run):
   config, workdir, results = quickstart_run
-  assert list(results) == [run.name for run in train.runs(config)]
+  assert list(results) == [run.name for run in runs.runs(config)]
   assert len(results) == 1 + len(config.reinit.scopes) * len(config.reinit.seeds)
-  for run in train.runs(config):
-    directory = train.run_dir(workdir, run)
+  for run in runs.runs(config):
+    directory = runs.run_dir(workdir, run)
     m = results[run.name]
     assert math.isfinite(m["loss"]) and 0.0 <= m["accuracy"] <= 1.0
     with open(os.path.join(directory, "final_metrics.json")) as f:
       assert json.load(f) == m
-    num_steps = train.schedule(config, run).num_steps
+    num_steps = runs.schedule(config, run).num_steps
     ckpts = checkpoints.RunCheckpoints(directory, read_only=True)
     assert ckpts.latest_step() == num_steps
     assert len(ckpts.all_steps()) <= config.train.keep_checkpoints
@@ -91,22 +95,22 @@ def test_no_base_model_when_every_scope_trains_from_scratch(tmp_path):
   """Only "full" scopes: no run starts from the base model, so it is not trained (and the
   study loads the seeds alone); with no scope at all it is the only run."""
   config = quickstart.get_config("runlocal")
-  assert [r.name for r in train.runs(_base_only(quickstart.get_config("runlocal")))] == ["base"]
+  assert [r.name for r in runs.runs(_base_only(quickstart.get_config("runlocal")))] == ["base"]
   config.reinit.scopes, config.reinit.seeds = ("full",), (1, 2)
   names = ["reinit/full/seed_1", "reinit/full/seed_2"]
-  assert [r.name for r in train.runs(config)] == names
-  assert list(train.train_and_evaluate(config, str(tmp_path))) == names
+  assert [r.name for r in runs.runs(config)] == names
+  assert list(trainer.train_and_evaluate(config, str(tmp_path))) == names
   assert not os.path.exists(tmp_path / "base")
-  assert list(train.load_checkpoints(config, str(tmp_path), require_complete=True)) == names
+  assert list(saved_runs.load_checkpoints(config, str(tmp_path), require_complete=True)) == names
   config.reinit.scopes = ("full", "first_attention")
-  assert train.runs(config)[0].name == "base"
+  assert runs.runs(config)[0].name == "base"
 
 
 @pytest.mark.slow
 def test_reinit_freezes_everything_outside_the_scope(quickstart_run):
   config, workdir, _ = quickstart_run
   model = inputs.create_model(config)
-  params = train.load_checkpoints(config, workdir)
+  params = saved_runs.load_checkpoints(config, workdir)
   base = spec_lib.flatten(params["base"])
   for scope in config.reinit.scopes:
     prefixes = model.scope_paths(scope)
@@ -128,7 +132,7 @@ def test_reinit_freezes_everything_outside_the_scope(quickstart_run):
 def test_rerun_skips_finished_runs(quickstart_run):
   config, workdir, results = quickstart_run
   before = _tree_digest(workdir)
-  assert train.train_and_evaluate(config, workdir) == results
+  assert trainer.train_and_evaluate(config, workdir) == results
   assert _tree_digest(workdir) == before
 
 
@@ -136,7 +140,7 @@ def test_rerun_skips_finished_runs(quickstart_run):
 def test_main_runs_the_same_training(quickstart_run, tmp_path, monkeypatch):
   """main.py's flags and training stage give what the library call gave, number for number."""
   _, _, results = quickstart_run
-  assert main.STAGES[0] is train.train_and_evaluate
+  assert main.STAGES[0] is trainer.train_and_evaluate
   monkeypatch.setattr(main, "STAGES", main.STAGES[:1])  # The study stages are tested elsewhere.
   argv = ["main.py", f"--config={REPO}/experiments/configs/quickstart.py:runlocal",
           f"--workdir={tmp_path}", "--compilation_cache="]
@@ -218,12 +222,12 @@ def test_resume_after_crash_ends_identical(quickstart_run, tmp_path, monkeypatch
   with monkeypatch.context() as m:
     _patch_batches(m, crash_at=7)  # Steps 5 and 6 are done and logged, not checkpointed.
     with pytest.raises(_Crash):
-      train.train_and_evaluate(config, workdir)
-  base_dir = train.run_dir(workdir, train.runs(config)[0])
+      trainer.train_and_evaluate(config, workdir)
+  base_dir = runs.run_dir(workdir, runs.runs(config)[0])
   assert checkpoints.RunCheckpoints(base_dir, read_only=True).latest_step() == 4
-  train.train_and_evaluate(config, workdir)
-  resumed = train.load_checkpoints(config, workdir)["base"]
-  uninterrupted = train.load_checkpoints(reference_config, reference_dir)["base"]
+  trainer.train_and_evaluate(config, workdir)
+  resumed = saved_runs.load_checkpoints(config, workdir)["base"]
+  uninterrupted = saved_runs.load_checkpoints(reference_config, reference_dir)["base"]
   for path, value in spec_lib.flatten(uninterrupted).items():
     assert _bits_equal(spec_lib.flatten(resumed)[path], value), path
   log = metric_writers.read_jsonl(os.path.join(base_dir, "metrics.jsonl"))
@@ -235,11 +239,11 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypat
   config = _base_only(quickstart.get_config("runlocal"))
   _patch_batches(monkeypatch, nan_at=6)
   with pytest.raises(FloatingPointError, match=r"nan at step 6.*last good checkpoint \(step 4\)"):
-    train.train_and_evaluate(config, str(tmp_path))
-  ckpts = checkpoints.RunCheckpoints(train.run_dir(str(tmp_path), train.runs(config)[0]),
+    trainer.train_and_evaluate(config, str(tmp_path))
+  ckpts = checkpoints.RunCheckpoints(runs.run_dir(str(tmp_path), runs.runs(config)[0]),
                                      read_only=True)
   assert ckpts.all_steps() == [4]
-  params = train.load_checkpoints(config, str(tmp_path))["base"]
+  params = saved_runs.load_checkpoints(config, str(tmp_path))["base"]
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
@@ -248,9 +252,9 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypat
                                      bert_mlm_wiki_bytes], ids=["gpt2", "llama", "bert", "bert_mlm"])
 def test_runlocal_family(setting, tmp_path):
   config = _base_only(setting.get_config("runlocal"))
-  results = train.train_and_evaluate(config, str(tmp_path))
+  results = trainer.train_and_evaluate(config, str(tmp_path))
   model = inputs.create_model(config)
-  trained = spec_lib.flatten(train.load_checkpoints(config, str(tmp_path))["base"])
+  trained = spec_lib.flatten(saved_runs.load_checkpoints(config, str(tmp_path))["base"])
   init = spec_lib.flatten(model.init(jax.random.key(config.seed)))
   assert all(not _bits_equal(trained[p], init[p]) for p in init if p.endswith("kernel"))
   loss = results["base"]["loss"]
@@ -279,10 +283,10 @@ def test_transfer_fine_tunes_on_the_second_data_set(tmp_path, monkeypatch):
   read = []
   for reader in ("train_batches", "eval_batches"):
     _record_reads(monkeypatch, reader, read)
-  train.train_and_evaluate(config, str(tmp_path))
+  trainer.train_and_evaluate(config, str(tmp_path))
   assert read == [("train_batches", "mnist5k"), ("eval_batches", "mnist5k"),
                   *[("train_batches", "fashion_mnist_deb"), ("eval_batches", "fashion_mnist_deb")] * 2]
-  params = train.load_checkpoints(config, str(tmp_path))
+  params = saved_runs.load_checkpoints(config, str(tmp_path))
   base, tuned = (spec_lib.flatten(params[k]) for k in ("base", "reinit/first_attention/seed_1"))
   frozen = [p for p in base if not p.startswith("layers_0/attention/")]
   assert frozen and all(_bits_equal(base[p], tuned[p]) for p in frozen)
@@ -314,7 +318,7 @@ def test_bad_config_fails_before_training(field, value, error, tmp_path):
   _mutate(config, field, value)
   workdir = str(tmp_path / "workdir")
   with pytest.raises(ValueError, match=error):
-    train.train_and_evaluate(config, workdir)
+    trainer.train_and_evaluate(config, workdir)
   assert not os.path.exists(workdir)
 
 
@@ -324,7 +328,7 @@ def test_workdir_of_another_architecture_is_refused_untouched(quickstart_run):
   config = quickstart.get_config("runlocal")
   config.model.overrides.mlp_dim = 96
   before = _tree_digest(workdir)
-  for entry_point in (train.train_and_evaluate, train.load_checkpoints):
+  for entry_point in (trainer.train_and_evaluate, saved_runs.load_checkpoints):
     with pytest.raises(ValueError, match=r"another architecture(.|\n)*layers_0/mlp"):
       entry_point(config, workdir)
   assert _tree_digest(workdir) == before
@@ -333,7 +337,7 @@ def test_workdir_of_another_architecture_is_refused_untouched(quickstart_run):
 def test_load_checkpoints_of_untrained_run_names_it(tmp_path):
   config = quickstart.get_config("runlocal")
   with pytest.raises(ValueError, match="'base' has no checkpoint"):
-    train.load_checkpoints(config, str(tmp_path))
+    saved_runs.load_checkpoints(config, str(tmp_path))
 
 
 @pytest.mark.slow
@@ -355,37 +359,44 @@ def test_main_rejects_override_of_missing_field(tmp_path):
 _MULTI_DEVICE = """
 import json, os, shutil, sys
 import jax
-from experiments import fingerprints, inputs, train
 from experiments.configs import quickstart
+from experiments.setting import fingerprints
+from experiments.train import inputs
+from experiments.train import optimizer as optimizer_lib
+from experiments.train import runs
+from experiments.train import saved_runs
+from experiments.train import schedules
+from experiments.train import trainer
 work = sys.argv[1]
 config = quickstart.get_config("runlocal")
 config.reinit.scopes = ()
 config.train.log_every = 1
-train.train_and_evaluate(config, os.path.join(work, "four"))
+trainer.train_and_evaluate(config, os.path.join(work, "four"))
 config.train.param_sharding = "fsdp"
 fsdp = os.path.join(work, "fsdp")
-train.train_and_evaluate(config, fsdp)
+trainer.train_and_evaluate(config, fsdp)
 stamps = lambda: {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
                   for d, _, names in os.walk(fsdp) for f in names}
 before = stamps()
-train.train_and_evaluate(config, fsdp)
+trainer.train_and_evaluate(config, fsdp)
 out = {"devices": jax.device_count(), "rerun_wrote": before != stamps()}
 # The replicated run cut back to its step-4 checkpoint, resumed with split parameters.
 resumed = os.path.join(work, "resumed")
 shutil.copytree(os.path.join(work, "four"), resumed)
 shutil.rmtree(os.path.join(resumed, "base", "checkpoints", "8"))
 os.remove(os.path.join(resumed, "base", "final_metrics.json"))
-out["resumed"] = train.train_and_evaluate(config, resumed)["base"]
+out["resumed"] = trainer.train_and_evaluate(config, resumed)["base"]
 # Verified against the split run's digest; a host copy, since each step donates its state.
-params = inputs.to_host(train.load_checkpoints(config, fsdp)["base"])
-model, mesh, run = inputs.create_model(config), inputs.create_mesh(), train.runs(config)[0]
+params = inputs.to_host(saved_runs.load_checkpoints(config, fsdp)["base"])
+model, mesh, run = inputs.create_model(config), inputs.create_mesh(), runs.runs(config)[0]
 trainable = jax.tree.map(lambda _: True, params)
-optimizer, _ = train.create_optimizer(config, train.schedule(config, run), trainable)
+optimizer, _ = optimizer_lib.create_optimizer(config, runs.schedule(config, run), trainable)
 batch = inputs.shard_batch(next(iter(inputs.train_batches(config, "digits", seed=0))), mesh)
 for how in inputs.PARAM_SHARDINGS:
   state = {"params": params, "opt_state": optimizer.init(params)}
   state = jax.device_put(state, inputs.shardings(state, inputs.placement(mesh, how)))
-  state, metrics = train.make_train_step(model, optimizer, trainable, mesh, how)(state, batch)
+  step = optimizer_lib.make_train_step(model, optimizer, trainable, mesh, how)
+  state, metrics = step(state, batch)
   out[how] = {part: {"per_device": sum(x.addressable_shards[0].data.nbytes
                                        for x in jax.tree.leaves(state[part])),
                      "whole": sum(x.nbytes for x in jax.tree.leaves(state[part]))}
@@ -406,7 +417,7 @@ def test_data_parallel_and_split_parameters_match_single_device(tmp_path):
   content hash being that of the whole arrays; a step's state hashes as its host copy does."""
   config = _base_only(quickstart.get_config("runlocal"))
   config.train.log_every = 1
-  single = train.train_and_evaluate(config, str(tmp_path / "one"))
+  single = trainer.train_and_evaluate(config, str(tmp_path / "one"))
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": conftest.with_xla_flags(
       os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=4")}
   proc = subprocess.run([sys.executable, "-c", _MULTI_DEVICE, str(tmp_path)], cwd=REPO,

@@ -12,11 +12,14 @@ from tensorboardX.record_writer import masked_crc32c
 from tensorboardX.proto import event_pb2
 
 from experiments import main
-from experiments import metric_writers
-from experiments import reinit
-from experiments import train
 from experiments.configs import default
 from experiments.configs import quickstart
+from experiments.train import loop as loop_lib
+from experiments.train import metric_writers
+from experiments.train import optimizer as optimizer_lib
+from experiments.train import reinit
+from experiments.train import runs as runs_lib
+from experiments.train import schedules
 
 
 def _tensorboard_events(path):
@@ -128,8 +131,8 @@ def test_optimizer_freezes_masked_leaves():
   params = {"frozen": {"kernel": jnp.ones((3, 3))},
             "train": {"kernel": jnp.ones((3, 3)), "bias": jnp.ones(3)}}
   trainable = {"frozen": {"kernel": False}, "train": {"kernel": True, "bias": True}}
-  sched = train.Schedule(num_steps=10, learning_rate=0.1, warmup_steps=1)
-  optimizer, lr = train.create_optimizer(config, sched, trainable)
+  sched = schedules.Schedule(num_steps=10, learning_rate=0.1, warmup_steps=1)
+  optimizer, lr = optimizer_lib.create_optimizer(config, sched, trainable)
   state = optimizer.init(params)
   # Adam moments exist for the trainable leaves only.
   moments = [x for x in jax.tree.leaves(state) if x.ndim == 2]
@@ -163,30 +166,31 @@ def test_runs_layout():
   config.reinit.scopes = ("first_attention", "full")
   config.reinit.seeds = (3, 4)
   config.reinit.dataset = "mnist5k"
-  runs = train.runs(config)
+  runs = runs_lib.runs(config)
   assert [r.name for r in runs] == ["base", "reinit/first_attention/seed_3",
                                     "reinit/first_attention/seed_4", "reinit/full/seed_3",
                                     "reinit/full/seed_4"]
   assert runs[0].dataset == "digits" and {r.dataset for r in runs[1:]} == {"mnist5k"}
   assert [r.fine_tunes for r in runs] == [False, True, True, False, False]
-  assert train.run_dir("/w", runs[1]) == os.path.join("/w", "reinit", "first_attention", "seed_3")
-  assert train.schedule(config, runs[1]).num_steps == config.reinit.num_steps
-  assert train.schedule(config, runs[3]).num_steps == config.train.num_steps
+  assert runs_lib.run_dir("/w", runs[1]) == os.path.join("/w", "reinit", "first_attention",
+                                                           "seed_3")
+  assert runs_lib.schedule(config, runs[1]).num_steps == config.reinit.num_steps
+  assert runs_lib.schedule(config, runs[3]).num_steps == config.train.num_steps
 
 
 def _loop_schedule(step, num_steps, rule):
   """A training loop's schedule alone: only the fields that ``due`` and ``chunk_end`` read."""
   config = default.get_config()
   config.train.update(log_every=4, eval_every=6, checkpoint_every=10)
-  plateau = None if rule is None else train.Plateau(rule)
+  plateau = None if rule is None else schedules.Plateau(rule)
   none = dict.fromkeys(("run", "model", "mesh", "state", "how", "batches", "train_step", "lr",
                         "ckpts", "writer"))
-  return train._RunLoop(config=config, step=step, num_steps=num_steps, plateau=plateau, meta={},
+  return loop_lib.RunLoop(config=config, step=step, num_steps=num_steps, plateau=plateau, meta={},
                         **none)
 
 
 @pytest.mark.parametrize("start", [0, 7, 22])
-@pytest.mark.parametrize("rule", [None, train.Stopping(patience=2, min_delta=0.0,
+@pytest.mark.parametrize("rule", [None, schedules.Stopping(patience=2, min_delta=0.0,
                                                         validate_every=5)])
 def test_chunks_end_exactly_where_something_falls_due(start, rule):
   """The loop leaves the device at every step where a log, an evaluation, a checkpoint, a

@@ -11,7 +11,7 @@ names the options derives from this table:
 * the align command's ``MATCHING_OPTIONS``, its flags (help and type) and its
   checks (the range; an option the method does not read);
 * the study's ``study.match_*`` config fields (default, doc, rule:
-  ``experiments/config_schema.py``).
+  ``experiments/setting/config_schema.py``).
 
 A new option is one field here plus the code that reads it (a method's
 ``align``, or ``_model``'s descent for a built-in one).

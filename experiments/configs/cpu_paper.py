@@ -127,7 +127,7 @@ Settings:
   control_vit_fashion_spawn: the positive control of the width sweep, at
     width 64: a base model trained 2,000 steps (its own warmup and cosine
     decay; about 2.4 epochs), then five children spawned from it (the
-    "spawn" scope of experiments/reinit.py: every parameter trained, nothing
+    "spawn" scope of experiments/train/reinit.py: every parameter trained, nothing
     re-initialised, the seed changing only the order of the data) with a
     fresh AdamW state, a warmup of 50 steps to a quarter of the base's peak
     learning rate, and the stopping rule on a 7,000-step budget. Children of
@@ -143,8 +143,8 @@ from __future__ import annotations
 import ml_collections
 
 from attn_symmetry import matching
-from experiments import reinit
 from experiments.configs import default
+from experiments.train import reinit
 
 _VISION_SCHEDULE = dict(num_steps=1500, batch_size=64, learning_rate=2e-3, warmup_steps=100)
 _TEXT_SCHEDULE = dict(num_steps=1500, batch_size=32, learning_rate=1e-3, warmup_steps=100)

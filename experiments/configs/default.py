@@ -7,12 +7,12 @@ that differ, and reads its variant argument with ``parse_arg``: a
 comma-separated list such as "rope,runlocal" (``--config=FILE:rope,runlocal``).
 
 Every field (its default, check, what it keys and what it does) is one entry of
-``experiments/config_schema.py``, from which ``get_config()`` is built; a setting
+``experiments/setting/config_schema.py``, from which ``get_config()`` is built; a setting
 changes values of those fields and creates none. ``python -m
-experiments.config_schema`` lists them all.
+experiments.setting.config_schema`` lists them all.
 
 List-valued fields are tuples, so that a flag sets them:
-``--config.study.methods="('naive', 'full')"``. ``experiments/config_checks.py``
+``--config.study.methods="('naive', 'full')"``. ``experiments/setting/config_checks.py``
 checks every field before a run starts.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import ml_collections
 
 from attn_symmetry import models
-from experiments import config_schema
+from experiments.setting import config_schema
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 from matplotlib import figure  # bare Figures, no pyplot: the caller's backend stays as it is
 
-from experiments import atomic_io
-from experiments import seed_statistics
+from experiments.report import seed_statistics
+from experiments.workdir import atomic_io
 
 METHOD_LABELS = {"naive": "naive", "perm": "Variant 1 (Stage 1)", "ortho": "Variant 2 (+ ortho init)",
                  "full": "full (+ gradient refinement)", "learned": "learned (+ loss of the path)"}
@@ -329,7 +329,7 @@ def markdown_summary(title: str, results_by_scope: Mapping[str, Mapping[str, Any
 
 
 def training_cell(training: dict[str, dict[str, Any]], scope: str) -> str:
-  """How the runs of ``scope`` ended, from ``run.json``'s "training" (``train.steps_taken``
+  """How the runs of ``scope`` ended, from ``run.json``'s "training" (``saved_runs.steps_taken``
   and the final test evaluation): how many stopped at a validation plateau and how many at
   their budget, the range of steps taken and of test losses reached; the base model's too
   when the scope fine-tunes it. "n/a" for a run recorded without them."""

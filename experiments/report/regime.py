@@ -23,9 +23,9 @@ seeds or more). The slope is fitted to the per-width means, not to the pairs, so
 its error follows the seeds as every other interval here does.
 
 ``control_table`` reports the positive control (``CONTROL``: children spawned from one
-checkpoint, the "spawn" scope of ``experiments/reinit.py``): each method's barrier, its paired
+checkpoint, the "spawn" scope of ``experiments/train/reinit.py``): each method's barrier, its paired
 difference to naive judged against ``CONTROL_MARGIN``, and how near the element it found is to
-the identity. ``plot_sweep`` draws a sweep (``python -m experiments.regime`` writes
+the identity. ``plot_sweep`` draws a sweep (``python -m experiments.report.regime`` writes
 ``results/<sweep.figure>`` for every sweep with a committed point).
 """
 
@@ -39,10 +39,10 @@ from typing import Any, NamedTuple
 
 from matplotlib import figure
 
-from experiments import atomic_io
-from experiments import report
-from experiments import seed_statistics as ss
 from experiments.configs import cpu_paper
+from experiments.report import report
+from experiments.report import seed_statistics as ss
+from experiments.workdir import atomic_io
 
 # The order of the columns: these first, then any other method a point has, by name.
 METHOD_ORDER = ("naive", "full", "activation", "learned")
@@ -317,7 +317,7 @@ def control_table(results_root: str) -> str:
   return "\n".join(lines)
 
 
-FIGURE = VIT_WIDTH.figure  # under results/, written by ``python -m experiments.regime``
+FIGURE = VIT_WIDTH.figure  # under results/, written by ``python -m experiments.report.regime``
 
 
 def plot_sweep(results_root: str, path: str, sweep: Sweep = VIT_WIDTH) -> str | None:
@@ -351,7 +351,8 @@ def plot_sweep(results_root: str, path: str, sweep: Sweep = VIT_WIDTH) -> str | 
   return path
 
 
-if __name__ == "__main__":  # python -m experiments.regime: the figure of every committed sweep
-  _results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+if __name__ == "__main__":  # python -m experiments.report.regime: every committed sweep's figure
+  _results = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__)))), "results")
   for _sweep in SWEEPS:
     print(plot_sweep(_results, os.path.join(_results, _sweep.figure), _sweep))

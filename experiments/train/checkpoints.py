@@ -12,7 +12,7 @@ whose arrays do not hash to what its ``meta`` recorded (a flipped bit, a
 truncated file), raises ``CorruptCheckpointError``, one line naming the
 checkpoint and what was expected. Checkpoints written before hashes were
 recorded cannot be verified and are refused the same way; a rerun of
-training moves such a run aside (``train.py``) and trains it again.
+training moves such a run aside (``trainer.py``) and trains it again.
 
 The architecture recorded in ``meta`` is what makes a workdir safe to reuse:
 ``check_architecture`` compares it with the model about to be trained and
@@ -32,8 +32,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from attn_symmetry import spec as spec_lib
-from experiments import fingerprints
-from experiments import processes
+from experiments.setting import fingerprints
+from experiments.workdir import processes
 
 Params = dict[str, Any]
 

@@ -9,12 +9,12 @@ argument it sets (``option``). The rest derives from it:
 * ``experiments/configs/default.py``'s ``get_config()`` is ``default_config()``;
   a setting file changes values of these fields and creates none
   (``tests/test_configs.py`` checks every setting and variant);
-* ``experiments/config_checks.py``'s ``RULES`` (the checks that relate fields,
+* ``experiments/setting/config_checks.py``'s ``RULES`` (the checks that relate fields,
   such as warmup shorter than training, are ``config_checks._check_relations``);
-* ``experiments/fingerprints.py``'s field groups ``TRAINING``, ``TRAIN_SCHEDULE``,
+* ``experiments/setting/fingerprints.py``'s field groups ``TRAINING``, ``TRAIN_SCHEDULE``,
   ``REINIT_SCHEDULE``, ``STOPPING``, ``STUDY``, ``PER_RUN``, ``NOT_KEYED`` and
   ``UNKEYED_DEFAULTS`` (``keyed_by`` and ``unkeyed_defaults``);
-* ``experiments/scope_study.py``'s stage keys (``study_keyed``) and its
+* ``experiments/study/scope_study.py``'s stage keys (``study_keyed``) and its
   ``matching_kwargs``, the config fields of ``align_model``'s options
   (``option_fields``).
 
@@ -25,10 +25,10 @@ The fields of the matching options (``study.match_*``, ``study.distance``,
 Adding a field is one entry here and the code that reads it. Every field, its
 default, its check and what it keys::
 
-    python -m experiments.config_schema
+    python -m experiments.setting.config_schema
 
 Lists of options are read from their owners when a check runs (methods from
-``attn_symmetry.matching.METHODS``, scopes from ``experiments.reinit.scopes()``,
+``attn_symmetry.matching.METHODS``, scopes from ``experiments.train.reinit.scopes()``,
 data sets from ``attn_symmetry.data.DATASETS``, ...), so this module imports
 no model or data code (only the pure core's ``matching``, for its table of options) and a
 method or scope that its owner adds is accepted.
@@ -103,7 +103,7 @@ def _check_boolean(field: str, value: Any) -> None:
 
 def _owned(owner: str) -> tuple[str, ...]:
   """The option list ``owner`` ("attn_symmetry.matching.METHODS"), read now from its module
-  (called first if it is a function, such as "experiments.reinit.scopes")."""
+  (called first if it is a function, such as "experiments.train.reinit.scopes")."""
   module, name = owner.rsplit(".", 1)
   options = getattr(importlib.import_module(module), name)
   return tuple(options() if callable(options) else options)
@@ -163,7 +163,7 @@ def _split(optional: bool = False, evaluation: bool = False) -> Rule:
   ``optional``. Not the test split (kept for the reported evaluations, so that no training
   decision reads it), unless ``evaluation``: a split that is only evaluated
   (``study.eval_split``) may be any. Whether the data set has it is checked when it is
-  opened (``train.check_data``)."""
+  opened (``data_checks.check_data``)."""
   def check(field, value):
     if not isinstance(value, str):
       fail(field, f"must be a split name (a string), got {value!r}")
@@ -212,7 +212,7 @@ _DISTANCE = option_rule(_OPTIONS["distance"].range)
 
 
 class Role(enum.Enum):
-  """Which stage fingerprints a field enters (``experiments/fingerprints.py`` says how and why).
+  """Which stage fingerprints a field enters (``experiments/setting/fingerprints.py``: how, why).
 
   A field of any role but ``NOT_KEYED`` may key study stages too: those that its ``study``
   or ``option`` names."""
@@ -226,7 +226,7 @@ class Role(enum.Enum):
   NOT_KEYED = "no stage"
 
 
-# What a field's ``study`` may name: the study stages (``experiments/scope_study.py``) that
+# What a field's ``study`` may name: the study stages (``experiments/study/scope_study.py``) that
 # read it, each of which keys it by its value; or ``DATA``, read through the data readers.
 EVERY_STAGE = "every stage"
 LEARNED = "learned"
@@ -303,8 +303,8 @@ SECTIONS = {
               "(patience > 0): a run stops after patience validations, one every "
               "validate_every steps, without improving its validation loss by more than "
               "min_delta relative, or at its budget, whichever comes first "
-              "(experiments/train.py); the base model too when stop_base is set.",
-    "study": "the LMC study after training (experiments/study.py): the matching methods "
+              "(experiments/train/trainer.py); the base model too when stop_base is set.",
+    "study": "the LMC study after training (experiments/study/study.py): the matching methods "
              "compared on the paths between each pair of seeds, the Stage 1 distance "
              "ablation, the ablation over every head order and the input-noise robustness "
              "check.",
@@ -382,7 +382,7 @@ FIELDS: tuple[Field, ...] = (
           "'learned' picks its iterate on study.learn_holdout_batches batches of it)",
           study=(LEARNED,)),
     Field("train.param_sharding", "replicated",
-          _one_of("parameter sharding", "experiments.inputs.PARAM_SHARDINGS"), Role.NOT_KEYED,
+          _one_of("parameter sharding", "experiments.train.inputs.PARAM_SHARDINGS"), Role.NOT_KEYED,
           "'replicated' (a copy of the parameters and optimiser state on every device) or "
           "'fsdp' (each leaf split over the devices: about 1/N of the model on each; the "
           "same steps up to float32 rounding)"),
@@ -406,7 +406,7 @@ FIELDS: tuple[Field, ...] = (
     Field("train.keep_checkpoints", 2, _AT_LEAST_1, Role.NOT_KEYED,
           "checkpoints kept per run, the newest"),
 
-    Field("reinit.scopes", (), _distinct(_one_of("scope", "experiments.reinit.scopes")),
+    Field("reinit.scopes", (), _distinct(_one_of("scope", "experiments.train.reinit.scopes")),
           Role.NOT_KEYED, "the scopes re-initialised in turn (() trains the base model only)"),
     Field("reinit.seeds", (1, 2, 3), _distinct(_AT_LEAST_0), Role.NOT_KEYED,
           "each scope is re-initialised once per seed; the study compares every pair"),

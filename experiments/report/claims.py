@@ -55,9 +55,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from experiments import regime
-from experiments import report
-from experiments import seed_statistics as ss
+from experiments.report import regime
+from experiments.report import report
+from experiments.report import seed_statistics as ss
 
 FLOOR = report.RATIO_FLOOR
 AGREES, CONSISTENT, NO_GAP = "agrees", "consistent", "no gap"

@@ -15,8 +15,8 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from experiments import atomic_io
-from experiments import runner
+from experiments.reproduction import runner
+from experiments.workdir import atomic_io
 
 
 def longest_first(settings: list[str], results_root: str) -> list[str]:

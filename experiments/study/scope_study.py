@@ -12,7 +12,7 @@ result kept by ``result_cache.cached`` under ``workdir/study/<scope>/pairs/``:
 * the accuracy of the endpoints and of each method's midpoint under input
   noise (``input_noise``).
 
-Each stage is keyed by the config fields it reads, as ``experiments/config_schema.py``
+Each stage is keyed by the config fields it reads, as ``experiments/setting/config_schema.py``
 says field by field (``Field.study``, ``Field.option``): ``method_keys`` and
 ``config_schema.study_keyed`` derive them; ``fingerprints.py`` lists them.
 
@@ -41,14 +41,14 @@ from attn_symmetry import matching
 from attn_symmetry import runtime
 from attn_symmetry import tasks
 from attn_symmetry.spec import SymmetrySpec, subtree
-from experiments import config_schema
-from experiments import fingerprints
-from experiments import input_noise
-from experiments import inputs
-from experiments import path_evaluation
-from experiments import reinit
-from experiments import report
-from experiments import result_cache
+from experiments.report import report
+from experiments.setting import config_schema
+from experiments.setting import fingerprints
+from experiments.study import input_noise
+from experiments.study import path_evaluation
+from experiments.study import result_cache
+from experiments.train import inputs
+from experiments.train import reinit
 
 Params = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ log.setLevel(logging.INFO)
 
 
 # What every stage keys and what the stages of each method key, by config field, derive from
-# experiments/config_schema.py: each field names the stages that read it (``Field.study``)
+# experiments/setting/config_schema.py: each field names the stages that read it (``Field.study``)
 # or the align_model option it sets (``Field.option``).
 
 

@@ -27,7 +27,7 @@ from typing import Mapping
 
 import tqdm
 
-from experiments import atomic_io
+from experiments.workdir import atomic_io
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from experiments import atomic_io
-from experiments import fingerprints
-from experiments import processes
+from experiments.setting import fingerprints
+from experiments.workdir import atomic_io
+from experiments.workdir import processes
 
 log = logging.getLogger(__name__)
 log.setLevel(logging.INFO)

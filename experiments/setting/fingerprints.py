@@ -11,7 +11,7 @@ content hashes among their fields.
 
 Stages and their fields:
 
-* base run (``train.py``, ``workdir/base/fingerprint.json``): ``seed``,
+* base run (``train/trainer.py``, ``workdir/base/fingerprint.json``): ``seed``,
   ``dataset.name``, ``TRAINING`` (the model's family, preset and every
   override; the reader options; batch size and optimiser),
   ``TRAIN_SCHEDULE``, and ``STOPPING`` when it follows the stopping rule
@@ -31,7 +31,7 @@ Stages and their fields:
   of both endpoints and of the evaluation examples (through which the data
   set and the reader's options enter: the fields whose ``study`` is
   ``DATA``), and the config fields that the stage reads, as
-  ``experiments/config_schema.py`` says field by field:
+  ``experiments/setting/config_schema.py`` says field by field:
 
   - every stage: the fields whose ``study`` names ``EVERY_STAGE`` (the model,
     ``study.num_lambdas``, ``study.eval_examples``, ``study.eval_split``);
@@ -58,7 +58,7 @@ Stages and their fields:
   results it is drawn from.
 
 Which group each config field keys is its ``keys`` entry in
-``experiments/config_schema.py`` (``config_schema.Role``); the groups here
+``experiments/setting/config_schema.py`` (``config_schema.Role``); the groups here
 derive from it. Fields deliberately left out (``NOT_KEYED``), because they
 change no stored result beyond the float32 rounding of sums:
 
@@ -108,19 +108,19 @@ import ml_collections
 import numpy as np
 
 from attn_symmetry import runtime
-from experiments import atomic_io
-from experiments import config_schema
+from experiments.setting import config_schema
+from experiments.workdir import atomic_io
 
 log = logging.getLogger(__name__)
 
-# The field groups, from each field's Role in experiments/config_schema.py.
+# The field groups, from each field's Role in experiments/setting/config_schema.py.
 # Fields of every training run: the model, the data reader, the batch and the optimiser.
 TRAINING = config_schema.keyed_by(config_schema.Role.TRAINING)
 # The schedule of the base run and of the "full" scope.
 TRAIN_SCHEDULE = config_schema.keyed_by(config_schema.Role.TRAIN_SCHEDULE)
 # The schedule of a fine-tuned scope.
 REINIT_SCHEDULE = config_schema.keyed_by(config_schema.Role.REINIT_SCHEDULE)
-# The stopping rule, keyed for every run that follows it (``train.stopping``: the re-initialised
+# The stopping rule, keyed for every run that follows it (``runs.stopping``: the re-initialised
 # runs when reinit.patience > 0, and the base run with reinit.stop_base too).
 STOPPING = config_schema.keyed_by(config_schema.Role.STOPPING)
 # Fields that key study stages only (each stage keys those it reads: ``scope_study.py``, from

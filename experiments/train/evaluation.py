@@ -17,7 +17,7 @@ import optax
 
 from attn_symmetry import models
 from attn_symmetry import tasks
-from experiments import inputs
+from experiments.train import inputs
 
 Params = dict[str, Any]
 _MASK_KEY = 0  # the seed of every example's hidden positions (``masked_positions``)

@@ -22,14 +22,14 @@ from typing import Any
 import jax
 
 from attn_symmetry import runtime
-from experiments import atomic_io
-from experiments import config_checks
-from experiments import report
-from experiments import study
-from experiments import train
 from experiments.configs import cpu_paper
+from experiments.report import report
+from experiments.setting import config_checks
+from experiments.study import study
+from experiments.train import trainer
+from experiments.workdir import atomic_io
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _git_state() -> dict[str, Any]:
@@ -121,15 +121,15 @@ def run_setting(setting: str, *, reduced: bool, workdir: str, results_dir: str, 
   if setting not in cpu_paper.SETTINGS:
     raise ValueError(f"unknown setting {setting!r}; choose from {sorted(cpu_paper.SETTINGS)}")
   config = cpu_paper.get_config(setting + (",reduced" if reduced else ""))
-  config_checks.validate(config)
+  config_checks.validate(config)  # once: the stages see that it was (config_checks.validated)
   started, start = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
   code = _git_state()  # the code the run starts from
-  train.log.info("%s: workdir %s", setting, workdir)
+  trainer.log.info("%s: workdir %s", setting, workdir)
   with runtime.CompileClock() as clock:
-    trained = train.train_and_evaluate(config, workdir)
+    trained = trainer.train_and_evaluate(config, workdir)
     study.run_study(config, workdir)
   seconds = time.perf_counter() - start
-  train.log.info("%s: %s", setting, clock.summary(seconds))
+  trainer.log.info("%s: %s", setting, clock.summary(seconds))
   copied = _copy_reports(config, os.path.join(workdir, "study"), results_dir)
   atomic_io.write_text(os.path.join(results_dir, "config.json"), config.to_json(indent=1))
   record = {"setting": setting, "reduced": reduced, "command": command(setting, reduced, one_core),

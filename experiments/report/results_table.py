@@ -22,30 +22,30 @@ import json
 import os
 from typing import Any
 
-from experiments import atomic_io
-from experiments import claims
-from experiments import regime
-from experiments import report
+from experiments.report import claims
+from experiments.report import regime
+from experiments.report import report
+from experiments.workdir import atomic_io
 
 MARK_BEGIN = "<!-- table: written by experiments/reproduce.py --table; do not edit -->"
 MARK_END = "<!-- end of table -->"
 VERDICTS_BEGIN = ("<!-- verdicts: written by experiments/reproduce.py --table from "
-                  "experiments/claims.py; do not edit -->")
+                  "experiments/report/claims.py; do not edit -->")
 VERDICTS_END = "<!-- end of verdicts -->"
 FINDINGS_BEGIN = ("<!-- findings: written by experiments/reproduce.py --table from "
-                  "experiments/claims.py; do not edit -->")
+                  "experiments/report/claims.py; do not edit -->")
 FINDINGS_END = "<!-- end of findings -->"
 TRAJECTORY_BEGIN = ("<!-- trajectory check: written by experiments/reproduce.py --table; "
                     "do not edit -->")
 TRAJECTORY_END = "<!-- end of trajectory check -->"
 WIDTH_BEGIN = ("<!-- width sweep: written by experiments/reproduce.py --table from "
-               "experiments/regime.py; do not edit -->")
+               "experiments/report/regime.py; do not edit -->")
 WIDTH_END = "<!-- end of width sweep -->"
 SWEEPS_BEGIN = ("<!-- other sweeps: written by experiments/reproduce.py --table from "
-                "experiments/regime.py; do not edit -->")
+                "experiments/report/regime.py; do not edit -->")
 SWEEPS_END = "<!-- end of other sweeps -->"
 CONTROL_BEGIN = ("<!-- positive control: written by experiments/reproduce.py --table from "
-                 "experiments/regime.py; do not edit -->")
+                 "experiments/report/regime.py; do not edit -->")
 CONTROL_END = "<!-- end of positive control -->"
 
 

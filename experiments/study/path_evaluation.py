@@ -20,9 +20,9 @@ import numpy as np
 
 from attn_symmetry import group_action
 from attn_symmetry import lmc
-from experiments import evaluation
-from experiments import fingerprints
-from experiments import inputs
+from experiments.setting import fingerprints
+from experiments.train import evaluation
+from experiments.train import inputs
 
 Params = dict[str, Any]
 

@@ -1,6 +1,6 @@
 """``validate(config)``: the whole setting config checked before any work.
 
-Every field has one rule, its entry's in ``experiments/config_schema.py``
+Every field has one rule, its entry's in ``experiments/setting/config_schema.py``
 (``RULES``: type and range, or the options it is drawn from); then the rules
 that relate fields (warmup shorter than training, a transfer data set of the
 base set's kind, ...) run. The first field that cannot work raises ValueError
@@ -10,9 +10,14 @@ with one line naming it::
 
 Each list of options is read from its owner when ``validate`` runs: methods
 from ``attn_symmetry.matching.METHODS``, distances from
-``attn_symmetry.matching.DISTANCES``, scopes from ``experiments.reinit.scopes()``,
+``attn_symmetry.matching.DISTANCES``, scopes from ``experiments.train.reinit.scopes()``,
 model families and presets from ``attn_symmetry.models``, data sets and their
 kinds from ``attn_symmetry.data``.
+
+A config is validated once per run: ``validate`` remembers the last config it
+passed, with its content, and ``validated`` tells a stage that it need not check
+that config again (``main.py`` validates before the first stage; each stage
+validates a config that it is given unchecked, or changed since).
 
 ``study.num_lambdas`` must be at least 3: the barrier of a path is its largest
 gap to the chord joining its endpoints, so with the two endpoints alone every
@@ -29,7 +34,10 @@ import ml_collections
 
 from attn_symmetry import data
 from attn_symmetry import models
-from experiments import config_schema
+from experiments.setting import config_schema
+
+# The last config that ``validate`` passed: (its id, its content then).
+_last_valid: tuple[int, str] | None = None
 
 # field path -> its check, from the schema. Ranges that depend on another field are in
 # _check_relations.
@@ -148,7 +156,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first field of ``config`` that cannot work; runs nothing.
 
   Args:
-    config: a setting config, with the fields of ``experiments/config_schema.py``.
+    config: a setting config, with the fields of ``experiments/setting/config_schema.py``.
 
   Raises:
     ValueError: one line, "config.<field> ...": a missing or unknown field, a
@@ -158,11 +166,24 @@ def validate(config: ml_collections.ConfigDict) -> None:
   present = list(field_paths(config))
   for field in RULES:
     if field not in present:
-      _fail(field, "is missing (every field of experiments/config_schema.py is needed)")
+      _fail(field, "is missing (every field of experiments/setting/config_schema.py is needed)")
   for field in present:
     if field not in RULES:
-      _fail(field, "is not a field of the setting config (experiments/config_schema.py); "
+      _fail(field, "is not a field of the setting config (experiments/setting/config_schema.py); "
             "a typo?")
   for field, rule in RULES.items():
     rule(field, config_schema.value(config, field))
   _check_relations(config)
+  global _last_valid
+  _last_valid = (id(config), _content(config))
+
+
+def validated(config: ml_collections.ConfigDict) -> bool:
+  """Whether ``config`` is the last config that ``validate`` passed in this process, unchanged
+  since: a stage given it (``main.py`` validates before the first) does not validate it again."""
+  return _last_valid == (id(config), _content(config))
+
+
+def _content(config: ml_collections.ConfigDict) -> str:
+  """Every field's value, as JSON (a config that changed gives another string)."""
+  return config.to_json_best_effort(sort_keys=True)

@@ -31,7 +31,7 @@ only when the results it is drawn from changed
 (``study/report_fingerprints.json``): ``study/<scope>/results.json``,
 ``study/<scope>/curves.png`` and ``study/summary.md``. Every file is written
 atomically (``atomic_io.py``). The study runs on finished, verified
-checkpoints only (``train.load_checkpoints``).
+checkpoints only (``saved_runs.load_checkpoints``).
 
 Devices and processes. The study evaluates paths on the device mesh (the
 evaluation batches split over all devices of all processes) and matches on one
@@ -66,17 +66,17 @@ import ml_collections
 from attn_symmetry import matching
 from attn_symmetry import runtime
 from attn_symmetry import tasks
-from experiments import atomic_io
-from experiments import config_checks
-from experiments import fingerprints
-from experiments import inputs
-from experiments import path_evaluation
-from experiments import processes
-from experiments import reinit
-from experiments import report
-from experiments import result_cache
-from experiments import scope_study
-from experiments import train
+from experiments.report import report
+from experiments.setting import config_checks
+from experiments.setting import fingerprints
+from experiments.study import path_evaluation
+from experiments.study import result_cache
+from experiments.study import scope_study
+from experiments.train import inputs
+from experiments.train import reinit
+from experiments.train import saved_runs
+from experiments.workdir import atomic_io
+from experiments.workdir import processes
 
 log = logging.getLogger(__name__)
 log.setLevel(logging.INFO)
@@ -95,24 +95,30 @@ def check_scopes(config: ml_collections.ConfigDict, model) -> None:
 def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
   """Runs (or resumes) the study of every re-initialisation scope; returns the report paths.
 
+  The config and its batches' shares over the processes are checked first unless they were
+  for this run (``config_checks.validated``: ``main.py`` checks both once, before every stage).
+
   Raises:
     ValueError: a bad study config, a scope with nothing to align, an evaluation
       split the data set lacks, or checkpoints that are missing, unfinished or trained
       with other fields
-      (``train.load_checkpoints``), before any work.
+      (``saved_runs.load_checkpoints``), before any work.
     checkpoints.CorruptCheckpointError: a damaged endpoint (one line naming it).
   """
-  config_checks.validate(config)
+  checked = config_checks.validated(config)
+  if not checked:
+    config_checks.validate(config)
   if not config.reinit.scopes:
     log.info("config.reinit.scopes is empty: no study to run")
     return {}
-  inputs.check_processes(config)
+  if not checked:
+    inputs.check_processes(config)
   model = inputs.create_model(config)
   check_scopes(config, model)
   dataset = config.reinit.dataset or config.dataset.name
   batches = path_evaluation.evaluation_examples(config, dataset)
   # Host copies: matching runs on one device of each process (the module docstring says why).
-  checkpoints = train.load_checkpoints(config, workdir, require_complete=True, on_host=True)
+  checkpoints = saved_runs.load_checkpoints(config, workdir, require_complete=True, on_host=True)
   data_fp = fingerprints.key({"dataset": dataset,
                               "examples": path_evaluation.examples_digest(batches)})
   info = inputs.dataset_info(config, dataset)
