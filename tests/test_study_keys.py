@@ -137,7 +137,7 @@ def run_scope(config, model, evaluator, checkpoints, workdir, monkeypatch,
     if stored is not None:
       result, reads = stored[name].result, stored[name].reads
     else:
-      for kept in (study._alignments, study._elements, study._ends):
+      for kept in (study._alignments, study._elements, study._ends, study._repair_data):
         kept.clear()
       with config.recording() as reads:
         result = compute()
@@ -250,3 +250,35 @@ def test_a_field_names_known_study_stages_only():
     dataclasses.replace(config_schema.BY_PATH["study.num_lambdas"], study=("no such stage",))
   with pytest.raises(ValueError, match="no study reader"):
     config_schema.study_keyed("no such stage")
+
+
+def test_the_repair_stages_key_every_field_they_read(tmp_path, monkeypatch):
+  """With ``study.repair`` each method has a second stage, its REPAIRed path, which reads the
+  training batches besides the method's own fields; each is keyed."""
+  config = study_config()
+  config.study.methods = ("naive", "full")
+  config.study.permutation_ablation = False
+  config.study.distances = ()
+  config.study.noise_levels = ()
+  config.study.repair = True
+  config.study.repair_batches = 2
+  config = RecordingConfig(config)
+  model = inputs.create_model(config)
+  checkpoints = {f"reinit/{SCOPE}/seed_{s}": model.init(jax.random.key(s))
+                 for s in config.reinit.seeds}
+  batches = path_evaluation.evaluation_examples(config, config.dataset.name)
+  evaluator = path_evaluation.PathEvaluator(model, batches, chunk_size=1, bits_per_byte=False)
+  stages = run_scope(config, model, evaluator, checkpoints, str(tmp_path), monkeypatch)
+  assert set(stages) == {"naive", "full", "naive+repair", "full+repair"}
+  assert {"study.repair_batches", "dataset.train_split", "train.batch_size"} <= (
+      stages["full+repair"].reads)
+  assert "dataset.augment" not in stages["full+repair"].reads  # REPAIR reads no augmentation
+  assert unkeyed_reads(stages) == {}
+  repaired, plain = stages["full+repair"].result, stages["full"].result
+  # the endpoints are the seeds' own models; the interior point is the repaired one
+  assert repaired["loss"][0] == plain["loss"][0] and repaired["loss"][-1] == plain["loss"][-1]
+  assert repaired["loss"][1] != plain["loss"][1]
+  assert set(repaired["repair"]["points"]) <= {f"layers_{i}/{p}" for i in range(8)
+                                                for p in ("attention", "mlp")}
+  (counts,) = repaired["repair"]["per_lambda"]
+  assert counts["corrected"] + counts["degenerate"] == counts["channels"] > 0

@@ -27,7 +27,9 @@ RATIO_FLOOR = 0.02
 REDUCED, EVERY_CORE = "reduced", "every_core"
 RERUN_FOLDERS = (REDUCED, EVERY_CORE)
 # The paired differences that reports show: (x, y) for x - y, in % of naive.
-DIFFERENCES = (("ortho", "perm"), ("full", "ortho"), ("learned", "full"))
+DIFFERENCES = (("ortho", "perm"), ("full", "ortho"), ("learned", "full"),
+               ("activation", "full"), ("learned", "activation"))
+REPAIRED = "+repair"  # the suffix of a method's REPAIRed path (the study's ``study.repair``)
 COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green",
            "activation": "tab:purple", "learned": "tab:red"}
 
@@ -153,7 +155,8 @@ def pair_statistics(pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def paired_differences(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
   """Pair by pair differences of loss-barrier ratios between the methods of
   ``DIFFERENCES`` that the pairs hold ("full - ortho": full's ratio minus Variant 2's, in
-  points of % of naive).
+  points of % of naive), then of each method's REPAIRed path against the method
+  ("full+repair - full").
 
   Returns:
     {"x - y": {"mean", "seed_ci" ([low, high] or None), "above", "below", "zero" (pairs
@@ -162,8 +165,10 @@ def paired_differences(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str
   if not pairs:
     return {}
   out = {}
-  for x, y in DIFFERENCES:
-    if x not in pairs[0]["methods"] or y not in pairs[0]["methods"]:
+  held = pairs[0]["methods"]
+  with_repair = [(m, m.removesuffix(REPAIRED)) for m in held if m.endswith(REPAIRED)]
+  for x, y in (*DIFFERENCES, *with_repair):
+    if x not in held or y not in held:
       continue
     xs, ys = ratio_pairs(pairs, x), ratio_pairs(pairs, y)
     if xs is None:

@@ -231,11 +231,13 @@ class Role(enum.Enum):
 EVERY_STAGE = "every stage"
 LEARNED = "learned"
 ROBUSTNESS = "robustness"
+REPAIR = "repair"
 DATA = "data"
 STUDY_READERS = {
     EVERY_STAGE: "every study stage",
     LEARNED: "the study stages of the 'learned' method (its path and the robustness check)",
     ROBUSTNESS: "the study's robustness check",
+    REPAIR: "the study stages of each method's path with REPAIR (study.repair)",
     DATA: "the study through its data readers (keyed by the examples' content, not by value)",
 }
 
@@ -365,7 +367,7 @@ FIELDS: tuple[Field, ...] = (
           "same examples", study=(DATA,)),
     Field("dataset.train_split", "train", _split(), Role.TRAINING,
           "the split, or one slice of it ('train[:90%]'), that every run trains on",
-          study=(LEARNED,)),
+          study=(LEARNED, REPAIR)),
     Field("dataset.validation_split", "", _split(optional=True), Role.STOPPING,
           "the held-out split or slice ('train[90%:]', or a real 'validation' split) of the "
           "stopping rule and the 'learned' method; \"\" for none", study=(LEARNED,)),
@@ -376,7 +378,8 @@ FIELDS: tuple[Field, ...] = (
     Field("train.num_steps", 1000, _AT_LEAST_1, Role.TRAIN_SCHEDULE,
           "steps of the base run (and of the 'full' scope)"),
     Field("train.batch_size", 128, _AT_LEAST_1, Role.TRAINING,
-          "training batch size of every run, a multiple of the devices", study=(LEARNED,)),
+          "training batch size of every run, a multiple of the devices",
+          study=(LEARNED, REPAIR)),
     Field("train.eval_batch_size", 256, _AT_LEAST_1, Role.STUDY,
           "evaluation batch size, a multiple of the devices (splits the same sums otherwise; "
           "'learned' picks its iterate on study.learn_holdout_batches batches of it)",
@@ -449,6 +452,12 @@ FIELDS: tuple[Field, ...] = (
           "'learned' draws lambda from U(0, 1) at every step instead of 1/2", study=(LEARNED,)),
     Field("study.learn_holdout_batches", 4, _AT_LEAST_1, Role.STUDY,
           "held-out batches on which 'learned' picks its best iterate", study=(LEARNED,)),
+    Field("study.repair", False, _BOOLEAN, Role.NOT_KEYED,
+          "also measure each method's path with REPAIR at every interior point "
+          "(attn_symmetry.repair; reported as the method '<method>+repair')"),
+    Field("study.repair_batches", 8, _AT_LEAST_1, Role.STUDY,
+          "training batches (dataset.train_split, without augmentation) on which REPAIR "
+          "measures its statistics", study=(REPAIR,)),
     Field("study.eval_examples", 0, _AT_LEAST_0, Role.STUDY,
           "the first that many examples of eval_split evaluate every path (0: all of them)",
           study=(EVERY_STAGE,)),

@@ -6,7 +6,9 @@ parameter prefixes; "learned" through ``matching.learn_alignment``), keeps each
 alignment for the rest of the run, and measures, per pair and stage, each
 result kept by ``result_cache.cached`` under ``workdir/study/<scope>/pairs/``:
 
-* the interpolation path of every method (``path_evaluation``) and its barriers;
+* the interpolation path of every method (``path_evaluation``) and its barriers, and with
+  ``study.repair`` the same path with every interior point REPAIRed (``attn_symmetry.repair``,
+  reported as the method "<method>+repair");
 * for the "first_attention" scope: Stage 2 after every head permutation (the
   paper's Table 1 ablation) and the full method under every Stage 1 distance;
 * the accuracy of the endpoints and of each method's midpoint under input
@@ -38,6 +40,7 @@ import numpy as np
 from attn_symmetry import group_action
 from attn_symmetry import lmc
 from attn_symmetry import matching
+from attn_symmetry import repair
 from attn_symmetry import runtime
 from attn_symmetry import tasks
 from attn_symmetry.spec import SymmetrySpec, subtree
@@ -47,6 +50,7 @@ from experiments.setting import fingerprints
 from experiments.study import input_noise
 from experiments.study import path_evaluation
 from experiments.study import result_cache
+from experiments.train import evaluation
 from experiments.train import inputs
 from experiments.train import reinit
 
@@ -126,6 +130,14 @@ def matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
 _EXHAUSTIVE_OPTIONS = tuple(o for o in matching.METHODS["full"].options if o != "refine")
 
 
+REPAIRED = report.REPAIRED  # the suffix of a method's REPAIRed path in the results
+
+
+def repaired(method: str) -> str:
+  """The name of ``method``'s REPAIRed path in the results: "full+repair"."""
+  return method + REPAIRED
+
+
 # How a path's endpoints are measured (``ScopeStudy._path``): a stage result computed
 # otherwise (every lambda evaluated on its own path) is recomputed.
 _ENDPOINTS = "each seed's own model, evaluated once"
@@ -193,6 +205,7 @@ class ScopeStudy:
     self._alignments: dict[tuple, tuple[Params, Params, dict]] = {}
     self._elements: dict[tuple, tuple[dict, dict]] = {}
     self._ends: dict[int, dict[str, list[float]]] = {}  # by seed: its loss and accuracy
+    self._repair_data: dict[int, list[dict[str, Any]]] = {}  # by count: REPAIR's batches
     # g.theta compiled once: the ablation applies one element per head permutation.
     self._apply = path_evaluation.compiled(model)[1]
 
@@ -255,6 +268,37 @@ class ScopeStudy:
         k: [] for k in start}
     curve = {k: [*start[k], *interior[k], *end[k]] for k in start}
     return path_evaluation.curve_result(curve, self.lams)
+
+  def _repair_batches(self) -> list[dict[str, Any]]:
+    """The first ``study.repair_batches`` batches of the training slice of the scope's data set
+    (not augmented), as the model reads them: REPAIR's statistics, never the evaluation set."""
+    count = self.config.study.repair_batches
+    if count not in self._repair_data:
+      batches = inputs.train_batches(self.config, self.dataset, seed=0, whole=True,
+                                     augment=False)
+      self._repair_data[count] = [evaluation.model_inputs(self.model, b)
+                                  for b in itertools.islice(batches, count)]
+    return self._repair_data[count]
+
+  def _repaired_path(self, a: int, b: int, theta_a: Params, aligned_b: Params
+                     ) -> dict[str, Any]:
+    """``_path`` with each interior point REPAIRed (``repair.repair`` at its lambda, on
+    ``_repair_batches``); the endpoints are the seeds' own models, as REPAIR at lambda 0 and
+    1 computes them. Adds "repair": per lambda, the channels REPAIR corrected and those it
+    left as they were (degenerate), summed over the points."""
+    path = self._path(a, b, theta_a, aligned_b)
+    counts = []
+    for i, lam in enumerate(self.lams[1:-1], start=1):
+      params, info = repair.repair(self.model, theta_a, aligned_b, float(lam),
+                                   self._repair_batches())
+      point = self.evaluator(params, params, self.lams[:1])
+      for k in ("loss", "accuracy"):
+        path[k][i] = point[k][0]
+      counts.append({k: int(sum(p[k] for p in info.values()))
+                     for k in ("channels", "corrected", "degenerate")})
+    curve = {k: path[k] for k in ("loss", "accuracy")}
+    return dict(path_evaluation.curve_result(curve, self.lams),
+                repair={"points": sorted(info) if counts else [], "per_lambda": counts})
 
   def _matching_options(self, method: str, **overrides) -> dict[str, Any]:
     return matching_kwargs(self.config, method, **overrides)
@@ -337,6 +381,8 @@ class ScopeStudy:
         key=jax.random.key(1000 * a + b), progress=progress)
 
   def pair(self, a: int, b: int) -> dict[str, Any]:
+    """Every method's path of pair (a, b), and with ``study.repair`` every method's REPAIRed
+    path ("<method>+repair" in ``REPAIRED``)."""
     methods = {}
     for method in self.config.study.methods:
       def compute(method=method):
@@ -344,8 +390,16 @@ class ScopeStudy:
         return dict(self._path(a, b, pa, aligned), matching=info)
       methods[method] = self._cached(method, compute, a=a, b=b, keyed=method_keys(method),
                                      method=method)
+      if self.config.study.repair:
+        def compute_repaired(method=method):
+          return self._repaired_path(a, b, *self.align(a, b, method)[:2])
+        methods[repaired(method)] = self._cached(
+            repaired(method), compute_repaired, a=a, b=b,
+            keyed=(*method_keys(method), *config_schema.study_keyed(config_schema.REPAIR)),
+            method=method, repair="every interior point, " + ", ".join(repair.POINTS))
+    for method, m in methods.items():
       log.info("%s seed %d-%d %-5s loss barrier %.4f accuracy barrier %.4f", self.scope, a, b,
-                   method, methods[method]["loss_barrier"], methods[method]["accuracy_barrier"])
+               method, m["loss_barrier"], m["accuracy_barrier"])
     return {"a": f"seed_{a}", "b": f"seed_{b}", "methods": methods}
 
   def permutation_ablation(self, a: int, b: int, naive: Mapping[str, float]) -> dict | None:

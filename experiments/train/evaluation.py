@@ -47,6 +47,31 @@ def mask_token(model: models.Model) -> int:
   return model.config.vocab_size - 1
 
 
+def _read(model: models.Model, batch: Mapping[str, Any]):
+  """(inputs, targets, weights, mask) of a batch as ``batch_metrics`` reads it: the inputs
+  ``batch[model.input_key]`` as ``tasks.model_batch`` reads them, and the text's key mask
+  (None but for classified text)."""
+  raw, mask = batch[model.input_key], None
+  if model.task == tasks.MLM:
+    tokens = raw[:, :-1]  # a window of T + 1 tokens, as language models read, holds T
+    inputs, labels, counted = tasks.model_batch(model.task, tokens, hidden=masked_positions(tokens),
+                                                mask_id=mask_token(model))
+  elif model.task == tasks.LM:
+    inputs, labels, counted = tasks.model_batch(model.task, raw)
+  else:
+    inputs, labels, counted = tasks.model_batch(model.task, raw, labels=batch["label"])
+    mask = batch.get("mask")  # which tokens of a text are real (padding follows)
+  return inputs, labels, counted, mask
+
+
+def model_inputs(model: models.Model, batch: Mapping[str, Any]) -> dict[str, Any]:
+  """{"inputs": what the model reads from ``batch`` [B, T] or [B, S, S, C], and "mask" [B, T]
+  where the text has one}: a batch of the data pipeline as ``Model.apply`` takes it, for the
+  passes that measure activations (REPAIR, activation matching)."""
+  inputs, _, _, mask = _read(model, batch)
+  return {"inputs": inputs} | ({} if mask is None else {"mask": mask})
+
+
 def batch_metrics(model: models.Model, params: Params, batch: Mapping[str, jax.Array]
                   ) -> dict[str, jax.Array]:
   """Summed cross-entropy, correct predictions and the number of predictions.
@@ -64,16 +89,7 @@ def batch_metrics(model: models.Model, params: Params, batch: Mapping[str, jax.A
     {"loss": sum of cross-entropies, "correct": number of correct argmax
     predictions, "count": number of predictions}, float32 scalars.
   """
-  raw, mask = batch[model.input_key], None
-  if model.task == tasks.MLM:
-    tokens = raw[:, :-1]  # a window of T + 1 tokens, as language models read, holds T
-    inputs, labels, counted = tasks.model_batch(model.task, tokens, hidden=masked_positions(tokens),
-                                                mask_id=mask_token(model))
-  elif model.task == tasks.LM:
-    inputs, labels, counted = tasks.model_batch(model.task, raw)
-  else:
-    inputs, labels, counted = tasks.model_batch(model.task, raw, labels=batch["label"])
-    mask = batch.get("mask")  # which tokens of a text are real (padding follows)
+  inputs, labels, counted, mask = _read(model, batch)
   logits, _ = model.apply(params, inputs, mask=mask)
   valid = batch.get("valid", jnp.ones(labels.shape[:1], bool))
   weights = (counted & valid.reshape(valid.shape + (1,) * (labels.ndim - 1))).astype(jnp.float32)

@@ -151,15 +151,16 @@ def check_processes(config: ml_collections.ConfigDict, count: int | None = None)
 
 
 def train_batches(config: ml_collections.ConfigDict, dataset: str, *, seed: int,
-                  whole: bool = False):
+                  whole: bool = False, augment: bool | None = None):
   """This process's share of the training batches of ``config.dataset.train_split``, endless
-  (``whole``: every process the whole global batches).
+  (``whole``: every process the whole global batches), augmented as ``config.dataset.augment``
+  says unless ``augment`` does (then that field is not read).
 
   The iterator has grain's ``get_state`` and ``set_state``: the data position
   that checkpoints save, so that a resumed run reads the batches it would have.
   """
   options = data_options(config)
-  if config.dataset.augment:
+  if config.dataset.augment if augment is None else augment:
     options["augment"] = True
   return data.train_iterator(dataset, batch_size=config.train.batch_size, seed=seed,
                              split=config.dataset.train_split, **_reader_processes(whole),
