@@ -19,6 +19,7 @@ from attn_symmetry import spec as spec_lib
 from attn_symmetry.align import _distances, _function_check, _memory
 from attn_symmetry.align._clock import Stage
 from attn_symmetry.align._records import Aligned, Inputs, Options, Params
+from attn_symmetry.align._sources import Source
 from attn_symmetry.models import safetensors_io
 
 Unit = tuple[tuple[str, ...], tuple[str, ...]]  # (leaves read, leaves written)
@@ -28,7 +29,7 @@ Unit = tuple[tuple[str, ...], tuple[str, ...]]  # (leaves read, leaves written)
 interpolate = jax.jit(lmc.interpolate)
 
 
-def apply(source, inputs: Inputs, options: Options, element: dict[str, Any],
+def apply(source: Source, inputs: Inputs, options: Options, element: dict[str, Any],
           info: dict[str, Any], tmp: str | None, stage: Stage) -> Aligned:
   """B' = g . B (and A' = A folded, where g folds the norm scales), one unit of leaves at a
   time (``_leaf_units``: an attention site's leaves, or one leaf), read from ``source``:

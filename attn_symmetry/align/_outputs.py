@@ -21,13 +21,15 @@ from attn_symmetry import runtime
 from attn_symmetry._version import __version__
 from attn_symmetry.align import _check, _eval_files
 from attn_symmetry.align._records import Aligned, Inputs, OUTPUTS, Options, Params
+from attn_symmetry.align._sources import Whole
 from attn_symmetry.models import Model
 
 
-def evaluate(inputs: Inputs, options: Options, aligned: Aligned, source) -> dict[str, Any]:
+def evaluate(inputs: Inputs, options: Options, aligned: Aligned, source: Whole
+             ) -> dict[str, Any]:
   """The evaluate stage: the curves of A to B ("before") and A to B' ("after") on the
   evaluation batches (``_curves``). A and B are taken out of the whole models' ``source``
-  (``_sources.Whole.take``): released after it."""
+  (``Whole.take``): released after it."""
   paths = {"before": source.take(), "after": (aligned.params_a, aligned.params)}
   return _curves(inputs.model, inputs.batches, paths, options.num_lambdas, options.merge)
 

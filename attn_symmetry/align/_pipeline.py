@@ -77,7 +77,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike,
   return Alignment(inputs.model, aligned.params_a, aligned.params, aligned.element, report)
 
 
-def _align(source: _sources.Whole | _sources.Streamed, inputs: Inputs, options: Options,
+def _align(source: _sources.Source, inputs: Inputs, options: Options,
            clock: Clock, tmp: str | None) -> Aligned:
   """g (``source.match``) and the pass that computes B' and writes it into ``tmp``
   (``_apply.apply``): with whole models one stage, "align"; streamed two, "align" (rounds of

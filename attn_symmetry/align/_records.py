@@ -169,7 +169,7 @@ class Inputs:
 
 @dataclasses.dataclass
 class Aligned:
-  """What the align stage computed.
+  """What the pass computed (``_apply.apply``).
 
   Attributes:
     element: g (``matching.align_model``).

@@ -25,7 +25,7 @@ from attn_symmetry.models import safetensors_io
 Match = tuple[dict[str, Any], dict[str, Any]]  # (g, info) of align_model
 
 
-def open_source(inputs: Inputs, options: Options, clock: Clock) -> Whole | Streamed:
+def open_source(inputs: Inputs, options: Options, clock: Clock) -> Source:
   """The source the memory policy picks (``_memory.streams``): the whole models, loaded in the
   stage "load", or the checkpoints streamed. A streamed alignment allocates and frees a layer's
   buffers over and over: from here on the process returns each large buffer to the system as
@@ -193,3 +193,6 @@ def _local_mesh() -> jax.sharding.Mesh | None:
   them, ``matching.align_model_streamed``), else None."""
   devices = jax.local_devices()
   return jax.sharding.Mesh(np.array(devices), ("devices",)) if len(devices) > 1 else None
+
+
+Source = Whole | Streamed
