@@ -46,12 +46,13 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike,
       key or option), before anything is written.
     FunctionCheckError: (an InputError) B' or A' does not compute B's or A's function to
       ``function_tolerance``; nothing is written.
-    TypeError: both ``options`` and ``keywords``.
+    TypeError: ``options`` is not an ``Options``, or is given with ``keywords``.
   """
   if options is None:
     options = Options.from_keywords(**keywords)
-  elif keywords:
-    raise TypeError(f"give options or keywords, not both (got {', '.join(keywords)})")
+  elif not isinstance(options, Options) or keywords:
+    raise TypeError("align_checkpoints takes one Options or keyword arguments, not both; got "
+                    f"{options!r} and {', '.join(keywords) or 'no keywords'}")
   clock = Clock(progress, progress_bar)
   with clock.stage("check") as stage:
     inputs = _check.check(path_a, path_b, options)
