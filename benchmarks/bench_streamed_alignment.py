@@ -66,10 +66,7 @@ def check_written(a: str, b: str, out: str) -> None:
   model = Model(sources["aligned_a"].config)
   written = {name: (source, safetensors_io.Checkpoint(os.path.join(out, name)))
              for name, source in sources.items() if os.path.isdir(os.path.join(out, name))}
-  options = _records.Options(method="perm", scope="full", merge=None, dtype="keep",
-                             function_tolerance=None, out=out, overwrite=False, eval_text=None,
-                             eval_images=None, num_lambdas=11, batch_size=8, seq_len=128,
-                             eval_batches=8, matching={})
+  options = _records.Options(method="perm", out=out)
   start = time.perf_counter()
   result = _function_check.streamed_function_check(model, options,
                                                    _function_check.check_inputs(model), written)

@@ -30,7 +30,7 @@ from attn_symmetry import group_action
 from attn_symmetry import matching
 from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
-from attn_symmetry.align import _check, _clock, _in_memory, _outputs, _records
+from attn_symmetry.align import _apply, _check, _clock, _memory, _outputs, _records, _sources
 from attn_symmetry.models import convert
 from attn_symmetry.models import safetensors_io
 
@@ -433,9 +433,9 @@ def test_stages_run_alone_and_release_b(tmp_path):
   assert len(inputs.batches) == 2 and inputs.batches[0]["inputs"].shape == (2, 8)
   clock = _clock.Clock()
 
-  loaded = _in_memory.load(inputs)
+  loaded = _sources.Whole.load(inputs)
   with clock.stage("align") as stage:
-    aligned = _in_memory.align(inputs, options, loaded, stage)
+    aligned = _apply.apply(loaded, inputs, options, *loaded.match(options, stage), None, stage)
   assert loaded.a is not None and loaded.b is not None  # kept for the "before" path
   assert aligned.distance["after"]["relative"] <= TOL < aligned.distance["before"]["relative"]
   curves = _outputs.evaluate(inputs, options, aligned, loaded)
@@ -443,10 +443,12 @@ def test_stages_run_alone_and_release_b(tmp_path):
   assert curves["after"]["barrier"]["loss"] <= 1e-4
 
   plain = dataclasses.replace(inputs, batches=None)
-  loaded = _in_memory.load(plain)
+  loaded = _sources.Whole.load(plain)
   params_b = loaded.b
   with clock.stage("align") as stage:
-    again = _in_memory.align(plain, dataclasses.replace(options, eval_text=None), loaded, stage)
+    plain_options = dataclasses.replace(options, eval_text=None)
+    again = _apply.apply(loaded, plain, plain_options, *loaded.match(plain_options, stage), None,
+                         stage)
   assert loaded.a is None and loaded.b is None and params_b == {}  # consumed group by group
   for path, leaf in spec_lib.flatten(again.params).items():
     np.testing.assert_array_equal(leaf, spec_lib.flatten(aligned.params)[path])
@@ -617,7 +619,7 @@ def test_a_broken_alignment_is_refused_before_anything_is_written(check, tmp_pat
   budget = []
   if check == "read back":
     model = models.Model(safetensors_io.Checkpoint(a).config)
-    group, whole = _check.group_bytes(model)[0], _check.whole_bytes(model)
+    group, whole = _memory.group_bytes(model)[0], _memory.whole_bytes(model)
     assert group < whole
     budget = ["--memory-budget", repr(2 * (group + whole) / 1e9)]
   apply_model = group_action.apply_model
@@ -656,7 +658,7 @@ def test_a_non_finite_aligned_tensor_is_refused_by_the_read_back_check(tmp_path,
   a = _save_model("gpt2", str(tmp_path / "a"))
   b = _plant("gpt2", a, str(tmp_path / "b"), seed=5)
   model = models.Model(safetensors_io.Checkpoint(a).config)
-  budget = 2 * (_check.group_bytes(model)[0] + _check.whole_bytes(model)) / 1e9
+  budget = 2 * (_memory.group_bytes(model)[0] + _memory.whole_bytes(model)) / 1e9
   apply_model = group_action.apply_model
 
   def broken(spec, params, element, **options):
@@ -736,7 +738,7 @@ def test_hf_shape_is_the_state_dict_shape(family):
 
 def test_evaluation_files_follow_the_input_key(tmp_path):
   """A text file needs a model that reads tokens, an image folder one that reads images."""
-  from attn_symmetry import _eval_files  # pylint: disable=g-import-not-at-top
+  from attn_symmetry.align import _eval_files  # pylint: disable=g-import-not-at-top
   from attn_symmetry import models  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="--eval-text needs a text model.*\\(vit\\) reads 'image'"):
     _eval_files.text_batches(str(tmp_path / "t.txt"), str(tmp_path), models.build("vit"), {},
@@ -750,7 +752,7 @@ def test_bert_text_batches(tmp_path):
   """Masked-LM batches mask ordinary tokens only, at least one per line; a classifier reads
   LABEL<TAB>text lines."""
   import tokenizers  # pylint: disable=g-import-not-at-top
-  from attn_symmetry import _eval_files  # pylint: disable=g-import-not-at-top
+  from attn_symmetry.align import _eval_files  # pylint: disable=g-import-not-at-top
   from attn_symmetry import models  # pylint: disable=g-import-not-at-top
 
   special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

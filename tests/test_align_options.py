@@ -223,6 +223,25 @@ def test_clock_says_and_times_each_stage(monkeypatch):
   assert len(releases) == 6
 
 
+def test_the_flags_are_the_fields_of_options():
+  """One table: every field of Options has one flag, whose default is the field's, and the
+  command turns its flags into one Options (``_cli.options_of``); --memory-budget is in GB,
+  the field in bytes."""
+  parser = argparse.ArgumentParser()
+  _cli.add_arguments(parser)
+  assert _cli.options_of(parser.parse_args(["A", "B", "--out", "D"])) == _records.Options(out="D")
+  given = parser.parse_args(["A", "B", "--out", "D", "--lambdas", "5", "--eval-text", "t.txt",
+                             "--overwrite", "--memory-budget", "2", "--max-rounds", "3"])
+  assert _cli.options_of(given) == _records.Options(
+      out="D", num_lambdas=5, eval_text="t.txt", overwrite=True, memory_budget=2e9,
+      matching={"max_rounds": 3})
+  actions = parser._actions  # pylint: disable=protected-access
+  flags = {action.dest: action.option_strings for action in actions}
+  for field in dataclasses.fields(_records.Options):
+    if field.name != "matching":
+      assert flags[field.name] == [_records.Options.flag(field.name)], field.name
+
+
 def test_one_compilation_cache_default():
   """The align command and the experiments default to one cache folder (runtime's)."""
   from experiments import main  # pylint: disable=g-import-not-at-top

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from attn_symmetry import _eval_files
+from attn_symmetry.align import _eval_files
 from attn_symmetry import models
 from attn_symmetry import tasks
 from experiments.train import evaluation

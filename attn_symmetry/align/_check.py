@@ -1,12 +1,12 @@
-"""The check stage (``check``): every problem with the options, the folders, the memory budget or
-the evaluation file is refused with a one-line ``InputError`` before anything is written; the
-options first, from the options alone (``check_options``), then the files (``_inspect``)."""
+"""The check stage (``check``): every problem with the options, the folders, the memory budget
+(``_memory.check_memory``) or the evaluation file is refused with a one-line ``InputError``
+before anything is written; the options first, from the options alone (``check_options``), then
+the files (``_inspect``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from attn_symmetry import _eval_files
+from attn_symmetry.align import _eval_files, _memory
 from attn_symmetry import matching
 from attn_symmetry.align._records import (DTYPES, MATCHING_OPTIONS, AlignWarning, InputError,
-                                          Inputs, Options, natural_order)
+                                          Inputs, Options)
 from attn_symmetry.models import SCOPES, Model
 from attn_symmetry.models import convert
 from attn_symmetry.models import safetensors_io
@@ -56,12 +56,11 @@ def check_options(options: Options) -> None:
     raise InputError(f"--memory-budget must be a positive number of GB, got {budget!r}")
   if options.eval_text is not None and options.eval_images is not None:
     raise InputError("give --eval-text or --eval-images, not both")
-  for name, value, least in (("--lambdas", options.num_lambdas, 3),
-                             ("--batch-size", options.batch_size, 1),
-                             ("--seq-len", options.seq_len, 1),
-                             ("--eval-batches", options.eval_batches, 1)):
+  for name, least in (("num_lambdas", 3), ("batch_size", 1), ("seq_len", 1),
+                      ("eval_batches", 1)):
+    value = getattr(options, name)
     if int(value) != value or value < least:
-      raise InputError(f"{name} must be an integer >= {least}, got {value}")
+      raise InputError(f"{Options.flag(name)} must be an integer >= {least}, got {value}")
 
 
 def flag(option: str) -> str:
@@ -206,57 +205,6 @@ def _check_out(out: str, overwrite: bool, inputs: Sequence[safetensors_io.Checkp
     raise InputError(f"--out {out}: {parent} is not writable")
 
 
-def gb(nbytes: float) -> str:
-  """``nbytes`` in decimal gigabytes, as the messages and ``--memory-budget`` count them."""
-  return f"{nbytes / 1e9:.2f} GB"
-
-
-def whole_bytes(model: Model) -> int:
-  """Bytes of one whole model in float32."""
-  return 4 * sum(math.prod(s) for s in model.param_shapes.values())
-
-
-def group_bytes(model: Model) -> tuple[int, tuple[str, ...]]:
-  """(bytes in float32, paths) of the largest group that the streamed alignment reads at a
-  time (``matching.stream_groups``), of one model."""
-  size = lambda paths: 4 * sum(math.prod(model.param_shapes[p]) for p in paths)
-  paths = max(matching.stream_groups(model.spec), key=size)
-  return size(paths), paths
-
-
-def keeps_models(model: Model, options: Options) -> bool:
-  """Whether A, B and their aligned copies are held whole in float32, four models: always
-  with an evaluation or "learned"; when streamed, only where they fit ``options.budget``,
-  for the function check and ``Alignment.params``."""
-  return not options.streamed or 4 * whole_bytes(model) <= options.budget
-
-
-def check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, model: Model,
-                 options: Options) -> None:
-  """Refuses, before any work, an alignment that needs more than ``options.budget``: the
-  streamed one holds two groups of leaves of each model in float32 (as read and aligned:
-  ``group_bytes``); "learned" and an evaluation hold both whole models twice in float32.
-
-  Raises:
-    InputError: naming the checkpoints' size, what the alignment needs, and the budget.
-  """
-  sizes = f"MODEL_A {gb(a.nbytes)}, MODEL_B {gb(b.nbytes)} as stored"
-  budget = f"the memory budget {gb(options.budget)} (--memory-budget)"
-  if options.streamed:
-    group, paths = group_bytes(model)
-    if 4 * group > options.budget:
-      top = sorted({p.split("/")[0] for p in paths}, key=natural_order)
-      raise InputError(f"the checkpoints ({sizes}) are read a group of tensors at a time, and "
-                       f"the largest ({', '.join(top)}: {gb(group)} per model in float32) "
-                       f"needs {gb(4 * group)} as read and aligned, above {budget}")
-  elif 4 * whole_bytes(model) > options.budget:
-    why = "--method learned" if options.method == "learned" else "the evaluation"
-    raise InputError(f"{why} holds both whole models in float32, read and aligned: "
-                     f"{gb(4 * whole_bytes(model))} for the checkpoints ({sizes}), above "
-                     f"{budget}; without an evaluation, methods "
-                     f"{', '.join(matching.STREAMED_METHODS)} read one layer at a time")
-
-
 def _scope(model: Model, scope: str | Sequence[str]) -> list[str]:
   """Parameter path prefixes of a scope name (``models.SCOPES``) or of prefixes."""
   prefixes = _scope_prefixes(scope)
@@ -349,7 +297,7 @@ def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Opti
     if real == os.path.realpath(b.path):
       warnings.warn(f"MODEL_A and MODEL_B are the same folder ({real}): B is aligned to itself",
                     AlignWarning, stacklevel=2)
-    check_memory(a, b, model, options)
+    _memory.check_memory(a, b, model, options)
     if options.out is not None:
       _check_out(options.out, options.overwrite, (a, b))
     prefixes = _scope(model, options.scope)
@@ -371,3 +319,12 @@ def check(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Options
   check_options(options)
   check_extras(options)
   return _inspect(path_a, path_b, options)
+
+
+def summary(inputs: Inputs) -> str:
+  """The check stage's line: the family, the task, the parameters, both checkpoints' dtypes
+  and sizes."""
+  a, b = inputs.a, inputs.b
+  return (f"{a.config.family} ({inputs.model.task}), {inputs.parameters / 1e6:.2f}M parameters; "
+          f"A {'+'.join(a.dtypes)} {a.nbytes / 1e6:.1f} MB, B {'+'.join(b.dtypes)} "
+          f"{b.nbytes / 1e6:.1f} MB")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -17,47 +18,33 @@ from attn_symmetry._version import __version__
 from attn_symmetry.align import _check
 from attn_symmetry.align import _pipeline
 from attn_symmetry.align._clock import ProgressBar
-from attn_symmetry.align._records import DTYPES, MATCHING_OPTIONS, OUTPUTS, AlignWarning, InputError
-from attn_symmetry.models import SCOPES
+from attn_symmetry.align._records import (MATCHING_OPTIONS, OUTPUTS, AlignWarning, InputError,
+                                          Options)
 
 DESCRIPTION = "Align and merge two Hugging Face checkpoints"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """The command's arguments: the two folders, one flag per field of ``Options`` (its flag, doc
+  and argparse arguments; the matching options' from ``matching.OPTIONS``), and the flags of
+  the command itself (``--import``, ``--quiet``, ``--compilation-cache``)."""
   parser.add_argument("model_a", metavar="MODEL_A", help="HF model folder A (the reference)")
   parser.add_argument("model_b", metavar="MODEL_B", help="HF model folder B (aligned to A)")
-  parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
-  parser.add_argument("--method", default="full",
-                      help="full (default), ortho, perm, naive, or learned (with an evaluation "
-                           "file: trained on its first half, chosen on the next quarter, the curve "
-                           "on the last quarter), or a method that an --import module registers")
+  groups: dict[str, argparse._MutuallyExclusiveGroup] = {}  # pylint: disable=protected-access
+  for field in dataclasses.fields(Options):
+    if field.name == "matching":
+      add_matching_flags(parser)
+      continue
+    meta, group = field.metadata, parser
+    if meta["exclusive"] is not None:
+      if meta["exclusive"] not in groups:
+        groups[meta["exclusive"]] = parser.add_mutually_exclusive_group()
+      group = groups[meta["exclusive"]]
+    group.add_argument(meta["flag"], dest=field.name, default=field.default, help=meta["doc"],
+                       **meta["cli"])
   parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                       help="import MODULE first (repeatable; the current folder is on the path): "
                            "a module that registers a matching method or a model family")
-  parser.add_argument("--scope", default="full",
-                      help=f"{', '.join(SCOPES)} (default full), or comma-separated parameter "
-                           "path prefixes such as layers_0/attention")
-  parser.add_argument("--merge", type=float, metavar="LAMBDA",
-                      help="also write (1 - LAMBDA) A + LAMBDA aligned B to DIR/merged")
-  data = parser.add_mutually_exclusive_group()
-  data.add_argument("--eval-text", metavar="FILE", help="text to evaluate the paths on")
-  data.add_argument("--eval-images", metavar="DIR", help="DIR/LABEL/*.png images (ViT)")
-  parser.add_argument("--dtype", default="keep", choices=DTYPES,
-                      help="keep each tensor's stored dtype (default) or write float32")
-  parser.add_argument("--function-tolerance", type=float, metavar="TOL",
-                      help="most relative logit difference between B and aligned B (A and "
-                           "aligned A) on a few random inputs before anything is written "
-                           "(default: sqrt of the written dtype's epsilon, 3.5e-4 in float32)")
-  parser.add_argument("--overwrite", action="store_true",
-                      help="replace this tool's earlier outputs in DIR")
-  parser.add_argument("--lambdas", type=int, default=11, help="points on each path (default 11)")
-  parser.add_argument("--batch-size", type=int, default=8)
-  parser.add_argument("--seq-len", type=int, default=128, help="tokens per text sequence")
-  parser.add_argument("--eval-batches", type=int, default=8, help="most evaluation batches")
-  add_matching_flags(parser)
-  parser.add_argument("--memory-budget", type=float, metavar="GB",
-                      help="most memory the alignment may hold, in GB (default: the machine's); "
-                           "an alignment that needs more is refused before any work")
   parser.add_argument("--quiet", action="store_true", help="no progress lines or bar")
   parser.add_argument("--compilation-cache", metavar="DIR", default=runtime.COMPILATION_CACHE,
                       help="JAX's persistent compilation cache: a later alignment of the same "
@@ -76,8 +63,16 @@ def add_matching_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"{option.doc} (must {option.range.says}{default})")
 
 
+def options_of(args: argparse.Namespace) -> Options:
+  """The options the flags give: every field of ``Options`` by its name, the matching options
+  given (``MATCHING_OPTIONS``) in ``matching``."""
+  return Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options)
+                    if f.name != "matching"},
+                 matching={k: getattr(args, k) for k in MATCHING_OPTIONS
+                           if getattr(args, k) is not None})
+
+
 def _run(args: argparse.Namespace, prog: str) -> int:
-  options = {k: getattr(args, k) for k in MATCHING_OPTIONS if getattr(args, k) is not None}
   if args.compilation_cache:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
   say = None if args.quiet else lambda line: print(f"[align] {line}", file=sys.stderr, flush=True)
@@ -88,14 +83,8 @@ def _run(args: argparse.Namespace, prog: str) -> int:
                                                            file=sys.stderr, flush=True)
     try:
       _import_modules(args.imports)
-      budget = None if args.memory_budget is None else args.memory_budget * 1e9
-      result = _pipeline.align_checkpoints(
-          args.model_a, args.model_b, out=args.out, method=args.method, scope=args.scope,
-          merge=args.merge, eval_text=args.eval_text, eval_images=args.eval_images,
-          dtype=args.dtype, function_tolerance=args.function_tolerance, overwrite=args.overwrite,
-          num_lambdas=args.lambdas, batch_size=args.batch_size, seq_len=args.seq_len,
-          eval_batches=args.eval_batches, progress=say, progress_bar=bar, memory_budget=budget,
-          **options)
+      result = _pipeline.align_checkpoints(args.model_a, args.model_b, options_of(args),
+                                           progress=say, progress_bar=bar)
     except InputError as e:
       print(f"{prog}: error: {e}", file=sys.stderr)
       return 2

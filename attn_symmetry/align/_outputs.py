@@ -1,5 +1,6 @@
-"""The evaluate and save stages: the interpolation curves, the merged model, the plot, the report,
-and the outputs written through a staging folder that never loses what a user had."""
+"""The evaluate and save stages and the report: the interpolation curves, the merged model's
+metrics, the plot, the report, and the staging folder that every output is written through,
+which never loses what a user had."""
 
 from __future__ import annotations
 
@@ -13,31 +14,23 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
 import numpy as np
 
-from attn_symmetry import _eval_files
 from attn_symmetry import lmc
 from attn_symmetry import runtime
-from attn_symmetry import spec as spec_lib
 from attn_symmetry._version import __version__
-from attn_symmetry.align import _check
-from attn_symmetry.align._clock import Stage
-from attn_symmetry.align._records import Aligned, Inputs, Loaded, OUTPUTS, Options, Params
+from attn_symmetry.align import _check, _eval_files
+from attn_symmetry.align._records import Aligned, Inputs, OUTPUTS, Options, Params
+from attn_symmetry.align._sources import Whole
 from attn_symmetry.models import Model
-from attn_symmetry.models import safetensors_io
 
 
-# One fused program per leaf shape: the merged model is written leaf by leaf, and eagerly each
-# leaf would take three leaf-sized buffers ((1 - lam) a, lam b and their sum).
-interpolate = jax.jit(lmc.interpolate)
-
-
-def evaluate(inputs: Inputs, options: Options, aligned: Aligned, loaded: Loaded
+def evaluate(inputs: Inputs, options: Options, aligned: Aligned, source: Whole
              ) -> dict[str, Any]:
   """The evaluate stage: the curves of A to B ("before") and A to B' ("after") on the
-  evaluation batches (``_curves``). A and B are taken out of ``loaded``: released after it."""
-  paths = {"before": loaded.take(), "after": (aligned.params_a, aligned.params)}
+  evaluation batches (``_curves``). A and B are taken out of the whole models' ``source``
+  (``Whole.take``): released after it."""
+  paths = {"before": source.take(), "after": (aligned.params_a, aligned.params)}
   return _curves(inputs.model, inputs.batches, paths, options.num_lambdas, options.merge)
 
 
@@ -160,55 +153,37 @@ def provenance() -> dict[str, Any]:
   return out
 
 
-def save(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str, Any] | None,
-         report: dict[str, Any], stage: Stage) -> list[str]:
-  """The save stage: A' (A with its norm scales folded, if they are) to out/aligned_a, B' to
-  out/aligned_b, with ``merge`` the merged model to out/merged, the curves to
-  out/interpolation.json and .png, and last the report, its clock stopped just before
-  (``_replace_outputs``). Returns the paths written."""
-  a, b, model, dtype = inputs.a, inputs.b, inputs.model, options.dtype
-  writers = {}
-  if aligned.folded:
-    writers["aligned_a"] = lambda p: safetensors_io.save_params(p, a, model, aligned.params_a,
-                                                                dtype=dtype)
-  writers["aligned_b"] = lambda p: safetensors_io.save_params(p, b, model, aligned.params,
-                                                              dtype=dtype)
-  if options.merge is not None:
-    flat_a, merge = spec_lib.flatten(aligned.params_a), options.merge
-    writers["merged"] = lambda p: safetensors_io.save_params(
-        p, a, model, aligned.params, dtype=dtype,
-        leaf_fn=lambda path, leaf: interpolate(flat_a[path], leaf, merge))
-  if curves is not None:
-    writers["interpolation.json"] = write_json(curves)
-    writers["interpolation.png"] = lambda p: plot(curves, p)
-
-  def write_report(path):
-    stage.stop()
-    write_json(report)(path)
-
-  writers["report.json"] = write_report
-  _replace_outputs(options.out, options.overwrite, writers)
-  return [os.path.join(options.out, name) for name in writers]
+def save_curves(curves: dict[str, Any], tmp: str) -> None:
+  """The save stage: the curves into ``tmp`` (interpolation.json and .png)."""
+  write_json(curves)(os.path.join(tmp, "interpolation.json"))
+  plot(curves, os.path.join(tmp, "interpolation.png"))
 
 
-def _replace_outputs(out: str, overwrite: bool, writers: dict[str, Callable[[str], None]]) -> None:
-  """Runs ``writers[name](tmp/name)`` in a temporary folder inside ``out`` (``staging``), then
-  moves each result to ``out/name``."""
-  with staging(out, overwrite) as tmp:
-    for name, write in writers.items():
-      write(os.path.join(tmp, name))
-      runtime.release_free_memory()
+def write_report(report: dict[str, Any], tmp: str) -> None:
+  """The report into ``tmp`` (report.json), after every stage has ended: its "time_s" is
+  whole."""
+  write_json(report)(os.path.join(tmp, "report.json"))
+
+
+def placed(out: str, tmp: str) -> list[str]:
+  """The paths in ``out`` of what ``tmp`` holds, report.json last (written after the stages)."""
+  return [os.path.join(out, name) for name in OUTPUTS
+          if name == "report.json" or os.path.lexists(os.path.join(tmp, name))]
 
 
 @contextlib.contextmanager
-def staging(out: str, overwrite: bool) -> Iterator[str]:
-  """A temporary folder inside ``out`` to write the outputs in; when the block ends without
-  an error, its entries are moved to ``out`` (with ``overwrite``, every earlier ``OUTPUTS``
-  moved aside first and removed once the new ones are in place).
+def staging(out: str | None, overwrite: bool) -> Iterator[str | None]:
+  """A temporary folder inside ``out`` to write the outputs in (None without ``out``: nothing
+  is written); when the block ends without an error, its entries are moved to ``out`` (with
+  ``overwrite``, every earlier ``OUTPUTS`` moved aside first and removed once the new ones are
+  in place).
 
   Nothing a user had is ever removed by an error: the temporary folders go, earlier outputs
   moved aside come back, and ``out`` itself is removed only if this call made it and it is
   empty again (``os.rmdir``)."""
+  if out is None:
+    yield None
+    return
   made = not os.path.exists(out)
   os.makedirs(out, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".attn-symmetry-", dir=out)

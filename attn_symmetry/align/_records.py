@@ -1,10 +1,11 @@
-"""What ``align_checkpoints``'s stages pass one another (its options, what the check found, the
-models loaded and aligned), what it returns, its errors and its constants."""
+"""What ``align_checkpoints``'s stages pass one another (its options, the one table of them; what
+the check found; what the pass computed), what it returns, its errors and its constants."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -12,8 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attn_symmetry import matching
-from attn_symmetry import runtime
-from attn_symmetry.models import Model
+from attn_symmetry.models import SCOPES, Model
 from attn_symmetry.models import safetensors_io
 
 OUTPUTS = ("aligned_a", "aligned_b", "merged", "interpolation.json", "interpolation.png",
@@ -57,55 +57,92 @@ class Alignment(NamedTuple):
   report: dict[str, Any]
 
 
+def gigabytes(text: str) -> float:
+  """The command line's parser of ``--memory-budget``: GB (decimal) to bytes."""
+  return float(text) * 1e9
+
+
+def option(default: Any, flag: str, doc: str, *, exclusive: str | None = None, **cli: Any) -> Any:
+  """One field of ``Options``: its default (``align_checkpoints``'), its command-line ``flag``
+  and ``doc`` (the flag's help), the group of flags it excludes the others of (``exclusive``),
+  and argparse's other arguments for the flag (``type``, ``metavar``, ``choices``, ``action``,
+  ``required``)."""
+  return dataclasses.field(default=default, metadata=dict(flag=flag, doc=doc,
+                                                          exclusive=exclusive, cli=cli))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
-  """``align_checkpoints``'s options (its Args), as the stages read them.
+  """``align_checkpoints``'s options, the one table of them: each field is one option, with its
+  default and, in its metadata (``option``), its command-line flag and doc. The command's flags
+  are generated from it (``_cli.add_arguments``), ``align_checkpoints`` takes its fields as
+  keyword arguments, and the stages read it. A new option is one field here plus the code that
+  reads it.
 
-  Attributes:
-    method: a name of ``matching.METHODS``.
-    scope: a name of ``models.SCOPES``, comma-separated parameter path
-      prefixes, or a tuple of prefixes.
-    merge: lambda of the merged model (1 - lambda) A + lambda B', or None.
-    dtype: one of ``DTYPES``.
-    function_tolerance: the most relative logit difference the function check
-      allows (``_function_check.function_difference``), or None for its default
-      (``_function_check.default_tolerance`` of the written dtypes).
-    out: the output folder, or None (nothing is written).
-    overwrite: replace this tool's earlier outputs in ``out``.
-    eval_text, eval_images: the evaluation file or image folder, or None.
-    num_lambdas, batch_size, seq_len, eval_batches: the evaluation's points
-      per path, examples per batch, tokens per text sequence, most batches.
-    matching: ``align_model``'s options, named in ``MATCHING_OPTIONS``.
-    memory_budget: the most bytes the alignment may hold (``_check.check_memory``), or None for
-      the machine's memory.
+  ``matching`` holds ``align_model``'s options, named in ``MATCHING_OPTIONS`` (the fields of
+  ``matching.MatchOptions``, whose own table gives their flags). Paths are kept as strings, a
+  scope of prefixes as a tuple; ``memory_budget`` is in bytes (its flag, in GB).
   """
-  method: str
-  scope: str | tuple[str, ...]
-  merge: float | None
-  dtype: str
-  function_tolerance: float | None
-  out: str | None
-  overwrite: bool
-  eval_text: str | None
-  eval_images: str | None
-  num_lambdas: int
-  batch_size: int
-  seq_len: int
-  eval_batches: int
-  matching: Mapping[str, Any]
-  memory_budget: int | None = None
+  out: str | None = option(None, "--out", "output folder", metavar="DIR", required=True)
+  method: str = option(
+      "full", "--method",
+      "full (default), ortho, perm, naive, or learned (with an evaluation file: trained on its "
+      "first half, chosen on the next quarter, the curve on the last quarter), or a method that "
+      "an --import module registers")
+  scope: str | tuple[str, ...] = option(
+      "full", "--scope", f"{', '.join(SCOPES)} (default full), or comma-separated parameter "
+      "path prefixes such as layers_0/attention")
+  merge: float | None = option(None, "--merge",
+                               "also write (1 - LAMBDA) A + LAMBDA aligned B to DIR/merged",
+                               type=float, metavar="LAMBDA")
+  eval_text: str | None = option(None, "--eval-text", "text to evaluate the paths on",
+                                 metavar="FILE", exclusive="evaluation")
+  eval_images: str | None = option(None, "--eval-images", "DIR/LABEL/*.png images (ViT)",
+                                   metavar="DIR", exclusive="evaluation")
+  dtype: str = option("keep", "--dtype",
+                      "keep each tensor's stored dtype (default) or write float32",
+                      choices=DTYPES)
+  function_tolerance: float | None = option(
+      None, "--function-tolerance",
+      "most relative logit difference between B and aligned B (A and aligned A) on a few random "
+      "inputs before anything is written (default: sqrt of the written dtype's epsilon, 3.5e-4 "
+      "in float32)", type=float, metavar="TOL")
+  overwrite: bool = option(False, "--overwrite", "replace this tool's earlier outputs in DIR",
+                           action="store_true")
+  num_lambdas: int = option(11, "--lambdas", "points on each path (default 11)", type=int,
+                            metavar="LAMBDAS")
+  batch_size: int = option(8, "--batch-size", "examples per evaluation batch (default 8)",
+                           type=int)
+  seq_len: int = option(128, "--seq-len", "tokens per text sequence (default 128)", type=int)
+  eval_batches: int = option(8, "--eval-batches", "most evaluation batches (default 8)",
+                             type=int)
+  matching: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  memory_budget: float | None = option(
+      None, "--memory-budget",
+      "most memory the alignment may hold, in GB (default: the machine's); an alignment that "
+      "needs more is refused before any work",
+      type=gigabytes, metavar="GB")
 
-  @property
-  def streamed(self) -> bool:
-    """Whether the models are read group by group (``_streamed.stream``): every method of
-    ``matching.STREAMED_METHODS`` without an evaluation. "learned" and the evaluation hold
-    both whole models."""
-    return self.method in matching.STREAMED_METHODS and not self.evaluated
+  def __post_init__(self):
+    fspath = lambda path: None if path is None else os.fspath(path)
+    for name in ("out", "eval_text", "eval_images"):
+      object.__setattr__(self, name, fspath(getattr(self, name)))
+    if not isinstance(self.scope, str):
+      object.__setattr__(self, "scope", tuple(self.scope))
+    object.__setattr__(self, "matching", dict(self.matching))
 
-  @property
-  def budget(self) -> int:
-    """The memory budget in bytes: ``memory_budget``, else the machine's memory."""
-    return self.memory_budget or runtime.physical_memory()
+  @classmethod
+  def from_keywords(cls, **keywords: Any) -> Options:
+    """The options of ``align_checkpoints``'s keyword arguments: a field's name sets the field,
+    any other name a matching option (an unknown one is refused by the check stage)."""
+    names = {f.name for f in dataclasses.fields(cls)} - {"matching"}
+    return cls(**{k: v for k, v in keywords.items() if k in names},
+               matching={k: v for k, v in keywords.items() if k not in names})
+
+  @classmethod
+  def flag(cls, name: str) -> str:
+    """The command-line flag of field ``name``: ``num_lambdas`` -> ``--lambdas``."""
+    return next(f.metadata["flag"] for f in dataclasses.fields(cls) if f.name == name)
 
   @property
   def evaluated(self) -> bool:
@@ -131,26 +168,8 @@ class Inputs:
 
 
 @dataclasses.dataclass
-class Loaded:
-  """A's and B's float32 parameters as stored (norm scales not folded), from the load stage.
-
-  The holder is their only reference: the last stage that needs them takes
-  them out (``take``), so that they are released once it is done with them
-  (the align stage without an evaluation, else the evaluate stage).
-  """
-  a: Params | None
-  b: Params | None
-
-  def take(self) -> tuple[Params, Params]:
-    """(A, B), leaving the holder empty."""
-    a, b = self.a, self.b
-    self.a = self.b = None
-    return a, b
-
-
-@dataclasses.dataclass
 class Aligned:
-  """What the align stage computed.
+  """What the pass computed (``_apply.apply``).
 
   Attributes:
     element: g (``matching.align_model``).

@@ -1,0 +1,90 @@
+"""The memory policy: what an alignment holds, and whether it may.
+
+Every method of ``matching.STREAMED_METHODS`` without an evaluation streams (``streams``): both
+models are read a group of tensors at a time (``_sources.Streamed``), and memory holds two
+groups of each model in float32, as read and aligned. "learned" and an evaluation hold both
+whole models twice in float32 (``_sources.Whole``). A', B' and the models they come from are
+kept whole, for the function check and ``Alignment.params``, only where four float32 models fit
+the budget (``keeps_models``). An alignment whose working set does not fit is refused before
+any work (``check_memory``). The budget is ``--memory-budget``, else the machine's memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+from attn_symmetry import matching
+from attn_symmetry import runtime
+from attn_symmetry.align._records import InputError, Options, natural_order
+from attn_symmetry.models import Model
+from attn_symmetry.models import safetensors_io
+
+
+def streams(options: Options) -> bool:
+  """Whether the models are read group by group: every method of ``matching.STREAMED_METHODS``
+  without an evaluation. "learned" and an evaluation hold both whole models."""
+  return options.method in matching.STREAMED_METHODS and not options.evaluated
+
+
+def budget(options: Options) -> float:
+  """The memory budget in bytes: ``options.memory_budget``, else the machine's memory."""
+  return options.memory_budget or runtime.physical_memory()
+
+
+def gb(nbytes: float) -> str:
+  """``nbytes`` in decimal gigabytes, as the messages and ``--memory-budget`` count them."""
+  return f"{nbytes / 1e9:.2f} GB"
+
+
+def whole_bytes(model: Model) -> int:
+  """Bytes of one whole model in float32."""
+  return 4 * sum(math.prod(s) for s in model.param_shapes.values())
+
+
+def group_bytes(model: Model) -> tuple[int, tuple[str, ...]]:
+  """(bytes in float32, paths) of the largest group that the streamed alignment reads at a
+  time (``matching.stream_groups``), of one model."""
+  size = lambda paths: 4 * sum(math.prod(model.param_shapes[p]) for p in paths)
+  paths = max(matching.stream_groups(model.spec), key=size)
+  return size(paths), paths
+
+
+def keeps_models(model: Model, options: Options) -> bool:
+  """Whether A, B and their aligned copies are held whole in float32, four models: always
+  with an evaluation or "learned"; when streamed, only where they fit the budget, for the
+  function check and ``Alignment.params``."""
+  return not streams(options) or 4 * whole_bytes(model) <= budget(options)
+
+
+def not_kept(model: Model, options: Options) -> str:
+  """Why the function check is skipped where the models are not kept and nothing is written."""
+  return (f"A, B and their aligned copies in float32 ({gb(4 * whole_bytes(model))}) do not fit "
+          f"the memory budget {gb(budget(options))}, and without an output folder nothing is "
+          "written to read back a layer at a time")
+
+
+def check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, model: Model,
+                 options: Options) -> None:
+  """Refuses, before any work, an alignment that needs more than the budget: the streamed one
+  holds two groups of leaves of each model in float32 (as read and aligned: ``group_bytes``);
+  "learned" and an evaluation hold both whole models twice in float32.
+
+  Raises:
+    InputError: naming the checkpoints' size, what the alignment needs, and the budget.
+  """
+  sizes = f"MODEL_A {gb(a.nbytes)}, MODEL_B {gb(b.nbytes)} as stored"
+  most = budget(options)
+  says = f"the memory budget {gb(most)} (--memory-budget)"
+  if streams(options):
+    group, paths = group_bytes(model)
+    if 4 * group > most:
+      top = sorted({p.split("/")[0] for p in paths}, key=natural_order)
+      raise InputError(f"the checkpoints ({sizes}) are read a group of tensors at a time, and "
+                       f"the largest ({', '.join(top)}: {gb(group)} per model in float32) "
+                       f"needs {gb(4 * group)} as read and aligned, above {says}")
+  elif 4 * whole_bytes(model) > most:
+    why = "--method learned" if options.method == "learned" else "the evaluation"
+    raise InputError(f"{why} holds both whole models in float32, read and aligned: "
+                     f"{gb(4 * whole_bytes(model))} for the checkpoints ({sizes}), above "
+                     f"{says}; without an evaluation, methods "
+                     f"{', '.join(matching.STREAMED_METHODS)} read one layer at a time")
