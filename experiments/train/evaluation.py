@@ -65,11 +65,11 @@ def _read(model: models.Model, batch: Mapping[str, Any]):
 
 
 def model_inputs(model: models.Model, batch: Mapping[str, Any]) -> dict[str, Any]:
-  """{"inputs": what the model reads from ``batch`` [B, T] or [B, S, S, C], and "mask" [B, T]
-  where the text has one}: a batch of the data pipeline as ``Model.apply`` takes it, for the
-  passes that measure activations (REPAIR, activation matching)."""
+  """{``model.input_key``: what the model reads from ``batch`` [B, T] or [B, S, S, C], and
+  "mask" [B, T] where the text has one}: a batch of the data pipeline as ``Model.apply``
+  takes it, for the passes that measure activations (REPAIR, activation matching)."""
   inputs, _, _, mask = _read(model, batch)
-  return {"inputs": inputs} | ({} if mask is None else {"mask": mask})
+  return {model.input_key: inputs} | ({} if mask is None else {"mask": mask})
 
 
 def batch_metrics(model: models.Model, params: Params, batch: Mapping[str, jax.Array]
