@@ -137,7 +137,7 @@ def run_scope(config, model, evaluator, checkpoints, workdir, monkeypatch,
     if stored is not None:
       result, reads = stored[name].result, stored[name].reads
     else:
-      for kept in (study._alignments, study._elements, study._ends, study._repair_data):
+      for kept in (study._alignments, study._elements, study._ends, study._activation_data):
         kept.clear()
       with config.recording() as reads:
         result = compute()
@@ -261,7 +261,7 @@ def test_the_repair_stages_key_every_field_they_read(tmp_path, monkeypatch):
   config.study.distances = ()
   config.study.noise_levels = ()
   config.study.repair = True
-  config.study.repair_batches = 2
+  config.study.activation_batches = 2
   config = RecordingConfig(config)
   model = inputs.create_model(config)
   checkpoints = {f"reinit/{SCOPE}/seed_{s}": model.init(jax.random.key(s))
@@ -270,7 +270,7 @@ def test_the_repair_stages_key_every_field_they_read(tmp_path, monkeypatch):
   evaluator = path_evaluation.PathEvaluator(model, batches, chunk_size=1, bits_per_byte=False)
   stages = run_scope(config, model, evaluator, checkpoints, str(tmp_path), monkeypatch)
   assert set(stages) == {"naive", "full", "naive+repair", "full+repair"}
-  assert {"study.repair_batches", "dataset.train_split", "train.batch_size"} <= (
+  assert {"study.activation_batches", "dataset.train_split", "train.batch_size"} <= (
       stages["full+repair"].reads)
   assert "dataset.augment" not in stages["full+repair"].reads  # REPAIR reads no augmentation
   assert unkeyed_reads(stages) == {}

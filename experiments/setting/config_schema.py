@@ -455,9 +455,10 @@ FIELDS: tuple[Field, ...] = (
     Field("study.repair", False, _BOOLEAN, Role.NOT_KEYED,
           "also measure each method's path with REPAIR at every interior point "
           "(attn_symmetry.repair; reported as the method '<method>+repair')"),
-    Field("study.repair_batches", 8, _AT_LEAST_1, Role.STUDY,
-          "training batches (dataset.train_split, without augmentation) on which REPAIR "
-          "measures its statistics", study=(REPAIR,)),
+    Field("study.activation_batches", 8, _AT_LEAST_1, Role.STUDY,
+          "training batches (dataset.train_split, not augmented) on which the methods that "
+          "read activations measure them: REPAIR's statistics and activation matching",
+          study=(REPAIR,)),
     Field("study.eval_examples", 0, _AT_LEAST_0, Role.STUDY,
           "the first that many examples of eval_split evaluate every path (0: all of them)",
           study=(EVERY_STAGE,)),

@@ -205,7 +205,7 @@ class ScopeStudy:
     self._alignments: dict[tuple, tuple[Params, Params, dict]] = {}
     self._elements: dict[tuple, tuple[dict, dict]] = {}
     self._ends: dict[int, dict[str, list[float]]] = {}  # by seed: its loss and accuracy
-    self._repair_data: dict[int, list[dict[str, Any]]] = {}  # by count: REPAIR's batches
+    self._activation_data: dict[int, list[dict[str, Any]]] = {}  # by count: the batches
     # g.theta compiled once: the ablation applies one element per head permutation.
     self._apply = path_evaluation.compiled(model)[1]
 
@@ -269,28 +269,29 @@ class ScopeStudy:
     curve = {k: [*start[k], *interior[k], *end[k]] for k in start}
     return path_evaluation.curve_result(curve, self.lams)
 
-  def _repair_batches(self) -> list[dict[str, Any]]:
-    """The first ``study.repair_batches`` batches of the training slice of the scope's data set
-    (not augmented), as the model reads them: REPAIR's statistics, never the evaluation set."""
-    count = self.config.study.repair_batches
-    if count not in self._repair_data:
+  def _activation_batches(self) -> list[dict[str, Any]]:
+    """The first ``study.activation_batches`` batches of the training slice of the scope's data
+    set (not augmented), as the model reads them: the activations that REPAIR and activation
+    matching measure, never the evaluation set."""
+    count = self.config.study.activation_batches
+    if count not in self._activation_data:
       batches = inputs.train_batches(self.config, self.dataset, seed=0, whole=True,
                                      augment=False)
-      self._repair_data[count] = [evaluation.model_inputs(self.model, b)
+      self._activation_data[count] = [evaluation.model_inputs(self.model, b)
                                   for b in itertools.islice(batches, count)]
-    return self._repair_data[count]
+    return self._activation_data[count]
 
   def _repaired_path(self, a: int, b: int, theta_a: Params, aligned_b: Params
                      ) -> dict[str, Any]:
     """``_path`` with each interior point REPAIRed (``repair.repair`` at its lambda, on
-    ``_repair_batches``); the endpoints are the seeds' own models, as REPAIR at lambda 0 and
-    1 computes them. Adds "repair": per lambda, the channels REPAIR corrected and those it
+    ``_activation_batches``); the endpoints are the seeds' own models, as REPAIR at lambda 0
+    and 1 computes them. Adds "repair": per lambda, the channels REPAIR corrected and those it
     left as they were (degenerate), summed over the points."""
     path = self._path(a, b, theta_a, aligned_b)
     counts = []
     for i, lam in enumerate(self.lams[1:-1], start=1):
       params, info = repair.repair(self.model, theta_a, aligned_b, float(lam),
-                                   self._repair_batches())
+                                   self._activation_batches())
       point = self.evaluator(params, params, self.lams[:1])
       for k in ("loss", "accuracy"):
         path[k][i] = point[k][0]
