@@ -278,3 +278,14 @@ def test_learned_start_and_band_checks(options, message):
   params = _model("gpt2").init(jax.random.key(0))
   with pytest.raises(ValueError, match=message):
     _learned(params, params, **options)
+
+
+def test_batch_activations_read_the_batch_entry_and_its_mask():
+  model = _model("bert")
+  params = model.init(jax.random.key(0))
+  tokens = _inputs(model, 1)
+  mask = np.arange(tokens.shape[1]) < 5
+  mask = np.broadcast_to(mask, tokens.shape)
+  got = model.batch_activations(params, {"tokens": tokens, "mask": mask, "label": 0})
+  want = model.activations(params, tokens, mask=mask)
+  chex.assert_trees_all_equal(got, want)

@@ -52,13 +52,11 @@ model and batch. This module imports jax, numpy and optax only.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from attn_symmetry import group_action
 from attn_symmetry import spec as spec_lib
@@ -144,21 +142,11 @@ class PermutationStats(NamedTuple):
 
 
 class SiteStats(NamedTuple):
-  """Sums over a site's tokens: cross Grams [N|K, N|K, H, H] (q[n, m] = Q_{A,n}^T Q_{B,m};
-  k, v over kv heads; z of the heads' outputs), self Grams [N|K, H, H] of A and B, and the
-  logits' inner products: logits [N, N] (<L_{A,n}, L_{B,m}>), logits_a, logits_b [N]."""
-  q: jax.Array
-  k: jax.Array
-  v: jax.Array
-  z: jax.Array
-  qa: jax.Array
-  qb: jax.Array
-  ka: jax.Array
-  kb: jax.Array
-  va: jax.Array
-  vb: jax.Array
-  za: jax.Array
-  zb: jax.Array
+  """Sums over a site's tokens: ``grams`` (``_features.Grams``, of activations: q[n, m] =
+  Q_{A,n}^T Q_{B,m} [N, N, H, H], k and v over kv heads, o[n, m] = Z_{A,n}^T Z_{B,m} of the
+  heads' outputs, and the self Grams of A and B), and the logits' inner products: logits
+  [N, N] (<L_{A,n}, L_{B,m}>), logits_a, logits_b [N]."""
+  grams: _features.Grams
   logits: jax.Array
   logits_a: jax.Array
   logits_b: jax.Array
@@ -192,9 +180,9 @@ def _site_stats(taps_a: dict[str, jax.Array], taps_b: dict[str, jax.Array]) -> S
   g = qa.shape[-2] // ka.shape[-2]
   logits = lambda q, k: _dot(q, jnp.repeat(k, g, axis=-2), "stnh,sunh->sntu")
   la, lb = logits(qa, ka), logits(qb, kb)
-  return SiteStats(cross(qa, qb), cross(ka, kb), cross(va, vb), cross(za, zb), auto(qa),
-                   auto(qb), auto(ka), auto(kb), auto(va), auto(vb), auto(za), auto(zb),
-                   _dot(la, lb, "sntu,smtu->nm"), jnp.sum(la * la, (0, 2, 3)),
+  grams = _features.Grams(cross(qa, qb), cross(ka, kb), cross(va, vb), cross(za, zb), auto(qa),
+                          auto(qb), auto(ka), auto(kb), auto(va), auto(vb), auto(za), auto(zb))
+  return SiteStats(grams, _dot(la, lb, "sntu,smtu->nm"), jnp.sum(la * la, (0, 2, 3)),
                    jnp.sum(lb * lb, (0, 2, 3)))
 
 
@@ -263,30 +251,12 @@ def _permutation(stats: PermutationStats) -> jax.Array:
 def _head_cost(stats: SiteStats, out_a: jax.Array, out_b: jax.Array) -> jax.Array:
   """Stage 1 cost [N, N]: Frobenius distances of the logits and of the heads' outputs in
   the stream (module docstring)."""
-  oo = lambda x, y: _dot(x, y, "nhd,mid->nmhi")
-  vo_cross = jnp.einsum("nmhi,nmhi->nm", stats.z, oo(out_a, out_b))
-  vo_a = jnp.einsum("nhi,nhi->n", stats.za, _dot(out_a, out_a, "nhd,nid->nhi"))
-  vo_b = jnp.einsum("nhi,nhi->n", stats.zb, _dot(out_b, out_b, "nhd,nid->nhi"))
+  g = stats.grams
+  vo_cross = jnp.einsum("nmhi,nmhi->nm", g.o, _dot(out_a, out_b, "nhd,mid->nmhi"))
+  vo_a = jnp.einsum("nhi,nhi->n", g.oa, _dot(out_a, out_a, "nhd,nid->nhi"))
+  vo_b = jnp.einsum("nhi,nhi->n", g.ob, _dot(out_b, out_b, "nhd,nid->nhi"))
   return (_features._distance(stats.logits_a, stats.logits_b, stats.logits, "frobenius")
           + _features._distance(vo_a, vo_b, vo_cross, "frobenius"))
-
-
-def _problems(stats: SiteStats, perm: jax.Array) -> tuple[_stage2.Problem, tuple]:
-  """The QK problem [K] (``_stage2.Problem``) and the VO least squares (S, C) [K, H, H] once
-  B's heads are permuted by ``perm``."""
-  n, k = stats.q.shape[0], stats.k.shape[0]
-  rep = n // k
-  sigma = perm[::rep] // rep
-  heads, groups = jnp.arange(n), jnp.arange(k)
-  per_group = lambda x: x.reshape(k, rep, *x.shape[1:]).sum(1)
-  t = lambda x: jnp.swapaxes(x, -1, -2)
-  tr = lambda x: jnp.trace(x, axis1=-2, axis2=-1)
-  qk = _stage2.Problem(per_group(stats.qb[perm]), per_group(t(stats.q[heads, perm])),
-                       per_group(tr(stats.qa)), stats.kb[sigma], t(stats.k[groups, sigma]),
-                       tr(stats.ka))
-  vo = (stats.vb[sigma] + per_group(stats.zb[perm]),
-        t(stats.v[groups, sigma]) + per_group(t(stats.z[heads, perm])))
-  return qk, vo
 
 
 def _value_matrices(s: jax.Array, c: jax.Array, fallback: jax.Array) -> jax.Array:
@@ -307,7 +277,10 @@ def _solve_site(stats: SiteStats, out_a, out_b, site: spec_lib.AttentionSite, *,
   """Stage 1 and Stage 2 of one site (module docstring); (element, the most Gauss-Newton
   iterations of its QK problems)."""
   perm = _assignment.assign_heads(_head_cost(stats, out_a, out_b), site.kv_heads)
-  qk, (s_vo, c_vo) = _problems(stats, perm)
+  # Stage 2's problems of the weight method, with activation Grams: QK's as they are; VO's two
+  # terms both move by B here (values and heads' outputs), so they are one least squares.
+  qk, vo = _stage2.pair_problems(stats.grams, perm)
+  s_vo, c_vo = vo.s1 + vo.s2, vo.c1 + vo.c2
   rope = site if site.group == "rope" else None
   qk_start, vo_start = _stage2.procrustes(qk.c1 + qk.c2, c_vo, rope)
   constrained = jnp.ones((), bool)

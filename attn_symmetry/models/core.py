@@ -38,6 +38,7 @@ from attn_symmetry import tasks
 from attn_symmetry.models.config import Config
 
 Axes = dict[str, tuple[str | None, ...]]
+RESIDUAL = "residual"  # the name of the residual stream's factor in every family's spec
 
 ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -384,7 +385,7 @@ def core_spec(cfg: Config) -> SpecBuilder:
                                 group="rope" if cfg.rotary else "gl",
                                 rope_pairing=cfg.rope_pairing,
                                 rotary_fraction=cfg.rotary_fraction, rope_axes=cfg.rope_axes)
-  spec = SpecBuilder(cfg, "residual" if residual_factor(cfg) is not None else None)
+  spec = SpecBuilder(cfg, RESIDUAL if residual_factor(cfg) is not None else None)
   r, axes = spec.r, spec.axes
   for i in range(cfg.depth):
     lp, f = f"layers_{i}", f"layers_{i}/mlp"

@@ -175,7 +175,7 @@ class Model:
     self.check_params(params)
     module = nnx.merge(self._graphdef, params)
     out: dict[str, jax.Array] = {}
-    r = next((f for f in self.spec.factors if f == "residual"), None)
+    r = core.RESIDUAL if core.RESIDUAL in self.spec.factors else None
     stream = lambda name, x: out.update({f"{r}:{name}": x} if r else {})
     final = []
 
@@ -195,6 +195,11 @@ class Model:
       x = final[0] if module.final_norm is None else module.final_norm(final[0])
       out.update(self._head_activations(module, x))
     return out
+
+  def batch_activations(self, params: Params, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """``activations`` of a data batch: its ``input_key`` entry, with its "mask" where it has
+    one. One function per model (a bound method), so that matching compiles it once."""
+    return self.activations(params, batch[self.input_key], mask=batch.get("mask"))
 
   @functools.cached_property
   def _layer_graphdef(self) -> nnx.GraphDef:
