@@ -8,12 +8,14 @@ for every built-in family). From both models' activations on every batch, sums
 of products are accumulated (one batch at a time, never holding two batches),
 and each name in scope is then solved from its own statistics:
 
+* every entry of a factor (one point of the stream, say) is, per batch, centred and scaled
+  to unit root mean square (``_standardised``), so that no point outweighs another by its
+  size or offset (the stream grows along the layers); the rows of all entries are pooled;
 * a permutation factor P (FFN hidden units, a LayerNorm residual stream, a
-  head's units): with c[i, j] the correlation of A's unit i and B's unit j,
-  pooled over every entry of the factor (every token, every point of the stream),
-  P maximises sum_i c[i, P(i)]: the exact linear assignment on -c;
+  head's units): with c[i, j] the correlation of A's unit i and B's unit j over the
+  pooled rows, P maximises sum_i c[i, P(i)]: the exact linear assignment on -c;
 * an orthogonal factor O (an RMSNorm residual stream): min_O sum ||X_B O - X_A||^2 over
-  every point of the stream, O = polar(sum X_B^T X_A) (orthogonal Procrustes). The norm
+  the pooled rows, O = polar(sum X_B^T X_A) (orthogonal Procrustes). The norm
   scales do not enter the stream, so the element acts on both models with their scales
   folded (``group_action.fold_norm_scales``, info["folded_norm_scales"]), as the weight
   method's does;
@@ -36,9 +38,13 @@ and each name in scope is then solved from its own statistics:
     of the Procrustes solution and both one-sided least-squares solutions, refined by
     Gauss-Newton with its guards (iterates that are not finite, or whose condition bound
     exceeds ``_stage2.max_condition``, are rejected). VO, B in GL(H) minimising
-    ||V_B B - V_A||^2 + ||Z_B B - Z_A||^2 (values and the heads' outputs both move by B),
-    in closed form B = S^{-1} C; if that is not finite or its condition bound exceeds
-    ``max_condition``, the orthogonal Procrustes solution polar(C) is taken.
+    ||V_B B - V_A||^2 + ||Z_B B - Z_A||^2 (values and the heads' outputs both move by B)
+    among the maps that carry B's Gram S_B of these rows onto A's S_A (B^T S_B B = S_A):
+    B = S_B^{-1/2} polar(S_B^{-1/2} C S_A^{1/2}) S_A^{1/2}, C = X_B^T X_A. On a planted pair
+    this is the exact least-squares solution; on others the unconstrained least squares
+    S_B^{-1} C shrinks B where the two models' values correlate weakly, and B^{-1} then
+    inflates B's W^O. If B is not finite or its condition bound exceeds ``max_condition``,
+    the orthogonal Procrustes solution polar(C) is taken.
 
 The element is assembled as the weight method's (``group_action.identity_model`` with
 the names in scope replaced): always an exact group element; what it brings B to is B's
@@ -160,10 +166,22 @@ def _dot(x, y, spec):
   return jnp.einsum(spec, x, y, precision=_features.HIGHEST)
 
 
+def _standardised(x: jax.Array) -> jax.Array:
+  """One entry's rows [R, n], centred (each unit's mean over the rows) and scaled to unit
+  root mean square over all of them (1 where that is 0): no point of the stream outweighs
+  another by its size or its offset. Both commute with a permutation or an orthogonal map of
+  the units."""
+  x = _rows(x)
+  x = x - jnp.mean(x, axis=0)
+  rms = jnp.sqrt(jnp.mean(x * x))
+  return x / jnp.where(rms > 0, rms, 1)
+
+
 def _factor_stats(kind: str, units_a: list[jax.Array], units_b: list[jax.Array]):
-  """One batch's statistics of one factor, from its entries (pooled)."""
-  a = jnp.concatenate([_rows(x) for x in units_a])
-  b = jnp.concatenate([_rows(x) for x in units_b])
+  """One batch's statistics of one factor, from its entries (each ``_standardised``, then
+  pooled)."""
+  a = jnp.concatenate([_standardised(x) for x in units_a])
+  b = jnp.concatenate([_standardised(x) for x in units_b])
   if kind == "orthogonal":
     return _dot(b, a, "ti,tj->ij")  # X_B^T X_A
   return PermutationStats(jnp.asarray(a.shape[0], a.dtype), a.sum(0), b.sum(0), (a * a).sum(0),
@@ -259,16 +277,25 @@ def _head_cost(stats: SiteStats, out_a: jax.Array, out_b: jax.Array) -> jax.Arra
           + _features._distance(vo_a, vo_b, vo_cross, "frobenius"))
 
 
-def _value_matrices(s: jax.Array, c: jax.Array, fallback: jax.Array) -> jax.Array:
-  """B = S^{-1} C per kv group [K, H, H], or ``fallback`` where B is not finite or its
-  condition bound ||B|| ||B^{-1}|| exceeds ``_stage2.max_condition``."""
-  eye = jnp.eye(s.shape[-1], dtype=s.dtype)
-  ridge = jax.vmap(_stage2._ridge)(s)[:, None, None] * eye
-  solved = jnp.linalg.solve(_stage2.sequenced(s + ridge, fallback), c)
-  inverse = jnp.linalg.inv(_stage2.sequenced(solved, solved))
-  bound = jnp.linalg.norm(solved, axis=(-2, -1)) * jnp.linalg.norm(inverse, axis=(-2, -1))
-  ok = (jnp.all(jnp.isfinite(solved), axis=(-2, -1)) & jnp.all(jnp.isfinite(inverse), axis=(-2, -1))
-        & (bound <= _stage2.max_condition(s.dtype)))
+def _value_matrices(s_b: jax.Array, s_a: jax.Array, c: jax.Array, fallback: jax.Array
+                    ) -> jax.Array:
+  """B [K, H, H] minimising ||X_B B - X_A||^2 among the maps that carry B's Gram S_B = X_B^T
+  X_B onto A's S_A (B^T S_B B = S_A): B = S_B^{-1/2} polar(S_B^{-1/2} C S_A^{1/2}) S_A^{1/2},
+  C = X_B^T X_A (module docstring); ``fallback`` where B is not finite or its condition bound
+  ||B|| ||B^{-1}|| exceeds ``_stage2.max_condition``."""
+  ridge = lambda x: x + jax.vmap(_stage2._ridge)(x)[:, None, None] * jnp.eye(x.shape[-1],
+                                                                                dtype=x.dtype)
+  d, u = jnp.linalg.eigh(_stage2.sequenced(jnp.stack([ridge(s_b), ridge(s_a)]), fallback))
+  root = jnp.sqrt(jnp.maximum(d, jnp.finfo(d.dtype).tiny))[..., None, :]
+  t = lambda x: jnp.swapaxes(x, -1, -2)
+  power = lambda sign: jnp.matmul(u * root ** sign, t(u), precision=_features.HIGHEST)
+  half, inverse_half = power(1), power(-1)  # [2, K, H, H]: B's, then A's
+  mm = lambda *xs: functools.reduce(lambda x, y: jnp.matmul(x, y, precision=_features.HIGHEST),
+                                    xs)
+  q = _stage2.polar(mm(inverse_half[0], c, half[1]))
+  solved, its_inverse = mm(inverse_half[0], q, half[1]), mm(inverse_half[1], t(q), half[0])
+  bound = jnp.linalg.norm(solved, axis=(-2, -1)) * jnp.linalg.norm(its_inverse, axis=(-2, -1))
+  ok = jnp.all(jnp.isfinite(solved), axis=(-2, -1)) & (bound <= _stage2.max_condition(c.dtype))
   return jnp.where(ok[:, None, None], solved, fallback)
 
 
@@ -279,8 +306,11 @@ def _solve_site(stats: SiteStats, out_a, out_b, site: spec_lib.AttentionSite, *,
   perm = _assignment.assign_heads(_head_cost(stats, out_a, out_b), site.kv_heads)
   # Stage 2's problems of the weight method, with activation Grams: QK's as they are; VO's two
   # terms both move by B here (values and heads' outputs), so they are one least squares.
-  qk, vo = _stage2.pair_problems(stats.grams, perm)
+  g = stats.grams
+  qk, vo = _stage2.pair_problems(g, perm)
   s_vo, c_vo = vo.s1 + vo.s2, vo.c1 + vo.c2
+  k = site.kv_heads
+  s_a = g.va + g.oa.reshape(k, -1, *g.oa.shape[1:]).sum(1)  # A's Gram of the same rows
   rope = site if site.group == "rope" else None
   qk_start, vo_start = _stage2.procrustes(qk.c1 + qk.c2, c_vo, rope)
   constrained = jnp.ones((), bool)
@@ -291,7 +321,7 @@ def _solve_site(stats: SiteStats, out_a, out_b, site: spec_lib.AttentionSite, *,
     return _stage2.gauss_newton(m, p, constrained, rope, steps=steps)
 
   qk_m, taken = jax.vmap(refine)(qk, qk_start)
-  vo_m = _value_matrices(_stage2.sequenced(s_vo, qk_m), c_vo, _stage2.sequenced(vo_start, qk_m))
+  vo_m = _value_matrices(s_vo, s_a, c_vo, _stage2.sequenced(vo_start, qk_m))
   return group_action.AttentionElement(perm.astype(jnp.int32), qk_m, vo_m), jnp.max(taken)
 
 
