@@ -701,11 +701,10 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
                            solver=o.solver)
   if o.refine not in REFINES:
     raise ValueError(f"refine must be one of {REFINES}, got {o.refine!r}")
-  for option in _options.OPTIONS:
-    if option.name in ("learn_init", "learn_lam_band") and (
-        getattr(o, option.name) not in option.range):
-      raise ValueError(f"{option.name} must {option.range.says}, got "
-                       f"{getattr(o, option.name)!r}")
+  for option in (o_ for o_ in _options.OPTIONS if o_.name in ("learn_init", "learn_lam_band")):
+    value = getattr(o, option.name)
+    if value not in option.range:
+      raise ValueError(f"{option.name} must {option.range.says}, got {value!r}")
   _check_model_pair(spec, params_a, params_b)
   names = active_names(spec, scope)
   descent = dict(distance=o.distance, max_rounds=o.max_rounds, init=o.init, refine=o.refine,
