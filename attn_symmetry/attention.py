@@ -232,6 +232,54 @@ def _dense(params: Params, x: jax.Array, spec: str) -> jax.Array:
   return y
 
 
+def attention_heads(params: Params, x: jax.Array, *, pos_encoding: str = "none",
+                    rope_pairing: str = "half", rope_base: float = 10000.0,
+                    rotary_fraction: float = 1.0, causal: bool = False,
+                    positions: jax.Array | None = None, mask: jax.Array | None = None
+                    ) -> dict[str, jax.Array]:
+  """Self-attention up to the output projection, per head (``multi_head_attention``'s
+  arguments).
+
+  Returns:
+    {"q": queries [B, T, N, H], "k": keys [B, T, K, H] (both after RoPE, as the logits read
+    them), "v": values [B, T, K, H], "heads": the heads' outputs before the output projection
+    z_{m,n} = sum_t softmax_t(q_{m,n} k_{t,k(n)}^T / sqrt(H)) v_{t,k(n)}, [B, T, N, H]}.
+  """
+  if pos_encoding not in POS_ENCODINGS:
+    raise ValueError(f"pos_encoding must be one of {POS_ENCODINGS}, got {pos_encoding!r}")
+  _, n, k, h = attention_shapes(params)
+  if n % k:
+    raise ValueError(f"num_heads {n} is not a multiple of num_kv_heads {k}")
+  g = n // k
+  b, t, _ = x.shape
+  q = _dense(params["query"], x, "btd,dnh->btnh")
+  key = _dense(params["key"], x, "btd,dkh->btkh")
+  v = _dense(params["value"], x, "btd,dkh->btkh")
+  if pos_encoding == "rope":
+    if positions is None:
+      positions = jnp.arange(t)
+    positions = jnp.asarray(positions)
+    rope = dict(pairing=rope_pairing, base=rope_base, rotary_fraction=rotary_fraction)
+    q = apply_rope(q, positions, **rope)
+    key = apply_rope(key, positions, **rope)
+  logits = jnp.einsum("btkgh,bskh->bkgts", q.reshape(b, t, k, g, h), key) / math.sqrt(h)
+  allowed = jnp.ones((t, t), bool)
+  if causal:
+    allowed = jnp.tril(allowed)
+  allowed = jnp.broadcast_to(allowed, (b, 1, 1, t, t))
+  if mask is not None:
+    allowed = allowed & jnp.asarray(mask, bool)[:, None, None, None, :]
+  logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
+  weights = jax.nn.softmax(logits, axis=-1)
+  heads = jnp.einsum("bkgts,bskh->btkgh", weights, v).reshape(b, t, n, h)
+  return {"q": q, "k": key, "v": v, "heads": heads}
+
+
+def output_projection(params: Params, heads: jax.Array) -> jax.Array:
+  """The heads' outputs [B, T, N, H] through the output projection: [B, T, D]."""
+  return _dense(params["out"], heads, "btnh,nhd->btd")
+
+
 def multi_head_attention(params: Params, x: jax.Array, *, pos_encoding: str = "none",
                          rope_pairing: str = "half", rope_base: float = 10000.0,
                          rotary_fraction: float = 1.0, causal: bool = False,
@@ -257,35 +305,10 @@ def multi_head_attention(params: Params, x: jax.Array, *, pos_encoding: str = "n
   Returns:
     [B, T, D] output, dtype of x.
   """
-  if pos_encoding not in POS_ENCODINGS:
-    raise ValueError(f"pos_encoding must be one of {POS_ENCODINGS}, got {pos_encoding!r}")
-  _, n, k, h = attention_shapes(params)
-  if n % k:
-    raise ValueError(f"num_heads {n} is not a multiple of num_kv_heads {k}")
-  g = n // k
-  b, t, _ = x.shape
-  q = _dense(params["query"], x, "btd,dnh->btnh")
-  key = _dense(params["key"], x, "btd,dkh->btkh")
-  v = _dense(params["value"], x, "btd,dkh->btkh")
-  if pos_encoding == "rope":
-    if positions is None:
-      positions = jnp.arange(t)
-    positions = jnp.asarray(positions)
-    rope = dict(pairing=rope_pairing, base=rope_base, rotary_fraction=rotary_fraction)
-    q = apply_rope(q, positions, **rope)
-    key = apply_rope(key, positions, **rope)
-  q = q.reshape(b, t, k, g, h)
-  logits = jnp.einsum("btkgh,bskh->bkgts", q, key) / math.sqrt(h)
-  allowed = jnp.ones((t, t), bool)
-  if causal:
-    allowed = jnp.tril(allowed)
-  allowed = jnp.broadcast_to(allowed, (b, 1, 1, t, t))
-  if mask is not None:
-    allowed = allowed & jnp.asarray(mask, bool)[:, None, None, None, :]
-  logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
-  weights = jax.nn.softmax(logits, axis=-1)
-  heads = jnp.einsum("bkgts,bskh->btkgh", weights, v).reshape(b, t, n, h)
-  return _dense(params["out"], heads, "btnh,nhd->btd")
+  taps = attention_heads(params, x, pos_encoding=pos_encoding, rope_pairing=rope_pairing,
+                         rope_base=rope_base, rotary_fraction=rotary_fraction, causal=causal,
+                         positions=positions, mask=mask)
+  return output_projection(params, taps["heads"])
 
 
 def init_attention(key: jax.Array, *, width: int, num_heads: int, head_dim: int,

@@ -1,9 +1,10 @@
-"""Weight matching: the group element that brings model B closest to model A.
+"""Weight and activation matching: the group element that brings model B closest to model A.
 
 docs/matching.md. Attention layers are matched in two stages (heads by a
 linear assignment on invariant features, then the per-head QK matrix in GL(H)
 or H(H) and VO matrix in GL(H)); FFN hidden units and the residual stream by
-Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.
+Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``, or, for the
+method "activation", every factor and site from the two models' activations.
 
   match_attention             one attention layer or a layer stack.
   match_attention_exhaustive  Stage 2 after every head permutation (ablation).
@@ -16,6 +17,9 @@ Weight Matching (Ainsworth et al. 2023) over a model's ``SymmetrySpec``.
                               range (``AtLeast``, ``Positive``, ``OneOf``, ``SomeOf``) and which
                               methods read it; ``OPTIONS`` its rows (``Option``). The align
                               command's flags and the study's config fields are generated from it.
+  ACTIVATION_KEYS             the contract of the "activation" method's activations(params, batch):
+                              the keys, by the spec's names, and their shapes.
+  LEARN_INITS                 the starts of "learned" (option ``learn_init``).
   linear_assignment           exact LAP, batched and jittable (an auction in JAX; optax's Hungarian
                               algorithm below 512 rows on CPU).
 
@@ -35,7 +39,13 @@ stages of one computation, and ``align_model`` compiles one program for the thre
 (called with equal options: those of "full"). "learned" (``align_model`` only)
 starts from "full" and trains the factors in scope that ``factors`` names (QK
 and VO matrices, head and FFN permutations, the residual factor; all by
-default) on the task loss of the interpolated model (``learn_alignment``). ``METHODS``
+default) on the task loss of the interpolated model (``learn_alignment``); ``learn_init``
+("full" or "activation") picks its start and ``learn_lam_band`` a band of lambda around
+1/2. "activation" (``align_model`` only) decides every factor and site from the two
+models' activations on ``match_batches`` (``activations(params, batch)``, keyed as
+``ACTIVATION_KEYS`` says; ``Model.activations`` for the built-in families): correlations
+and the exact assignment for permutations, Procrustes for an orthogonal residual, and per
+site Stage 1 on the heads' logits and outputs and Stage 2 by least squares. ``METHODS``
 maps every name to its ``Method`` (the options it reads: ``MatchOptions`` says which for
 the built-in methods), with the methods registered by ``register_method``
 (docs/extending.md).
@@ -46,6 +56,7 @@ float32 (float32 and float64 parameters are matched in their own dtype);
 Everything is jitted end to end, with no host callback, and imports jax, numpy and optax only.
 """
 
+from attn_symmetry.matching._activation import ACTIVATION_KEYS
 from attn_symmetry.matching._assignment import head_permutations
 from attn_symmetry.matching._assignment import linear_assignment
 from attn_symmetry.matching._attention import DEFAULT_LEARNING_RATE
@@ -65,6 +76,7 @@ from attn_symmetry.matching._methods import METHODS
 from attn_symmetry.matching._methods import Method
 from attn_symmetry.matching._methods import register_method
 from attn_symmetry.matching._options import DEFAULT_MAX_ROUNDS
+from attn_symmetry.matching._options import LEARN_INITS
 from attn_symmetry.matching._options import OPTIONS
 from attn_symmetry.matching._options import REFINES
 from attn_symmetry.matching._options import AtLeast

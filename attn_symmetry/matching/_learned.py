@@ -13,7 +13,8 @@ trained on the task loss of the interpolated model,
 
     L(g_c; lambda, batch) = loss_fn((1 - lambda) theta_A + lambda (g_c . g0 . theta_B), batch),
 
-lambda fixed (1/2 by default) or drawn from U(0, 1) at every step.
+lambda fixed (1/2 by default), drawn from a band U(lambda - w, lambda + w) around it
+(``lam_band`` w; Theus et al. draw U(0.4, 0.6)) or from U(0, 1) at every step.
 g0 . theta_B is computed once. ``factors`` (``_correction.FACTORS``, all that
 the scope has by default) chooses what g_c trains: "attention" (per kv group
 A_k = A0_k (I + D^QK_k), B_k = B0_k (I + D^VO_k), D by Adam from zero; the
@@ -102,7 +103,8 @@ UNIFORM = "uniform"  # ``lam`` value: lambda ~ U(0, 1) at every step
 UNIFORM_HOLDOUT_LAMBDAS = (0.25, 0.5, 0.75)
 EVALUATIONS = 10  # held-out evaluations per run when ``eval_every`` is not given
 # and their defaults; factors None: every factor of ``_correction.FACTORS`` that the scope has
-OPTIONS = {"factors": None, "lam": 0.5, "key": None, "eval_every": None, "progress": None}
+OPTIONS = {"factors": None, "lam": 0.5, "lam_band": 0.0, "key": None, "eval_every": None,
+           "progress": None}
 
 Params = dict[str, Any]
 LossFn = Callable[[Params, Any], jax.Array]
@@ -113,7 +115,8 @@ log = logging.getLogger(__name__)
 
 
 def check_options(*, loss_fn: Any, batches: Any, holdout_batches: Any, steps: Any,
-                  learning_rate: Any, lam: Any, key: Any, eval_every: Any, progress: Any) -> None:
+                  learning_rate: Any, lam: Any, key: Any, eval_every: Any, progress: Any,
+                  lam_band: Any = 0.0) -> None:
   """ValueError naming the argument that cannot work (before any computation)."""
   if not callable(loss_fn):
     raise ValueError("method 'learned' needs loss_fn(params, batch) -> scalar, a pure JAX loss; "
@@ -135,6 +138,19 @@ def check_options(*, loss_fn: Any, batches: Any, holdout_batches: Any, steps: An
       raise ValueError("lam='uniform' draws lambda at random: pass key, a jax.random key")
   elif not (isinstance(lam, (int, float, np.floating)) and 0 < lam <= 1):
     raise ValueError(f"lam must be a number in (0, 1] or {UNIFORM!r}, got {lam!r}")
+  if not (isinstance(lam_band, (int, float, np.integer, np.floating))
+          and not isinstance(lam_band, bool) and lam_band >= 0):
+    raise ValueError(f"lam_band must be a number >= 0, got {lam_band!r}")
+  if lam_band:
+    if lam == UNIFORM:
+      raise ValueError("lam_band draws lambda around a fixed lam; lam='uniform' draws it from "
+                       "U(0, 1) already: pass one of them")
+    if not 0 < lam - lam_band < lam + lam_band <= 1:
+      raise ValueError(f"the band of lambda [lam - lam_band, lam + lam_band] = "
+                       f"[{lam - lam_band:g}, {lam + lam_band:g}] must lie in (0, 1]: "
+                       "(learn_lam_band below 50 for lam 1/2)")
+    if key is None:
+      raise ValueError("lam_band > 0 draws lambda at random: pass key, a jax.random key")
   if eval_every is not None and (not isinstance(eval_every, (int, np.integer)) or eval_every < 1):
     raise ValueError(f"eval_every must be a positive integer or None, got {eval_every!r}")
   if progress is not None and not callable(progress):
@@ -172,11 +188,15 @@ class _State(NamedTuple):
 
 def _step(state: _State, data: _Data, batch: Any, key: jax.Array, step: jax.Array,
           learning_rate: jax.Array, lam: jax.Array, limit: jax.Array, *, loss_fn: LossFn,
-          plan: _correction.Plan, uniform: bool) -> tuple[_State, jax.Array, jax.Array]:
+          plan: _correction.Plan, uniform: bool, band: float
+          ) -> tuple[_State, jax.Array, jax.Array]:
   """One guarded optimiser step on the interpolated loss (module docstring); (state, loss,
   skipped)."""
   if uniform:
     lam = jax.random.uniform(jax.random.fold_in(key, step), (), lam.dtype)
+  elif band:
+    lam = jax.random.uniform(jax.random.fold_in(key, step), (), lam.dtype, lam - band,
+                             lam + band)
   objective = lambda q: loss_fn(_interpolate(q, data, lam, plan), batch)
   loss, grad = jax.value_and_grad(objective)(state.params)
   updates, opt_state = _correction.optimizer(learning_rate).update(grad, state.opt_state,
@@ -204,7 +224,7 @@ def _loss(params: Params, batch: Any, *, loss_fn: LossFn) -> jax.Array:
   return loss_fn(params, batch)
 
 
-_step_jit = jax.jit(_step, static_argnames=("loss_fn", "plan", "uniform"))
+_step_jit = jax.jit(_step, static_argnames=("loss_fn", "plan", "uniform", "band"))
 _holdout_jit = jax.jit(_holdout, static_argnames=("loss_fn", "plan"))
 _loss_jit = jax.jit(_loss, static_argnames="loss_fn")
 
@@ -292,7 +312,8 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
                     loss_fn: LossFn, batches: Iterable[Any], holdout_batches: Sequence[Any],
                     steps: int, learning_rate: float,
                     factors: str | Sequence[str] | None = OPTIONS["factors"],
-                    lam: float | str = OPTIONS["lam"], key: jax.Array | None = None,
+                    lam: float | str = OPTIONS["lam"], lam_band: float = OPTIONS["lam_band"],
+                    key: jax.Array | None = None,
                     eval_every: int | None = None,
                     progress: Callable[[dict[str, Any]], None] | None = None
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -324,7 +345,10 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
       None: every one that ``names`` holds.
     lam: the interpolation weight lambda of B in (0, 1], or "uniform" (drawn
       at every step from ``key``).
-    key: jax.random key, needed for lam="uniform".
+    lam_band: w >= 0: with w > 0, lambda is drawn at every step from
+      U(lam - w, lam + w) (from ``key``; Theus et al. draw U(0.4, 0.6)), which must lie in
+      (0, 1]; the held-out evaluation stays at ``lam``. 0: lambda = lam at every step.
+    key: jax.random key, needed for lam="uniform" and lam_band > 0.
     eval_every: steps between held-out evaluations (default: steps / 10).
     progress: called at every held-out evaluation with {"step", "steps",
       "train_loss" (mean since the last call), "holdout_loss",
@@ -351,7 +375,7 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
   """
   check_options(loss_fn=loss_fn, batches=batches, holdout_batches=holdout_batches, steps=steps,
                 learning_rate=learning_rate, lam=lam, key=key, eval_every=eval_every,
-                progress=progress)
+                progress=progress, lam_band=lam_band)
   element, info = start
   unknown = [n for n in names if n not in spec.factors and n not in spec.attention]
   if unknown:
@@ -416,7 +440,7 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
                        f"first had {signature[1]}: learned alignment compiles one step for one "
                        "batch shape (drop or pad the remainder)")
     state, loss, skip = _step_jit(state, data, batch, key, jnp.int32(i), loss_fn=loss_fn,
-                                  plan=plan, uniform=uniform, **options)
+                                  plan=plan, uniform=uniform, band=float(lam_band), **options)
     losses.append(loss)
     skipped, taken = skipped + skip, i + 1
     if taken % eval_every == 0 or taken == steps:
@@ -442,16 +466,19 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
                      "holdout": {"initial": initial, "final": final, "best": best_value},
                      "best_step": best_step, "lambda": lam, "function_check": check,
                      "seconds": time.perf_counter() - begin}
+  if lam_band:
+    info["learned"]["lambda_band"] = lam_band
   return element, info
 
 
 def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
-          full: Callable[[], tuple[dict[str, Any], dict[str, Any]]], *, names: Sequence[str],
+          start: Callable[[], tuple[dict[str, Any], dict[str, Any]]], *, names: Sequence[str],
           loss_fn: LossFn | None, batches: Iterable[Any] | None,
           holdout_batches: Sequence[Any] | None, steps: int, learning_rate: float,
           **options) -> tuple[dict[str, Any], dict[str, Any]]:
-  """``align_model(method="learned")``: checks every option, then runs ``full()`` (the
-  full method's (element, info)) and ``learn_alignment`` from it.
+  """``align_model(method="learned")``: checks every option, then runs ``start()`` (the
+  (element, info) of the method chosen by ``learn_init``: "full" or "activation") and
+  ``learn_alignment`` from it.
 
   ``options``: those of ``learn_alignment`` after ``learning_rate`` (``OPTIONS``).
   """
@@ -463,4 +490,4 @@ def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
                  holdout_batches=holdout_batches, steps=steps, learning_rate=learning_rate)
   check_options(**{k: v for k, v in options.items() if k != "factors"})
   _correction.resolve(spec, names, options["factors"])
-  return learn_alignment(spec, params_a, params_b, full(), names=names, **options)
+  return learn_alignment(spec, params_a, params_b, start(), names=names, **options)

@@ -6,7 +6,7 @@ result is recomputed when one of them changes and only then; for a built-in
 method, the table ``MatchOptions`` says which) and, for a method registered
 from outside the package (``register_method``), the function that computes
 its element. The built-in methods ("naive", "perm", "ortho", "full",
-"learned") run inside ``align_model``.
+"learned", "activation") run inside ``align_model``.
 """
 
 from __future__ import annotations

@@ -83,6 +83,7 @@ import numpy as np
 
 from attn_symmetry import group_action
 from attn_symmetry import spec as spec_lib
+from attn_symmetry.matching import _activation
 from attn_symmetry.matching import _assignment
 from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _features
@@ -90,6 +91,7 @@ from attn_symmetry.matching import _learned
 from attn_symmetry.matching import _methods
 from attn_symmetry.matching import _options
 from attn_symmetry.matching import _stage2
+from attn_symmetry.matching import _static
 
 DEFAULT_MAX_ROUNDS = _options.DEFAULT_MAX_ROUNDS
 REFINES = _options.REFINES  # when "full" refines the attention matrices (module docstring)
@@ -506,22 +508,6 @@ def _distance(spec: spec_lib.SymmetrySpec, plan: list[_Step], flat_a, flat_b, el
   return sum(jnp.sum((a - act(p)) ** 2) for p, a in flat_a.items())
 
 
-class _StaticSpec:
-  """A spec as a static jit argument: hashed and compared by its content."""
-
-  def __init__(self, spec: spec_lib.SymmetrySpec):
-    self.spec = spec
-    self._key = (tuple(spec.factors.items()), tuple(spec.axes.items()),
-                 tuple(spec.attention.items()),
-                 tuple((k, tuple(v)) for k, v in spec.norm_scales.items()))
-
-  def __hash__(self):
-    return hash(self._key)
-
-  def __eq__(self, other):
-    return isinstance(other, _StaticSpec) and self._key == other._key
-
-
 def _align_core(flat_a, flat_b, learning_rate, stage, active, distance, *, spec, steps, max_rounds,
                 init, refine, solver):
   """The descent of ``align_model`` for the method of index ``stage`` into ``_attention.STAGES``
@@ -625,7 +611,7 @@ def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps
   element, info = _align_jit(flat_a, flat_b, jnp.asarray(learning_rate, dtype),
                              jnp.int32(_attention.STAGES.index(method)), active,
                              jnp.int32(_features.DISTANCES.index(distance)),
-                             spec=_StaticSpec(spec), steps=int(steps),
+                             spec=_static.StaticSpec(spec), steps=int(steps),
                              max_rounds=int(max_rounds), init=init, refine=refine, solver=solver)
   if method != "full":  # what only "full" does (refines) and reports
     del info["refinement_steps"]
@@ -638,6 +624,8 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
                 scope: str | Sequence[str] | None = None, method: str = "full",
                 loss_fn: Callable[[Params, Any], Any] | None = None,
                 batches: Iterable[Any] | None = None, holdout_batches: Sequence[Any] | None = None,
+                activations: Callable[[Params, Any], dict[str, Any]] | None = None,
+                match_batches: Sequence[Any] | None = None,
                 **learned_options) -> tuple[dict[str, Any], dict[str, Any]]:
   """Aligns model B to model A: every factor and attention site of ``spec`` in scope.
 
@@ -657,7 +645,10 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       ``steps`` and ``learning_rate`` are those of the training; ``factors``
       chooses what is trained), or a
       method of ``register_method``: its ``align`` is called with ``scope``
-      and the options it names (``matching.METHODS[method].options``).
+      and the options it names (``matching.METHODS[method].options``), or
+      "activation": every factor and site decided from the two models'
+      ``activations`` on ``match_batches`` (``_activation``; ``steps``: the most
+      Gauss-Newton iterations of its QK problems).
     **matching options: one keyword argument per field of ``MatchOptions``, which holds
       each one's default, doc and range (this signature is generated from it):
     distance, steps, learning_rate, init, solver: attention matching options
@@ -672,8 +663,15 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       "heads" (head permutations), "ffn" (FFN unit permutations), "residual"
       (the residual stream's factor); None (default) every one that the
       scope has. A factor the scope has no symmetry for is a ValueError.
+    learn_init, learn_lam_band: for "learned": its start ("full" or "activation") and the
+      half-width, in hundredths, of the band around ``lam`` that lambda is drawn from at
+      every step (0: lambda fixed).
     loss_fn, batches, holdout_batches, **learned_options: for "learned" only
       (``learn_alignment``; learned_options: lam, key, eval_every, progress).
+    activations, match_batches: for "activation", and "learned" from it:
+      ``activations(params, batch) -> {key: array}`` keyed by the spec's names
+      (``matching.ACTIVATION_KEYS``; ``Model.activations``), pure and jittable, and the
+      non-empty list of batches it reads (one at a time).
 
   Returns:
     (element, info): a model element for ``group_action.apply_model(spec,
@@ -688,12 +686,14 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     descent; info["rounds"] the rounds run; for "full",
     info["refinement_steps"] the most iterations one refinement took; for
     "learned", info["learned"]
-    (``learn_alignment``).
+    (``learn_alignment``); for "activation", info["batches"], info["samples"] and
+    info["refinement_steps"] (``_activation.align``).
 
   Raises:
     ValueError: before any computation, naming the leaf or option, if the
       parameters do not fit the spec or each other, hold NaN or Inf, a scope
-      prefix matches nothing, or an option is unknown.
+      prefix matches nothing, or an option is unknown; for "activation", naming the key,
+      when the activations lack what a name in scope needs or are not finite.
   """
   o = _options.MatchOptions(**{k: learned_options.pop(k) for k in _options.NAMES
                                 if k in learned_options})
@@ -701,25 +701,51 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
                            solver=o.solver)
   if o.refine not in REFINES:
     raise ValueError(f"refine must be one of {REFINES}, got {o.refine!r}")
+  for option in (o_ for o_ in _options.OPTIONS if o_.name in ("learn_init", "learn_lam_band")):
+    value = getattr(o, option.name)
+    if value not in option.range:
+      raise ValueError(f"{option.name} must {option.range.says}, got {value!r}")
   _check_model_pair(spec, params_a, params_b)
   names = active_names(spec, scope)
   descent = dict(distance=o.distance, max_rounds=o.max_rounds, init=o.init, refine=o.refine,
                  solver=o.solver)
-  if method == "learned":  # "full" at its default steps and learning rate, then training
-    full = functools.partial(_weight_matching, spec, params_a, params_b, names=names,
-                             method="full", steps=_options.DEFAULTS["steps"],
-                             learning_rate=_options.DEFAULTS["learning_rate"], **descent)
-    return _learned.align(spec, params_a, params_b, full, names=names, loss_fn=loss_fn,
-                          batches=batches, holdout_batches=holdout_batches, steps=o.steps,
-                          learning_rate=o.learning_rate, factors=o.factors, **learned_options)
+  if "lam_band" in learned_options:
+    raise ValueError("the band of lambda is the matching option learn_lam_band (hundredths), "
+                     "not lam_band")
   registered = _methods.METHODS[method]
-  learned_only = [n for n, v in (("loss_fn", loss_fn), ("batches", batches),
-                                 ("holdout_batches", holdout_batches)) if v is not None]
-  if o.factors is not None and "factors" not in registered.options:
-    learned_only.append("factors")
-  if learned_only or learned_options:
-    raise ValueError(f"{learned_only + sorted(learned_options)} are options of method "
-                     f"'learned' only, not of {method!r}")
+  if method != "learned":
+    learned_only = [n for n, v in (("loss_fn", loss_fn), ("batches", batches),
+                                   ("holdout_batches", holdout_batches)) if v is not None]
+    if o.factors is not None and "factors" not in registered.options:
+      learned_only.append("factors")
+    learned_only += [n for n in ("learn_init", "learn_lam_band")
+                     if getattr(o, n) != _options.DEFAULTS[n] and n not in registered.options]
+    if learned_only or learned_options:
+      raise ValueError(f"{learned_only + sorted(learned_options)} are options of method "
+                       f"'learned' only, not of {method!r}")
+  from_activations = method == "activation" or (method == "learned"
+                                                 and o.learn_init == "activation")
+  if from_activations:
+    _activation.check_inputs(activations, match_batches)
+  elif activations is not None or match_batches is not None:
+    raise ValueError("activations and match_batches are read by method 'activation' (and "
+                     f"'learned' with learn_init='activation') only, not by {method!r}"
+                     + (f" with learn_init={o.learn_init!r}" if method == "learned" else ""))
+  by_activations = functools.partial(
+      _activation.align, spec, params_a, params_b, names=names, activations=activations,
+      batches=match_batches, needs_folding=_needs_folding(spec, names))
+  if method == "learned":  # its start at the default steps and learning rate, then training
+    start = (functools.partial(by_activations, steps=_options.DEFAULTS["steps"])
+             if from_activations else
+             functools.partial(_weight_matching, spec, params_a, params_b, names=names,
+                               method="full", steps=_options.DEFAULTS["steps"],
+                               learning_rate=_options.DEFAULTS["learning_rate"], **descent))
+    return _learned.align(spec, params_a, params_b, start, names=names, loss_fn=loss_fn,
+                          batches=batches, holdout_batches=holdout_batches, steps=o.steps,
+                          learning_rate=o.learning_rate, factors=o.factors,
+                          lam_band=o.learn_lam_band / 100, **learned_options)
+  if method == "activation":
+    return by_activations(steps=o.steps)
   if registered.align is not None:  # register_method's: it reads the options it names
     return registered.align(spec, params_a, params_b, scope=scope,
                             **{k: getattr(o, k) for k in registered.options})

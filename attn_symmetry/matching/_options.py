@@ -149,6 +149,8 @@ def option(default: Any, doc: str, range_: Range, *, methods: tuple[str, ...] = 
 
 DESCENTS = ("perm", "ortho", "full", "learned")  # the built-in methods that run the descent
 _REFINING = ("full", "learned")  # and those that refine (Stage 2 after Procrustes)
+_LEARNED = ("learned",)  # the options of "learned" alone
+LEARN_INITS = ("full", "activation")  # the starts of "learned": the methods it starts from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +162,8 @@ class MatchOptions:
       methods=DESCENTS)
   steps: int = option(
       _attention.DEFAULT_STEPS,
-      "most iterations of the Stage 2 refinement (0: none)", AtLeast(0), methods=_REFINING)
+      "most iterations of the Stage 2 refinement (0: none)", AtLeast(0),
+      methods=(*_REFINING, "activation"))
   learning_rate: float = option(
       _attention.DEFAULT_LEARNING_RATE,
       "step size of the 'adam' refinement solver",
@@ -183,6 +186,17 @@ class MatchOptions:
       "or 'adam' (steps Adam steps at learning_rate)",
       OneOf("refinement solver", "attn_symmetry.matching.SOLVERS", _attention.SOLVERS),
       methods=_REFINING)
+  learn_init: str = option(
+      LEARN_INITS[0],
+      "the start of 'learned': the weight method 'full' or the activation method "
+      "'activation' (which needs activations and match_batches)",
+      OneOf("learned start", "attn_symmetry.matching.LEARN_INITS", LEARN_INITS),
+      methods=_LEARNED)
+  learn_lam_band: int = option(
+      0,
+      "'learned' draws lambda at every step from U(lam - w, lam + w), w this many hundredths "
+      "(0: lambda fixed; 10: U(0.4, 0.6) around 1/2, Theus et al.); below 50, needs key",
+      AtLeast(0), methods=_LEARNED)
   factors: tuple[str, ...] | None = option(
       None,
       "the factors that 'learned' trains, those of them the scope has (align_model's "

@@ -76,6 +76,7 @@ from attn_symmetry.matching import _features
 from attn_symmetry.matching import _methods
 from attn_symmetry.matching import _model
 from attn_symmetry.matching import _options
+from attn_symmetry.matching import _static
 
 CANONICAL = "group"  # the prefix a group's own leaves and names take in its programs
 STREAMED_METHODS = ("naive", *_attention.STAGES)
@@ -120,7 +121,7 @@ class _Group:
   paths: tuple[str, ...]
   leaf: dict[str, str]
   names: dict[str, str]
-  spec: _model._StaticSpec
+  spec: _static.StaticSpec
   plan: tuple[_model._Step, ...]
 
   @classmethod
@@ -139,7 +140,7 @@ class _Group:
     steps = tuple(_model._Step(tuple(names[n] for n in step.names if n in names), step.attention,
                                frozenset(rename(p) for p in step.leaves if p in paths))
                   for step in plan)
-    return cls(paths, {p: rename(p) for p in paths}, names, _model._StaticSpec(canonical), steps)
+    return cls(paths, {p: rename(p) for p in paths}, names, _static.StaticSpec(canonical), steps)
 
   def own(self, i: int) -> bool:
     """Whether step ``i`` of the plan has names in this group."""
@@ -357,7 +358,7 @@ class _Descent:
                                        spec=group.spec, plan=group.plan, fold=self.fold,
                                        factor=group.names[f]))
             total = tuple(map(jnp.add, total, part))
-      factor_spec = _model._StaticSpec(spec_lib.SymmetrySpec({f: self.spec.factors[f]}, {}))
+      factor_spec = _static.StaticSpec(spec_lib.SymmetrySpec({f: self.spec.factors[f]}, {}))
       self.element[f], moved = _update(total, self.element[f], spec=factor_spec, factor=f)
       changed |= bool(moved)
     return changed

@@ -27,6 +27,7 @@ the end of this module.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -92,6 +93,18 @@ class Bert(core.TextCore):
     if pooled is not None:
       inter["pooled"] = pooled
     return x, inter  # a bare encoder: its output is its last hidden state
+
+
+def head_activations(module: Bert, x: jax.Array) -> dict[str, jax.Array]:
+  """The units of the head's factors (``symmetry_spec``) from the last hidden state x
+  [B, T, D]: "pooler" [B, D] (the tanh units a classifier or next-sentence head reads) and
+  "mlm" [B, T, D] (the untied MLM transform's units)."""
+  cfg, out = module.cfg, {}
+  if cfg.head in POOLED_HEADS and cfg.head != "encoder":
+    out["pooler"] = jnp.tanh(module.pooler(x[:, 0]))
+  if cfg.head in MLM_HEADS and not cfg.tied_embeddings:
+    out["mlm"] = core.ACTIVATIONS[cfg.activation](module.mlm.transform(x))
+  return out
 
 
 def symmetry_spec(cfg: Config) -> spec_lib.SymmetrySpec:
@@ -233,4 +246,5 @@ register_family(Family(
         defaults={"bert": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                intermediate_size=3072, max_position_embeddings=512,
                                vocab_size=30522, type_vocab_size=2, layer_norm_eps=1e-12,
-                               hidden_act="gelu", is_decoder=False, tie_word_embeddings=True)})))
+                               hidden_act="gelu", is_decoder=False, tie_word_embeddings=True)}),
+    head_activations=head_activations))

@@ -60,6 +60,9 @@ class Family:
     hf: its Hugging Face mapping (``hf.HFMapping``: model types, classes,
       config both ways, tensor table), which ``convert`` and ``safetensors_io``
       read; None for a family with no HF counterpart.
+    head_activations: (module, x) -> {factor: units [..., size]}, the activations of the
+      spec's factors that live in the head (BERT's "pooler" and "mlm"), from the module and
+      its final stream x [B, T, D] (``Model.activations``); None for a head with none.
   """
   name: str
   module: Callable[..., Any]
@@ -71,6 +74,7 @@ class Family:
   segments: bool = False
   check: Callable[[Any], None] | None = None
   hf: HFMapping | None = None
+  head_activations: Callable[[Any, Any], Mapping[str, Any]] | None = None
 
 
 # The registered families by name (``register_family``); FAMILIES is a live view of its names.

@@ -38,6 +38,7 @@ from attn_symmetry import tasks
 from attn_symmetry.models.config import Config
 
 Axes = dict[str, tuple[str | None, ...]]
+RESIDUAL = "residual"  # the name of the residual stream's factor in every family's spec
 
 ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -127,12 +128,19 @@ class Attention(nnx.Module):
   def __call__(self, x: jax.Array, *, positions: jax.Array | None,
                mask: jax.Array | None) -> jax.Array:
     """x [B, T, D] -> [B, T, D]; positions as in ``multi_head_attention`` (RoPE only)."""
+    return self.with_taps(x, positions=positions, mask=mask)[0]
+
+  def with_taps(self, x: jax.Array, *, positions: jax.Array | None, mask: jax.Array | None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(output [B, T, D], the per-head activations of ``attention.attention_heads``: "q",
+    "k" after RoPE, "v", "heads")."""
     cfg = self.cfg
     params = {name: getattr(self, name).tree() for name in ("query", "key", "value", "out")}
-    return attention.multi_head_attention(
+    taps = attention.attention_heads(
         params, x, pos_encoding="rope" if cfg.rotary else "none", rope_pairing=cfg.rope_pairing,
         rope_base=cfg.rope_base, rotary_fraction=cfg.rotary_fraction, causal=cfg.causal,
         positions=positions, mask=mask)
+    return attention.output_projection(params, taps["heads"]), taps
 
 
 class Mlp(nnx.Module):
@@ -167,22 +175,30 @@ class Block(nnx.Module):
     self.mlp_norm = make_norm(cfg)
     self.mlp = Mlp(cfg, rngs=rngs)
 
-  def __call__(self, x, *, positions, mask):
+  def __call__(self, x, *, positions, mask, taps: bool = False):
+    """x [B, T, D] -> (x, parts): parts {"attention": the attention output [B, T, D],
+    "mlp": the FFN hidden units [B, T, F]}, and with ``taps`` the attention's per-head
+    activations as "attention:q", "attention:k", "attention:v", "attention:heads"
+    (``Attention.with_taps``)."""
+    attend = lambda y: self.attention.with_taps(y, positions=positions, mask=mask)
     if self.post_norm:
-      attn = self.attention(x, positions=positions, mask=mask)
+      attn, heads = attend(x)
       x = self.attention_norm(x + attn)
       out, hidden = self.mlp(x)
       x = self.mlp_norm(x + out)
     elif self.parallel:
-      attn = self.attention(self.attention_norm(x), positions=positions, mask=mask)
+      attn, heads = attend(self.attention_norm(x))
       out, hidden = self.mlp(self.mlp_norm(x))
       x = x + attn + out
     else:
-      attn = self.attention(self.attention_norm(x), positions=positions, mask=mask)
+      attn, heads = attend(self.attention_norm(x))
       x = x + attn
       out, hidden = self.mlp(self.mlp_norm(x))
       x = x + out
-    return x, {"attention": attn, "mlp": hidden}
+    parts = {"attention": attn, "mlp": hidden}
+    if taps:
+      parts |= {f"attention:{k}": v for k, v in heads.items()}
+    return x, parts
 
 
 class TransformerCore(nnx.Module):
@@ -369,7 +385,7 @@ def core_spec(cfg: Config) -> SpecBuilder:
                                 group="rope" if cfg.rotary else "gl",
                                 rope_pairing=cfg.rope_pairing,
                                 rotary_fraction=cfg.rotary_fraction, rope_axes=cfg.rope_axes)
-  spec = SpecBuilder(cfg, "residual" if residual_factor(cfg) is not None else None)
+  spec = SpecBuilder(cfg, RESIDUAL if residual_factor(cfg) is not None else None)
   r, axes = spec.r, spec.axes
   for i in range(cfg.depth):
     lp, f = f"layers_{i}", f"layers_{i}/mlp"

@@ -11,7 +11,10 @@ Everything outside this package sees them through ``Model``:
   code has transformed, with no NNX objects leaking out;
 * ``apply_streamed(read, inputs)`` gives the same logits with the parameters
   read a layer at a time (a checkpoint too large to hold), the layers run in
-  place of the module's own (``TransformerCore.encode``'s ``layers``).
+  place of the module's own (``TransformerCore.encode``'s ``layers``);
+* ``activations(params, inputs)`` gives the activations that the "activation"
+  matching method reads (``matching.ACTIVATION_KEYS``), keyed by the spec's names;
+  ``apply`` neither computes nor returns them.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Model:
     self.config = config
     family = get_family(config.family)
     self._module_class, self.input_key = family.module, family.input_key
+    self._head_activations = family.head_activations
     abstract = nnx.eval_shape(lambda: self._module_class(config, rngs=nnx.Rngs(0)))
     self._graphdef, state = nnx.split(abstract)
     self.param_shapes: dict[str, tuple[int, ...]] = {
@@ -150,6 +154,52 @@ class Model:
     del module, outside
     gc.collect()
     return logits
+
+  def activations(self, params: Params, inputs: jax.Array, *, mask: jax.Array | None = None,
+                  segments: jax.Array | None = None) -> dict[str, jax.Array]:
+    """The activations that ``matching.align_model(method="activation")`` reads, keyed by the
+    names of ``self.spec`` (the contract of ``matching.ACTIVATION_KEYS``); pure and jittable.
+
+    Keys (r the residual factor, "residual", when the stream has one):
+
+    * "layers_i/mlp": the FFN hidden units [B, T, F];
+    * "r:embed", "r:layers_i/attention", "r:layers_i": the stream where the layers read and
+      write it: the embedded input, each attention output and each layer's output [B, T, D];
+    * "layers_i/attention:q", ":k" (after RoPE), ":v", ":heads" (the heads' outputs before
+      the output projection): [B, T, N, H], [B, T, K, H], [B, T, K, H], [B, T, N, H];
+    * a head's factors (``Family.head_activations``: BERT's "pooler" [B, D], "mlm").
+
+    Args:
+      params, inputs, mask, segments: as for ``apply``.
+    """
+    self.check_params(params)
+    module = nnx.merge(self._graphdef, params)
+    out: dict[str, jax.Array] = {}
+    r = core.RESIDUAL if core.RESIDUAL in self.spec.factors else None
+    stream = lambda name, x: out.update({f"{r}:{name}": x} if r else {})
+    final = []
+
+    def stack(x, *, positions, mask):
+      stream("embed", x)
+      for i in range(self.config.depth):
+        x, parts = getattr(module, f"layers_{i}")(x, positions=positions, mask=mask, taps=True)
+        out[f"layers_{i}/mlp"] = parts.pop("mlp")
+        stream(f"layers_{i}/attention", parts.pop("attention"))
+        out.update({f"layers_{i}/{k}": v for k, v in parts.items()})
+        stream(f"layers_{i}", x)
+      final.append(x)
+      return x
+
+    module(inputs, mask=mask, segments=segments, layers=stack)
+    if self._head_activations is not None:
+      x = final[0] if module.final_norm is None else module.final_norm(final[0])
+      out.update(self._head_activations(module, x))
+    return out
+
+  def batch_activations(self, params: Params, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """``activations`` of a data batch: its ``input_key`` entry, with its "mask" where it has
+    one. One function per model (a bound method), so that matching compiles it once."""
+    return self.activations(params, batch[self.input_key], mask=batch.get("mask"))
 
   @functools.cached_property
   def _layer_graphdef(self) -> nnx.GraphDef:
