@@ -352,6 +352,13 @@ def test_learned_needs_a_validation_split():
     config_checks.validate(config)
 
 
+def test_a_band_of_lambda_and_a_uniform_lambda_are_refused_together():
+  config = _config(**{"study.learn_lam_band": 10, "study.learn_uniform_lambda": True})
+  with pytest.raises(ValueError, match=r"^config.study.learn_lam_band draws lambda from a band"):
+    config_checks.validate(config)
+  config_checks.validate(_config(**{"study.learn_lam_band": 10}))
+
+
 def test_eval_split_must_be_a_split_of_the_studied_data_set():
   """Checked with the other splits before training (data_checks.check_data) and before the study
   reads it (path_evaluation.evaluation_examples)."""

@@ -106,6 +106,9 @@ def study_config() -> ml_collections.ConfigDict:
   config.study.match_steps = 2
   config.study.learn_steps = 2
   config.study.learn_factors = ("attention", "heads")
+  config.study.learn_init = "activation"  # "learned" from the activation method's element
+  config.study.learn_lam_band = 10
+  config.study.activation_batches = 2
   config.study.noise_levels = (0.5,)
   config.reinit.stop_base = True  # the base model under the rule too (no study stage reads it)
   for path, value in fingerprints.UNKEYED_DEFAULTS.items():
@@ -252,11 +255,12 @@ def test_a_field_names_known_study_stages_only():
     config_schema.study_keyed("no such stage")
 
 
-def test_the_repair_stages_key_every_field_they_read(tmp_path, monkeypatch):
-  """With ``study.repair`` each method has a second stage, its REPAIRed path, which reads the
-  training batches besides the method's own fields; each is keyed."""
+def test_the_activation_and_repair_stages_key_every_field_they_read(tmp_path, monkeypatch):
+  """The "activation" method reads training batches; with ``study.repair`` each method has a
+  second stage, its REPAIRed path, which reads them too besides the method's own fields; each
+  is keyed."""
   config = study_config()
-  config.study.methods = ("naive", "full")
+  config.study.methods = ("naive", "full", "activation")
   config.study.permutation_ablation = False
   config.study.distances = ()
   config.study.noise_levels = ()
@@ -269,7 +273,10 @@ def test_the_repair_stages_key_every_field_they_read(tmp_path, monkeypatch):
   batches = path_evaluation.evaluation_examples(config, config.dataset.name)
   evaluator = path_evaluation.PathEvaluator(model, batches, chunk_size=1, bits_per_byte=False)
   stages = run_scope(config, model, evaluator, checkpoints, str(tmp_path), monkeypatch)
-  assert set(stages) == {"naive", "full", "naive+repair", "full+repair"}
+  assert set(stages) == {"naive", "full", "activation", "naive+repair", "full+repair",
+                         "activation+repair"}
+  assert {"study.activation_batches", "dataset.train_split", "train.batch_size"} <= (
+      stages["activation"].reads)
   assert {"study.activation_batches", "dataset.train_split", "train.batch_size"} <= (
       stages["full+repair"].reads)
   assert "dataset.augment" not in stages["full+repair"].reads  # REPAIR reads no augmentation

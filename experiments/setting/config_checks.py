@@ -90,6 +90,10 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
   if "learned" in config.study.methods and not d.validation_split:
     _fail("study.methods", "includes 'learned', which chooses its best iterate on held-out "
           "training data: set dataset.validation_split (e.g. 'train[90%:]')")
+  if config.study.learn_lam_band and config.study.learn_uniform_lambda:
+    _fail("study.learn_lam_band", f"draws lambda from a band around 1/2, which "
+          f"study.learn_uniform_lambda (lambda from U(0, 1)) replaces: set one, got "
+          f"{config.study.learn_lam_band} and True")
   kind = data.dataset_kind(d.name)
   if kind == "image" and d.seq_len:
     _fail("dataset.seq_len", f"applies to text data sets; {d.name!r} holds images, "

@@ -232,12 +232,14 @@ EVERY_STAGE = "every stage"
 LEARNED = "learned"
 ROBUSTNESS = "robustness"
 REPAIR = "repair"
+ACTIVATION = "activation"
 DATA = "data"
 STUDY_READERS = {
     EVERY_STAGE: "every study stage",
     LEARNED: "the study stages of the 'learned' method (its path and the robustness check)",
     ROBUSTNESS: "the study's robustness check",
     REPAIR: "the study stages of each method's path with REPAIR (study.repair)",
+    ACTIVATION: "the study stages of the 'activation' method",
     DATA: "the study through its data readers (keyed by the examples' content, not by value)",
 }
 
@@ -318,6 +320,9 @@ _STUDY_OPTIONS = {
     "distance": dict(path="study.distance"),
     "factors": dict(path="study.learn_factors", default=("attention",),
                     unkeyed_default=("attention",)),
+    # added after results were stored, at the values those results ran with
+    "learn_init": dict(path="study.learn_init", unkeyed_default="full"),
+    "learn_lam_band": dict(path="study.learn_lam_band", unkeyed_default=0),
 }
 
 
@@ -367,7 +372,7 @@ FIELDS: tuple[Field, ...] = (
           "same examples", study=(DATA,)),
     Field("dataset.train_split", "train", _split(), Role.TRAINING,
           "the split, or one slice of it ('train[:90%]'), that every run trains on",
-          study=(LEARNED, REPAIR)),
+          study=(LEARNED, REPAIR, ACTIVATION)),
     Field("dataset.validation_split", "", _split(optional=True), Role.STOPPING,
           "the held-out split or slice ('train[90%:]', or a real 'validation' split) of the "
           "stopping rule and the 'learned' method; \"\" for none", study=(LEARNED,)),
@@ -379,7 +384,7 @@ FIELDS: tuple[Field, ...] = (
           "steps of the base run (and of the 'full' scope)"),
     Field("train.batch_size", 128, _AT_LEAST_1, Role.TRAINING,
           "training batch size of every run, a multiple of the devices",
-          study=(LEARNED, REPAIR)),
+          study=(LEARNED, REPAIR, ACTIVATION)),
     Field("train.eval_batch_size", 256, _AT_LEAST_1, Role.STUDY,
           "evaluation batch size, a multiple of the devices (splits the same sums otherwise; "
           "'learned' picks its iterate on study.learn_holdout_batches batches of it)",
@@ -457,8 +462,9 @@ FIELDS: tuple[Field, ...] = (
           "(attn_symmetry.repair; reported as the method '<method>+repair')"),
     Field("study.activation_batches", 8, _AT_LEAST_1, Role.STUDY,
           "training batches (dataset.train_split, not augmented) on which the methods that "
-          "read activations measure them: REPAIR's statistics and activation matching",
-          study=(REPAIR,)),
+          "read activations measure them: REPAIR's statistics and activation matching "
+          "(the 'activation' method, and 'learned' from it)",
+          study=(REPAIR, ACTIVATION, LEARNED), unkeyed_default=8),
     Field("study.eval_examples", 0, _AT_LEAST_0, Role.STUDY,
           "the first that many examples of eval_split evaluate every path (0: all of them)",
           study=(EVERY_STAGE,)),

@@ -144,10 +144,12 @@ _ENDPOINTS = "each seed's own model, evaluated once"
 
 
 def align(spec, params_a: Params, params_b: Params, *, scope: list[str], method: str,
-          options: Mapping[str, Any]) -> tuple[dict, dict]:
-  """(element, info) of a method that reads no data (all but "learned"), built-in or
-  registered (``matching.align_model`` calls a registered method's own ``align``)."""
-  return matching.align_model(spec, params_a, params_b, scope=scope, method=method, **options)
+          options: Mapping[str, Any], **data) -> tuple[dict, dict]:
+  """(element, info) of a method that trains nothing (all but "learned"), built-in or
+  registered (``matching.align_model`` calls a registered method's own ``align``); ``data``:
+  the "activation" method's ``activations`` and ``match_batches``."""
+  return matching.align_model(spec, params_a, params_b, scope=scope, method=method, **options,
+                              **data)
 
 
 def identity_closeness(element: Mapping[str, Any], identity: Mapping[str, Any]
@@ -332,23 +334,31 @@ class ScopeStudy:
 
   def _element(self, a: int, b: int, method: str, options: dict[str, Any]):
     """(element, info) of ``method`` for pair (a, b), kept for the rest of the run ("learned"
-    starts from the "full" element of the same options)."""
+    starts from the element of its ``learn_init``, "full" or "activation", with the same
+    options)."""
     key = (a, b, method, json.dumps(options, sort_keys=True))
     if key not in self._elements:
       start = time.perf_counter()
       if method == "learned":
-        full = {k: v for k, v in options.items() if k in matching.METHODS["full"].options}
-        element, info = self._learn(a, b, self._element(a, b, "full", full))
+        init = options.get("learn_init", "full")
+        kept = {k: v for k, v in options.items() if k in matching.METHODS[init].options}
+        element, info = self._learn(a, b, self._element(a, b, init, kept),
+                                    lam_band=options.get("learn_lam_band", 0) / 100)
       else:
         if method in matching.STAGES:  # with "full"'s options too: one program for the three
           options = {**self._program_options, **options}
+        data = {}
+        if method == "activation":  # the one method that reads activations
+          data = dict(activations=self.model.batch_activations,
+                      match_batches=self._activation_batches())
         element, info = align(self.model.spec, self.params[a], self.params[b],
-                              scope=self.scope_paths, method=method, options=options)
+                              scope=self.scope_paths, method=method, options=options, **data)
       jax.block_until_ready(element)  # dispatch is asynchronous: time the computation
       self._elements[key] = element, dict(info, seconds=time.perf_counter() - start)
     return self._elements[key]
 
-  def _learn(self, a: int, b: int, start: tuple[dict, dict]) -> tuple[dict, dict]:
+  def _learn(self, a: int, b: int, start: tuple[dict, dict], lam_band: float = 0.0
+             ) -> tuple[dict, dict]:
     """The "learned" method: the factors ``study.learn_factors`` names (the attention matrices
     by default) that the scope has (``factors_in_scope``; with none of them, ``start`` itself)
     of ``start``, trained on the loss of the path's point at lambda
@@ -356,15 +366,17 @@ class ScopeStudy:
     slice (``dataset.train_split``) of the data set the scope was fine-tuned on, the best
     iterate chosen on ``study.learn_holdout_batches`` batches of the validation slice. The
     evaluation examples are not read, unless ``study.eval_split`` shares records with these
-    slices (``learned_overlap``, which the result records and summary.md reports)."""
+    slices (``learned_overlap``, which the result records and summary.md reports). With
+    ``lam_band`` > 0 the lambda of each step is drawn from [1/2 - lam_band, 1/2 + lam_band]
+    (``study.learn_lam_band``, in hundredths)."""
     s = self.config.study
     names = matching.active_names(self.model.spec, self.scope_paths)
     factors = factors_in_scope(self.model.spec, names, s.learn_factors)
     if not factors:
       return start[0], dict(start[1], learned={
           "factors": [], "sites": [], "steps": 0,
-          "note": f"the scope has none of study.learn_factors {list(s.learn_factors)}: the "
-                  "full method's element is returned"})
+          "note": f"the scope has none of study.learn_factors {list(s.learn_factors)}: its "
+                  "start's element is returned"})
     holdout = list(itertools.islice(inputs.validation_batches(self.config, self.dataset,
                                                               whole=True),
                                     s.learn_holdout_batches))
@@ -379,7 +391,8 @@ class ScopeStudy:
         names=names, factors=factors,
         loss_fn=path_evaluation.mean_loss(self.model), batches=batches, holdout_batches=holdout, steps=s.learn_steps,
         learning_rate=s.learn_learning_rate, lam="uniform" if s.learn_uniform_lambda else 0.5,
-        key=jax.random.key(1000 * a + b), progress=progress)
+        key=jax.random.key(1000 * a + b), progress=progress,
+        **({"lam_band": lam_band} if lam_band else {}))
 
   def pair(self, a: int, b: int) -> dict[str, Any]:
     """Every method's path of pair (a, b), and with ``study.repair`` every method's REPAIRed
