@@ -296,15 +296,26 @@ def _lm_width_sweep(config: ml_collections.ConfigDict, width: int) -> None:
   """lm_gpt2_wiki_full at ``width``, 2 layers and ``SWEEP_HEADS`` heads (head dim width / 4,
   an FFN four times the width, as GPT-2's), every run trained from scratch until its
   validation loss has not improved by 0.2 % in 4 validations 200 steps apart, or 6,000
-  steps (1.2 epochs of the Wikipedia bytes) pass; studied by the naive, full and learned
-  methods."""
+  steps (1.2 epochs of the Wikipedia bytes) pass; studied by ``DATA_METHODS``, each with
+  and without REPAIR."""
   _lm(config, "gpt2", "ape", ("full",))
   config.model.overrides.update(width=width, num_heads=SWEEP_HEADS, mlp_dim=4 * width, depth=2)
   t = config.train
   t.num_steps = 6000
   t.eval_every = t.checkpoint_every = 1000
   config.reinit.validate_every = 200
-  config.study.methods = ("naive", "full", "learned")
+  _data_methods(config)
+
+
+# The methods of the sweeps started after activation matching and REPAIR existed: the
+# width_vit_fashion_* points (committed before) keep naive, full and learned.
+DATA_METHODS = ("naive", "full", "activation", "learned")
+
+
+def _data_methods(config: ml_collections.ConfigDict) -> None:
+  """``DATA_METHODS``, each also with REPAIR at every interior point of its path."""
+  config.study.methods = DATA_METHODS
+  config.study.repair = True
 
 
 SETTINGS.update({name: (lambda c, w=w: _lm_width_sweep(c, w))
@@ -327,6 +338,7 @@ def _data_sweep(config: ml_collections.ConfigDict, model: str, train_split: str)
   the full setting's."""
   (_width_sweep if model == "vit" else _lm_width_sweep)(config, 64)
   config.dataset.train_split = train_split
+  _data_methods(config)
 
 
 SETTINGS.update({name: (lambda c, m=m, split=split: _data_sweep(c, m, split))
