@@ -117,6 +117,20 @@ Settings:
     epochs; lm_gpt2_wiki_full's runs all ended at their 2,000-step budget, 0.4
     epoch, with the best validation loss near the end), validating every 200
     steps with a patience of 4 (a window of 800 steps).
+  width_gpt2_wiki_{256,512} and theus_gpt2_wiki (accelerator only): the
+    largest points of that sweep, for one GPU (``experiments/accelerator_sweep.py``
+    runs them; its docstring has the command). width_gpt2_wiki_256 and _512
+    are the width_gpt2_wiki_* protocol at widths 256 and 512 (head dimension
+    64 and 128); theus_gpt2_wiki is the model size of Theus et al.'s GPT-2
+    (6 layers, width 256, 4 heads, an FFN of 1,024, windows of 256 bytes)
+    under the same protocol. Each run is trained as at the CPU widths, but
+    three seeds (three pairs) are trained instead of five, so that the three
+    points fit the 15 minutes of device time a session is lent: with five
+    seeds ``experiments/reproduction/sweep_plan.py`` predicts about 8 minutes
+    for the three side by side on one H100, with three about 5 (stated
+    assumptions, not measurements; each point's run.json records both). On
+    one CPU core a point would take hours (a width-512 training step is
+    about 40 GFLOP, Theus et al.'s size about 140).
   data_vit_fashion_{5k,20k}, data_gpt2_wiki_{quarter,half}: the data-size
     sweep at width 64: width_vit_fashion_64 trained on the first 5,000 or
     20,000 of its 54,000 training images, and width_gpt2_wiki_64 on the first
@@ -388,3 +402,27 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if "runlocal" in variants:
     default.runlocal(config)
   return config
+
+
+# The largest points of the GPT-2 width sweep, for one GPU (module docstring: "accelerator
+# only"; experiments/accelerator_sweep.py runs them): width -> setting, and Theus et al.'s size.
+ACCELERATOR_WIDTHS = {w: f"width_gpt2_wiki_{w}" for w in (256, 512)}
+THEUS = "theus_gpt2_wiki"
+ACCELERATOR_ONLY = (*ACCELERATOR_WIDTHS.values(), THEUS)
+
+
+def _accelerator_point(config: ml_collections.ConfigDict, width: int, theus: bool = False) -> None:
+  """The GPT-2 width sweep's point at ``width`` with three seeds (module docstring); with
+  ``theus``, at the size of Theus et al.'s GPT-2: 6 layers, 4 heads, windows of 256 bytes."""
+  _lm_width_sweep(config, width)
+  config.reinit.seeds = (1, 2, 3)
+  if theus:
+    config.model.overrides.depth = 6
+    config.dataset.seq_len = 256
+
+
+SETTINGS.update({name: (lambda c, w=w: _accelerator_point(c, w))
+                 for w, name in ACCELERATOR_WIDTHS.items()})
+SETTINGS[THEUS] = lambda c: _accelerator_point(c, 256, theus=True)
+# Points of the GPT-2 width sweep (three seeds instead of five): the report plots them with it.
+LM_WIDTH_SWEEP.update(ACCELERATOR_WIDTHS)
