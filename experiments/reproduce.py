@@ -88,7 +88,8 @@ def main(argv):
     jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache)
   if FLAGS.jobs < 1:
     sys.exit(f"FATAL --jobs must be at least 1, got {FLAGS.jobs}")
-  settings = sorted(cpu_paper.SETTINGS) if FLAGS.all else list(dict.fromkeys(FLAGS.setting))
+  settings = (sorted(set(cpu_paper.SETTINGS) - set(cpu_paper.ACCELERATOR_ONLY)) if FLAGS.all
+              else list(dict.fromkeys(FLAGS.setting)))
   unknown = sorted(set(settings) - set(cpu_paper.SETTINGS))
   if unknown:
     sys.exit(f"FATAL unknown setting(s) {unknown}; choose from {sorted(cpu_paper.SETTINGS)}")
@@ -149,7 +150,8 @@ def _define_flags() -> None:
   next to ``experiments.main`` defines no flag twice)."""
   flags.DEFINE_list("setting", None, f"One of {sorted(cpu_paper.SETTINGS)}, or several, "
                     "separated by commas (run one after another, or --jobs at a time).")
-  flags.DEFINE_bool("all", False, "Run every setting, one after another (see --jobs).")
+  flags.DEFINE_bool("all", False, "Run every setting, one after another (see --jobs), but "
+                    "those for an accelerator (experiments/accelerator_sweep.py).")
   flags.DEFINE_bool("one_core", True, "Run each setting on one core, so that its numbers do "
                     "not depend on the core count (--noone_core: on every core, faster alone, "
                     "reports in results/<setting>/every_core/).")

@@ -424,5 +424,3 @@ def _accelerator_point(config: ml_collections.ConfigDict, width: int, theus: boo
 SETTINGS.update({name: (lambda c, w=w: _accelerator_point(c, w))
                  for w, name in ACCELERATOR_WIDTHS.items()})
 SETTINGS[THEUS] = lambda c: _accelerator_point(c, 256, theus=True)
-# Points of the GPT-2 width sweep (three seeds instead of five): the report plots them with it.
-LM_WIDTH_SWEEP.update(ACCELERATOR_WIDTHS)
