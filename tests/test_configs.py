@@ -269,7 +269,10 @@ def test_fingerprint_groups_derive_from_the_schema():
   assert fingerprints.UNKEYED_DEFAULTS == {"dataset.validation_examples": 0,
                                            "reinit.stop_base": False,
                                            "study.eval_split": "test",
-                                           "study.learn_factors": ("attention",)}
+                                           "study.learn_factors": ("attention",),
+                                           "study.learn_init": "full",
+                                           "study.learn_lam_band": 0,
+                                           "study.activation_batches": 8}
   for field in config_schema.FIELDS:
     holders = [g for g in GROUPS for n in getattr(fingerprints, g)
                if field.path == n or field.path.startswith(n + ".")]
