@@ -119,8 +119,11 @@ def slope(widths: Sequence[int], intervals: Sequence[ss.Interval]) -> Slope | No
 
 
 def _pairs(res: dict[str, Any], method: str, ratio: bool) -> list[ss.Pair]:
-  """(a, b, value) of every pair: the loss barrier, or its ratio to naive in %."""
+  """(a, b, value) of every pair: the loss barrier, or its ratio to naive in %; none where
+  the point lacks the method."""
   out = []
+  if not all(method in p["methods"] for p in res["pairs"]):
+    return out
   for p in res["pairs"]:
     value = p["methods"][method]["loss_barrier"]
     if ratio:
@@ -152,11 +155,15 @@ def _show(i: ss.Interval | None, digits: int) -> str:
 
 
 def methods_of(results: Sequence[dict[str, Any]]) -> tuple[str, ...]:
-  """The methods that every pair of every results.json has, in ``METHOD_ORDER`` and then by
-  name (naive first: the ratios divide by it)."""
-  common = set.intersection(*(set(p["methods"]) for res in results for p in res["pairs"]))
-  return (*(m for m in METHOD_ORDER if m in common),
-          *sorted(m for m in common if m not in METHOD_ORDER))
+  """The methods that every pair of some results.json has (a point run before a method existed
+  lacks it: its cells say n/a), in ``METHOD_ORDER`` and then by name, each followed by its
+  REPAIRed path where one has it (naive first: the ratios divide by it)."""
+  held = set().union(*(set.intersection(*(set(p["methods"]) for p in res["pairs"]))
+                       for res in results if res["pairs"]))
+  base = [m for m in held if not m.endswith(report.REPAIRED)]
+  order = [*(m for m in METHOD_ORDER if m in base), *sorted(m for m in base
+                                                            if m not in METHOD_ORDER)]
+  return tuple(n for m in order for n in (m, m + report.REPAIRED) if n in held)
 
 
 def _header(sweep: Sweep, methods: Sequence[str]) -> list[str]:
