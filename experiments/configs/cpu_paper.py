@@ -137,7 +137,8 @@ Settings:
     quarter or half of the Wikipedia bytes' training split; the validation
     slice, the test split, the budget and the rule are the full setting's.
     The points with all of the training data are width_vit_fashion_64 and
-    width_gpt2_wiki_64.
+    width_gpt2_wiki_64. Studied by naive, full, activation and learned, each with
+    and without REPAIR at every interior point (study.repair).
   control_vit_fashion_spawn: the positive control of the width sweep, at
     width 64: a base model trained 2,000 steps (its own warmup and cosine
     decay; about 2.4 epochs), then five children spawned from it (the
@@ -310,19 +311,19 @@ def _lm_width_sweep(config: ml_collections.ConfigDict, width: int) -> None:
   """lm_gpt2_wiki_full at ``width``, 2 layers and ``SWEEP_HEADS`` heads (head dim width / 4,
   an FFN four times the width, as GPT-2's), every run trained from scratch until its
   validation loss has not improved by 0.2 % in 4 validations 200 steps apart, or 6,000
-  steps (1.2 epochs of the Wikipedia bytes) pass; studied by ``DATA_METHODS``, each with
-  and without REPAIR."""
+  steps (1.2 epochs of the Wikipedia bytes) pass; studied by the naive, full and learned
+  methods."""
   _lm(config, "gpt2", "ape", ("full",))
   config.model.overrides.update(width=width, num_heads=SWEEP_HEADS, mlp_dim=4 * width, depth=2)
   t = config.train
   t.num_steps = 6000
   t.eval_every = t.checkpoint_every = 1000
   config.reinit.validate_every = 200
-  _data_methods(config)
+  config.study.methods = ("naive", "full", "learned")
 
 
-# The methods of the sweeps started after activation matching and REPAIR existed: the
-# width_vit_fashion_* points (committed before) keep naive, full and learned.
+# The methods of the data-size sweep, started after activation matching and REPAIR existed
+# (the width sweeps' points, started before, have naive, full and learned).
 DATA_METHODS = ("naive", "full", "activation", "learned")
 
 
