@@ -68,6 +68,10 @@ def no_file_access(monkeypatch):
     dict(matching=dict(solver="adam", learning_rate=0.05, steps=np.int64(10), refine="final")),
     dict(method="learned", matching=dict(learning_rate=1e-3, steps=5, max_rounds=1)),
     dict(method="perm", matching=dict(distance="squared", max_rounds=1)),
+    dict(method="activation", match_data=NOWHERE),
+    dict(method="activation", match_data=NOWHERE, merge=0.5, repair=True, match_batches=1),
+    dict(method="learned", match_data=NOWHERE, matching=dict(learn_init="activation")),
+    dict(method="naive", eval_text=None, match_data=NOWHERE, merge=0.0, repair=True),
 ], ids=repr)
 def test_good_options_pass_without_reading_a_file(changes, no_file_access):
   _check.check_options(_options(**changes))
@@ -75,12 +79,12 @@ def test_good_options_pass_without_reading_a_file(changes, no_file_access):
 
 @pytest.mark.parametrize("changes, message", [
     (dict(method="best"),
-     r"--method must be one of naive, perm, ortho, full, learned, got 'best'"),
+     r"--method must be one of naive, perm, ortho, full, learned, activation, got 'best'"),
     (dict(method="learned", eval_text=None),
      r"--method learned trains on the task loss: give --eval-text or --eval-images"),
     (dict(matching=dict(steps=3, lr=0.1, temperature=1)),
      r"unknown matching options \['lr', 'temperature'\]; known: distance, steps, learning_rate, "
-     r"max_rounds, init, refine, solver, factors"),
+     r"max_rounds, init, refine, solver, learn_init, learn_lam_band, factors"),
     (dict(matching=dict(factors=("ffn",))),
      r"--factors chooses what --method learned trains; --method is 'full'"),
     (dict(method="learned", matching=dict(factors=("ffn", "norms"))),
@@ -127,6 +131,23 @@ def test_good_options_pass_without_reading_a_file(changes, no_file_access):
     (dict(batch_size=0), r"--batch-size must be an integer >= 1, got 0"),
     (dict(seq_len=1.5), r"--seq-len must be an integer >= 1, got 1.5"),
     (dict(eval_batches=-1), r"--eval-batches must be an integer >= 1, got -1"),
+    (dict(method="activation", match_data=NOWHERE, match_batches=0),
+     r"--match-batches must be an integer >= 1, got 0"),
+    (dict(method="activation"),
+     r"--method activation matches the models' activations on data: give --match-data FILE"),
+    (dict(method="learned", matching=dict(learn_init="activation")),
+     r"--learn-init activation starts --method learned from the models' activations on data: "
+     r"give --match-data FILE"),
+    (dict(repair=True, match_data=NOWHERE), r"--repair repairs the merged model: give --merge "
+                                            r"LAMBDA"),
+    (dict(repair=True, merge=0.5), r"--repair resets the merged model's channel statistics "
+                                   r"measured on data: give --match-data FILE"),
+    (dict(match_data=NOWHERE), r"--match-data is read by --method activation, --learn-init "
+                               r"activation and --repair only; --method is 'full' without "
+                               r"--repair"),
+    (dict(method="learned", match_data=NOWHERE),
+     r"--match-data is read by --method activation, --learn-init activation and --repair only; "
+     r"--method is 'learned' without --repair"),
 ], ids=repr)
 def test_bad_options_are_refused_without_reading_a_file(changes, message, no_file_access):
   with pytest.raises(align.InputError) as refusal:

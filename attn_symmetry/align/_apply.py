@@ -139,11 +139,12 @@ def _round(flat: Params, dtypes: dict[str, Any]) -> Params:
 def _writers(inputs: Inputs, options: Options, folded: bool, tmp: str | None
              ) -> dict[str, safetensors_io.FolderWriter]:
   """The folders written unit by unit into ``tmp``: aligned_b, aligned_a if folded, merged
-  with ``merge``; none without ``tmp``."""
+  with ``merge`` (but with ``repair``: the repair stage writes it, ``_repair``); none without
+  ``tmp``."""
   if tmp is None:
     return {}
   like = {"aligned_b": inputs.b} | ({"aligned_a": inputs.a} if folded else {})
-  if options.merge is not None:
+  if options.merge is not None and not options.repair:
     like["merged"] = inputs.a
   return {name: safetensors_io.FolderWriter(os.path.join(tmp, name), ckpt, inputs.model,
                                             dtype=options.dtype) for name, ckpt in like.items()}

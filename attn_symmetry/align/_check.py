@@ -1,7 +1,7 @@
 """The check stage (``check``): every problem with the options, the folders, the memory budget
-(``_memory.check_memory``) or the evaluation file is refused with a one-line ``InputError``
-before anything is written; the options first, from the options alone (``check_options``), then
-the files (``_inspect``)."""
+(``_memory.check_memory``), the evaluation file or the match data is refused with a one-line
+``InputError`` before anything is written; the options first, from the options alone
+(``check_options``), then the files (``_inspect``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 
 from attn_symmetry.align import _eval_files, _memory
 from attn_symmetry import matching
+from attn_symmetry import repair as repair_lib
 from attn_symmetry.align._records import (DTYPES, MATCHING_OPTIONS, AlignWarning, InputError,
                                           Inputs, Options)
 from attn_symmetry.models import SCOPES, Model
@@ -44,6 +45,7 @@ def check_options(options: Options) -> None:
   _check_scope(options.scope)
   if options.merge is not None and not 0.0 <= options.merge <= 1.0:
     raise InputError(f"--merge must lie in [0, 1], got {options.merge}")
+  _check_match_data(options)
   if options.dtype not in DTYPES:
     raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
   tolerance = options.function_tolerance
@@ -57,10 +59,29 @@ def check_options(options: Options) -> None:
   if options.eval_text is not None and options.eval_images is not None:
     raise InputError("give --eval-text or --eval-images, not both")
   for name, least in (("num_lambdas", 3), ("batch_size", 1), ("seq_len", 1),
-                      ("eval_batches", 1)):
+                      ("eval_batches", 1), ("match_batches", 1)):
     value = getattr(options, name)
     if int(value) != value or value < least:
       raise InputError(f"{Options.flag(name)} must be an integer >= {least}, got {value}")
+
+
+def _check_match_data(options: Options) -> None:
+  """``--match-data`` is given exactly where something reads it: the activation method, the
+  learned method from it (``Options.reads_activations``), ``--repair`` (which needs
+  ``--merge`` too)."""
+  if options.reads_activations and options.match_data is None:
+    what = ("--method activation matches" if options.method == "activation" else
+            "--learn-init activation starts --method learned from")
+    raise InputError(f"{what} the models' activations on data: give --match-data FILE")
+  if options.repair:
+    if options.merge is None:
+      raise InputError("--repair repairs the merged model: give --merge LAMBDA")
+    if options.match_data is None:
+      raise InputError("--repair resets the merged model's channel statistics measured on "
+                       "data: give --match-data FILE")
+  elif options.match_data is not None and not options.reads_activations:
+    raise InputError(f"--match-data is read by --method activation, --learn-init activation "
+                     f"and --repair only; --method is {options.method!r} without --repair")
 
 
 def flag(option: str) -> str:
@@ -270,6 +291,25 @@ def _evaluation_batches(options: Options, a: safetensors_io.Checkpoint,
   return None
 
 
+def _match_batches(options: Options, a: safetensors_io.Checkpoint,
+                   b: safetensors_io.Checkpoint, model: Model
+                   ) -> list[dict[str, np.ndarray]] | None:
+  """The match data's batches (``_eval_files.match_batches``, with A's tokenizer or image
+  processor config), or None without ``--match-data``."""
+  if options.match_data is None:
+    return None
+  _same_tokenizer(a, b)
+  return _eval_files.match_batches(options.match_data, a.path, model, a.hf_config,
+                                   batch_size=options.batch_size, seq_len=options.seq_len,
+                                   max_batches=options.match_batches)
+
+
+def _check_repair(model: Model) -> None:
+  """Refuses ``--repair`` for a family with nothing to fold REPAIR's correction into (one line
+  naming the family: ``repair.repair``'s own check, run before any work)."""
+  repair_lib._points(model, repair_lib.POINTS)  # pylint: disable=protected-access
+
+
 def split_for_learning(batches: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
   """Method "learned"'s split of the evaluation batches: (curve, training, held out), the first
   half for training, the next quarter held out to choose the iterate, the rest for the curve.
@@ -303,14 +343,17 @@ def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Opti
     prefixes = _scope(model, options.scope)
     if "factors" in options.matching:
       factors_in_scope(model, prefixes, options.matching["factors"])
+    if options.repair:
+      _check_repair(model)
     batches = _evaluation_batches(options, a, b, model)
+    match = _match_batches(options, a, b, model)
   except InputError:
     raise
   except ValueError as e:
     raise InputError(str(e)) from None
   if options.method != "learned":
-    return Inputs(a, b, model, prefixes, batches)
-  return Inputs(a, b, model, prefixes, *split_for_learning(batches))
+    return Inputs(a, b, model, prefixes, batches, match=match)
+  return Inputs(a, b, model, prefixes, *split_for_learning(batches), match=match)
 
 
 def check(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Options) -> Inputs:

@@ -95,7 +95,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
 def summary(report: dict, out: str | None) -> list[str]:
   """The lines the command ends with: what was written where, the two folders to compare, the
   distance before and after, the function check, and with an evaluation the barriers and the
-  merged model's loss."""
+  merged model's loss (the REPAIRed one's with ``--repair``, beside the plain merge's)."""
   lines = []
   if out is None:
     lines.append("nothing written (no --out)")
@@ -119,10 +119,20 @@ def summary(report: dict, out: str | None) -> list[str]:
     loss = {when: report["barrier"][when]["loss"] for when in ("before", "after")}
     lines.append(f"loss barrier: {loss['before']:.4g} before alignment, {loss['after']:.4g} "
                  "after")
-  if "merged" in report:
-    m = report["merged"]
+  m = report.get("merged", {})
+  if "repaired" in m:
+    lines.append(f"REPAIRed merged model (lambda {m['lambda']:g}): loss "
+                 f"{m['repaired']['loss']:.4g} (plain merge {m['loss']:.4g}, A "
+                 f"{m['a']['loss']:.4g}, B {m['b']['loss']:.4g})")
+  elif "loss" in m:
     lines.append(f"merged model (lambda {m['lambda']:g}): loss {m['loss']:.4g} (A "
                  f"{m['a']['loss']:.4g}, B {m['b']['loss']:.4g})")
+  elif "repair" in m:
+    points = m["repair"].values()
+    lines.append(f"REPAIRed merged model (lambda {m['lambda']:g}): "
+                 f"{sum(p['corrected'] for p in points)} of "
+                 f"{sum(p['channels'] for p in points)} channels corrected at {len(points)} "
+                 "points (no evaluation file to measure its loss)")
   return lines
 
 

@@ -1,12 +1,13 @@
 """The memory policy: what an alignment holds, and whether it may.
 
-Every method of ``matching.STREAMED_METHODS`` without an evaluation streams (``streams``): both
-models are read a group of tensors at a time (``_sources.Streamed``), and memory holds two
-groups of each model in float32, as read and aligned. "learned" and an evaluation hold both
-whole models twice in float32 (``_sources.Whole``). A', B' and the models they come from are
-kept whole, for the function check and ``Alignment.params``, only where four float32 models fit
-the budget (``keeps_models``). An alignment whose working set does not fit is refused before
-any work (``check_memory``). The budget is ``--memory-budget``, else the machine's memory.
+Every method of ``matching.STREAMED_METHODS`` without an evaluation or ``--repair`` streams
+(``streams``): both models are read a group of tensors at a time (``_sources.Streamed``), and memory
+holds two groups of each model in float32, as read and aligned. The methods that are not streamed
+("learned"; "activation", which runs both models on the match data), an evaluation and ``--repair``
+hold both whole models twice in float32 (``_sources.Whole``). A', B' and the models they come from
+are kept whole, for the function check and ``Alignment.params``, only where four float32 models fit
+the budget (``keeps_models``). An alignment whose working set does not fit is refused before any
+work (``check_memory``). The budget is ``--memory-budget``, else the machine's memory.
 """
 
 from __future__ import annotations
@@ -22,8 +23,19 @@ from attn_symmetry.models import safetensors_io
 
 def streams(options: Options) -> bool:
   """Whether the models are read group by group: every method of ``matching.STREAMED_METHODS``
-  without an evaluation. "learned" and an evaluation hold both whole models."""
-  return options.method in matching.STREAMED_METHODS and not options.evaluated
+  without an evaluation or ``repair``. The other methods ("learned", "activation"), an
+  evaluation and REPAIR hold both whole models (``whole_because``)."""
+  return (options.method in matching.STREAMED_METHODS and not options.evaluated
+          and not options.repair)
+
+
+def whole_because(options: Options) -> str:
+  """What holds both whole models where the alignment does not stream: the method (not
+  streamed: "learned" trains on the interpolated model, "activation" runs both models),
+  ``--repair`` (which runs the merged model) or the evaluation."""
+  if options.method not in matching.STREAMED_METHODS:
+    return f"--method {options.method} (not streamed)"
+  return "--repair" if options.repair else "the evaluation"
 
 
 def budget(options: Options) -> float:
@@ -51,7 +63,7 @@ def group_bytes(model: Model) -> tuple[int, tuple[str, ...]]:
 
 def keeps_models(model: Model, options: Options) -> bool:
   """Whether A, B and their aligned copies are held whole in float32, four models: always
-  with an evaluation or "learned"; when streamed, only where they fit the budget, for the
+  where the models are whole (``streams``); when streamed, only where they fit the budget, for the
   function check and ``Alignment.params``."""
   return not streams(options) or 4 * whole_bytes(model) <= budget(options)
 
@@ -67,7 +79,7 @@ def check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, mod
                  options: Options) -> None:
   """Refuses, before any work, an alignment that needs more than the budget: the streamed one
   holds two groups of leaves of each model in float32 (as read and aligned: ``group_bytes``);
-  "learned" and an evaluation hold both whole models twice in float32.
+  the whole models (``whole_because``) are held twice in float32.
 
   Raises:
     InputError: naming the checkpoints' size, what the alignment needs, and the budget.
@@ -83,8 +95,7 @@ def check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, mod
                        f"the largest ({', '.join(top)}: {gb(group)} per model in float32) "
                        f"needs {gb(4 * group)} as read and aligned, above {says}")
   elif 4 * whole_bytes(model) > most:
-    why = "--method learned" if options.method == "learned" else "the evaluation"
-    raise InputError(f"{why} holds both whole models in float32, read and aligned: "
-                     f"{gb(4 * whole_bytes(model))} for the checkpoints ({sizes}), above "
-                     f"{says}; without an evaluation, methods "
+    raise InputError(f"{whole_because(options)} holds both whole models in float32, read and "
+                     f"aligned: {gb(4 * whole_bytes(model))} for the checkpoints ({sizes}), "
+                     f"above {says}; without an evaluation or --repair, methods "
                      f"{', '.join(matching.STREAMED_METHODS)} read one layer at a time")

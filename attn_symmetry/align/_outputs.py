@@ -20,24 +20,26 @@ from attn_symmetry import lmc
 from attn_symmetry import runtime
 from attn_symmetry._version import __version__
 from attn_symmetry.align import _check, _eval_files
-from attn_symmetry.align._records import Aligned, Inputs, OUTPUTS, Options, Params
+from attn_symmetry.align._records import Aligned, Inputs, OUTPUTS, Options, Params, Repaired
 from attn_symmetry.align._sources import Whole
 from attn_symmetry.models import Model
 
 
-def evaluate(inputs: Inputs, options: Options, aligned: Aligned, source: Whole
-             ) -> dict[str, Any]:
+def evaluate(inputs: Inputs, options: Options, aligned: Aligned, source: Whole,
+             repaired: Repaired | None = None) -> dict[str, Any]:
   """The evaluate stage: the curves of A to B ("before") and A to B' ("after") on the
-  evaluation batches (``_curves``). A and B are taken out of the whole models' ``source``
-  (``Whole.take``): released after it."""
+  evaluation batches (``_curves``), and the merged models'. A and B are taken out of the whole
+  models' ``source`` (``Whole.take``): released after it."""
   paths = {"before": source.take(), "after": (aligned.params_a, aligned.params)}
-  return _curves(inputs.model, inputs.batches, paths, options.num_lambdas, options.merge)
+  return _curves(inputs.model, inputs.batches, paths, options.num_lambdas, options.merge,
+                 None if repaired is None else repaired.params)
 
 
 def _curves(model: Model, batches, paths: dict[str, tuple[Params, Params]], num_lambdas: int,
-            merge: float | None = None) -> dict[str, Any]:
+            merge: float | None = None, repaired: Params | None = None) -> dict[str, Any]:
   """Loss and accuracy along each path, and the path's barriers; with ``merge``, the merged
-  model's (``_merged``)."""
+  model's (``_merged``), and with ``repaired`` (the REPAIRed merge) its loss and accuracy as
+  the merge's "repaired"."""
   evaluator = lmc.path_evaluator(_eval_files.metric_fn(model))
   metrics = lambda path, lams: _path_metrics(evaluator, *paths[path], batches, lams)
   lams = lmc.lambdas(num_lambdas)
@@ -49,15 +51,23 @@ def _curves(model: Model, batches, paths: dict[str, tuple[Params, Params]], num_
                              "accuracy": lmc.barrier(lams, accuracy, higher_is_better=True)}}
   if merge is not None:
     out["merged"] = _merged(out, merge, lambda lam: metrics("after", np.array([lam])))
+  if repaired is not None:  # the path from the model to itself at lambda 0: the model itself
+    loss, accuracy = _path_metrics(evaluator, repaired, repaired, batches, np.zeros(1))
+    out["merged"]["repaired"] = {"loss": float(loss[0]), "accuracy": float(accuracy[0])}
   return out
 
 
 def merged_line(curves: dict[str, Any]) -> str:
-  """"; merged model (lambda 0.5): loss 2.31 (A 2.25, B 2.27), accuracy ..." or "" when
-  nothing is merged."""
+  """"; merged model (lambda 0.5): loss 2.31 (A 2.25, B 2.27), accuracy ...", with REPAIR
+  "; REPAIRed merged model (lambda 0.5): loss 2.28 (plain merge 2.31, A 2.25, B 2.27), ...",
+  or "" when nothing is merged."""
   if "merged" not in curves:
     return ""
   m = curves["merged"]
+  if "repaired" in m:
+    loss, accuracy = (f"{k} {m['repaired'][k]:.4g} (plain merge {m[k]:.4g}, A {m['a'][k]:.4g}, "
+                      f"B {m['b'][k]:.4g})" for k in ("loss", "accuracy"))
+    return f"; REPAIRed merged model (lambda {m['lambda']:g}): {loss}, {accuracy}"
   loss, accuracy = (f"{k} {m[k]:.4g} (A {m['a'][k]:.4g}, B {m['b'][k]:.4g})"
                     for k in ("loss", "accuracy"))
   return f"; merged model (lambda {m['lambda']:g}): {loss}, {accuracy}"
@@ -102,8 +112,12 @@ def plot(curves: dict[str, Any], path: str) -> None:
 
 
 def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str, Any] | None,
-           seconds: dict[str, float]) -> dict[str, Any]:
-  """The report (DIR/report.json); ``seconds`` (the clock's, still filling) is its "time_s"."""
+           repaired: Repaired | None, seconds: dict[str, float]) -> dict[str, Any]:
+  """The report (DIR/report.json); ``seconds`` (the clock's, still filling) is its "time_s".
+
+  "merged" holds, with an evaluation and ``merge``, the plain merge's loss and accuracy beside
+  A's and B's (and with REPAIR the repaired merge's, "repaired"); with REPAIR, also
+  "repair", the info of each repaired point (``Repaired.points``)."""
   a, b, model = inputs.a, inputs.b, inputs.model
   info = aligned.info
   report = {
@@ -113,7 +127,7 @@ def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str,
       "dtype": options.dtype, "checkpoint_bytes": {"a": a.nbytes, "b": b.nbytes},
       "method": options.method,
       "scope": options.scope if isinstance(options.scope, str) else list(options.scope),
-      "scope_paths": inputs.scope, "merge": options.merge,
+      "scope_paths": inputs.scope, "merge": options.merge, "repair": options.repair,
       "options": runtime.jsonable(_check.options_used(options.method, dict(options.matching))),
       "folded_norm_scales": aligned.folded, "compare": aligned.compare,
       "rounds": int(info["rounds"]) if "rounds" in info else 0,
@@ -123,10 +137,16 @@ def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str,
     report["learned"] = runtime.jsonable(info["learned"])
   if "devices" in info:  # the streamed alignment: the devices each group was split over
     report["devices"] = info["devices"]
+  if inputs.match is not None:
+    report["match_data"] = {"path": options.match_data, "batches": len(inputs.match),
+                            "batch_shape": list(inputs.match[0][inputs.model.input_key].shape)}
+  merged = {} if curves is None else curves.get("merged", {})
+  if repaired is not None:
+    merged = {"lambda": options.merge, **merged, "repair": repaired.points}
+  if merged:
+    report["merged"] = merged
   if curves is not None:
     report["barrier"] = {name: curves[name]["barrier"] for name in ("before", "after")}
-    if "merged" in curves:
-      report["merged"] = curves["merged"]
     report["eval"] = {"text": options.eval_text or None, "images": options.eval_images or None,
                       "batches": len(inputs.batches), "batch_size": options.batch_size,
                       "predictions": float(sum(np.sum(x["weights"]) for x in inputs.batches))}

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from attn_symmetry import matching
 from attn_symmetry import runtime
-from attn_symmetry.align import _apply, _check, _outputs, _sources
+from attn_symmetry.align import _apply, _check, _outputs, _repair, _sources
 from attn_symmetry.align._clock import Clock
 from attn_symmetry.align._records import Aligned, Alignment, Inputs, Options
 
@@ -60,10 +60,15 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike,
   source = _sources.open_source(inputs, options, clock)
   with _outputs.staging(options.out, options.overwrite) as tmp:
     aligned = _align(source, inputs, options, clock, tmp)
+    repaired = None
+    if options.repair:
+      with clock.stage("repair") as stage:
+        repaired = _repair.repaired_merge(inputs, options, aligned, tmp)
+        stage.summary = _repair.summary(repaired)
     curves = None
     if inputs.batches is not None:
       with clock.stage("evaluate") as stage:
-        curves = _outputs.evaluate(inputs, options, aligned, source)
+        curves = _outputs.evaluate(inputs, options, aligned, source, repaired)
         stage.summary = (f"{options.num_lambdas} lambdas x 2 paths on {len(inputs.batches)} "
                          f"batches, loss barrier {curves['before']['barrier']['loss']:.4g} -> "
                          f"{curves['after']['barrier']['loss']:.4g}" +
@@ -72,7 +77,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike,
         with clock.stage("save") as stage:
           _outputs.save_curves(curves, tmp)
           stage.summary = ", ".join(_outputs.placed(options.out, tmp))
-    report = _outputs.report(inputs, options, aligned, curves, clock.seconds)
+    report = _outputs.report(inputs, options, aligned, curves, repaired, clock.seconds)
     if tmp is not None:
       _outputs.write_report(report, tmp)
   return Alignment(inputs.model, aligned.params_a, aligned.params, aligned.element, report)

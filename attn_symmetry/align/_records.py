@@ -86,9 +86,10 @@ class Options:
   out: str | None = option(None, "--out", "output folder", metavar="DIR", required=True)
   method: str = option(
       "full", "--method",
-      "full (default), ortho, perm, naive, or learned (with an evaluation file: trained on its "
-      "first half, chosen on the next quarter, the curve on the last quarter), or a method that "
-      "an --import module registers")
+      "full (default), ortho, perm, naive, activation (from the models' activations on "
+      "--match-data), or learned (with an evaluation file: trained on its first half, chosen on "
+      "the next quarter, the curve on the last quarter), or a method that an --import module "
+      "registers")
   scope: str | tuple[str, ...] = option(
       "full", "--scope", f"{', '.join(SCOPES)} (default full), or comma-separated parameter "
       "path prefixes such as layers_0/attention")
@@ -99,6 +100,16 @@ class Options:
                                  metavar="FILE", exclusive="evaluation")
   eval_images: str | None = option(None, "--eval-images", "DIR/LABEL/*.png images (ViT)",
                                    metavar="DIR", exclusive="evaluation")
+  match_data: str | None = option(
+      None, "--match-data",
+      "data the models are run on for --method activation, --learn-init activation and "
+      "--repair: a text file (read with the folder's tokenizer.json) for a text model, a "
+      "DIR/LABEL/*.png folder for ViT", metavar="FILE")
+  repair: bool = option(
+      False, "--repair",
+      "REPAIR the merge: DIR/merged is the merged model with each channel's statistics on "
+      "--match-data reset to the interpolation of A's and aligned B's, folded into its weights "
+      "(needs --merge and --match-data)", action="store_true")
   dtype: str = option("keep", "--dtype",
                       "keep each tensor's stored dtype (default) or write float32",
                       choices=DTYPES)
@@ -116,6 +127,9 @@ class Options:
   seq_len: int = option(128, "--seq-len", "tokens per text sequence (default 128)", type=int)
   eval_batches: int = option(8, "--eval-batches", "most evaluation batches (default 8)",
                              type=int)
+  match_batches: int = option(8, "--match-batches",
+                              "most batches of --match-data (default 8; --batch-size examples of "
+                              "--seq-len tokens each)", type=int)
   matching: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   memory_budget: float | None = option(
       None, "--memory-budget",
@@ -125,7 +139,7 @@ class Options:
 
   def __post_init__(self):
     fspath = lambda path: None if path is None else os.fspath(path)
-    for name in ("out", "eval_text", "eval_images"):
+    for name in ("out", "eval_text", "eval_images", "match_data"):
       object.__setattr__(self, name, fspath(getattr(self, name)))
     if not isinstance(self.scope, str):
       object.__setattr__(self, "scope", tuple(self.scope))
@@ -149,6 +163,13 @@ class Options:
     """Whether an evaluation file or folder is given."""
     return self.eval_text is not None or self.eval_images is not None
 
+  @property
+  def reads_activations(self) -> bool:
+    """Whether the method matches the models' activations on the match data: "activation", or
+    "learned" from it (``learn_init``)."""
+    return self.method == "activation" or (self.method == "learned" and
+                                           self.matching.get("learn_init") == "activation")
+
 
 @dataclasses.dataclass
 class Inputs:
@@ -160,6 +181,7 @@ class Inputs:
   batches: list[dict[str, np.ndarray]] | None  # the curve's
   train: list[dict[str, np.ndarray]] | None = None  # method "learned": its training batches
   holdout: list[dict[str, np.ndarray]] | None = None  # and those it chooses its iterate on
+  match: list[dict[str, np.ndarray]] | None = None  # --match-data's (_eval_files.match_batches)
 
   @property
   def parameters(self) -> int:
@@ -197,6 +219,19 @@ class Aligned:
     """The two folders whose tensors lie close and are to be compared or merged: aligned_a and
     aligned_b when A was re-parametrised (folded), else MODEL_A itself and aligned_b."""
     return ["aligned_a" if self.folded else "MODEL_A", "aligned_b"]
+
+
+@dataclasses.dataclass
+class Repaired:
+  """What the repair stage computed (``_repair.repaired_merge``).
+
+  Attributes:
+    params: the REPAIRed merge, a checkpoint of the model (what DIR/merged holds).
+    points: {"layers_i/attention" | "layers_i/mlp": {"channels", "corrected", "degenerate",
+      "shift_folded", "mean_gap"}}: ``repair.repair``'s info without its [C] arrays.
+  """
+  params: Params
+  points: dict[str, dict[str, Any]]
 
 
 def natural_order(name: str) -> list[Any]:

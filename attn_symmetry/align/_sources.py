@@ -1,9 +1,9 @@
-"""Where the alignment reads A and B from: the whole models, loaded (``Whole``: "learned" and an
-evaluation), or the checkpoints, read a group of tensors at a time (``Streamed``: every other
-method; ``_memory.streams``). Both give the same four things: the element g (``match``), the
-function check's reference logits (``reference``), a group of leaves of each model (``read``)
-for the one pass that computes B' (``_apply.apply``), and the release of a group once that pass
-is done with it (``release``)."""
+"""Where the alignment reads A and B from: the whole models, loaded (``Whole``: "learned",
+"activation", an evaluation, ``--repair``), or the checkpoints, read a group of tensors at a time
+(``Streamed``: every other method; ``_memory.streams``). Both give the same four things: the element
+g (``match``), the function check's reference logits (``reference``), a group of leaves of each
+model (``read``) for the one pass that computes B' (``_apply.apply``), and the release of a group
+once that pass is done with it (``release``)."""
 
 from __future__ import annotations
 
@@ -71,11 +71,15 @@ class Whole:
 
   def match(self, options: Options, stage: Stage) -> Match:
     """(g, info) of ``matching.align_model`` of B to A on the scope (for "learned", on the
-    evaluation's batches: ``_learned_options``), timed as the stage's part "align_model", with
-    the C heap's free pages released between compiling a program and running it."""
+    evaluation's batches: ``_learned_options``; for "activation" and "learned" from it, the
+    models' activations on the match data: ``Model.batch_activations``), timed as the stage's
+    part "align_model", with the C heap's free pages released between compiling a program and
+    running it."""
     inputs = self.inputs
     extra = (_learned_options(inputs.model, inputs, stage.say) if options.method == "learned"
              else {})
+    if options.reads_activations:
+      extra |= dict(activations=inputs.model.batch_activations, match_batches=inputs.match)
     with stage.part("align_model", "matching"), runtime.release_memory_after_compiles():
       element, info = matching.align_model(inputs.model.spec, self.a, self.b, scope=inputs.scope,
                                            method=options.method, **options.matching, **extra)

@@ -1,0 +1,276 @@
+"""``attn-symmetry align`` with data: ``--match-data``, ``--method activation`` and ``--merge
+LAMBDA --repair``, end to end on tiny GPT-2 and ViT checkpoints (saved with transformers, as
+``test_align_checkpoints`` makes them).
+
+A planted pair is B = g . A for g drawn from the whole group of the zoo model's spec
+(``group_action.random_model_element``: heads, per-head matrices, FFN units and the residual
+stream), written in A's layout; an independent pair is B drawn afresh (``Model.init``).
+"""
+
+import json
+import os
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from attn_symmetry import align
+from attn_symmetry import group_action
+from attn_symmetry import models
+from attn_symmetry import repair
+from attn_symmetry import spec as spec_lib
+from attn_symmetry.align import _check, _eval_files
+from attn_symmetry.models import safetensors_io
+from tests.test_align_checkpoints import WORDS, _images, _read_folder, _save_model, _tokenizer
+
+pytest.importorskip("transformers")
+# float32 rounding of a planted pair recovered by activations (measured: 3e-6 of a tensor's
+# largest entry on the GPT-2 pair).
+RECOVERED = 2e-5
+
+
+def _load(folder):
+  """(model, float32 params) of the checkpoint folder ``folder``."""
+  ckpt = safetensors_io.Checkpoint(folder, folder)
+  model = models.Model(ckpt.config)
+  return model, safetensors_io.load_params(ckpt, model)
+
+
+def _write_b(folder_a, folder_b, make):
+  """Writes ``make(model, A's params)`` to ``folder_b`` in A's layout (tokenizer included)."""
+  model, params = _load(folder_a)
+  like = safetensors_io.Checkpoint(folder_a, folder_a)
+  safetensors_io.save_params(folder_b, like, model, make(model, params))
+  return folder_b
+
+
+def _planted(model, params):
+  g = group_action.random_model_element(jax.random.key(3), model.spec)
+  return group_action.apply_model(model.spec, params, g)
+
+
+def _independent(model, params):
+  return model.init(jax.random.key(5))
+
+
+def _text(path, words):
+  rng = np.random.default_rng(0)
+  with open(path, "w", encoding="utf-8") as f:
+    f.writelines(" ".join(rng.choice(WORDS, 12)) + "\n" for _ in range(words // 12))
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+  """{"a", "planted", "independent": GPT-2 folders; "text": ~380 words (3 batches of 8 x 16
+  tokens); "empty", "short": a text of blank lines, one of 20 words}."""
+  root = tmp_path_factory.mktemp("gpt2")
+  a = _save_model("gpt2", str(root / "a"))
+  _tokenizer(a, WORDS)
+  (root / "empty.txt").write_text("\n \n")
+  return {"a": a, "planted": _write_b(a, str(root / "planted"), _planted),
+          "independent": _write_b(a, str(root / "independent"), _independent),
+          "text": _text(root / "text.txt", 384), "short": _text(root / "short.txt", 24),
+          "empty": str(root / "empty.txt")}
+
+
+def _run(capsys, *args):
+  """``attn-symmetry align ARGS --quiet``, which must succeed: its report and summary lines."""
+  capsys.readouterr()
+  assert align.cli(["align", *args, "--quiet", "--compilation-cache", ""]) == 0
+  out = args[args.index("--out") + 1]
+  with open(os.path.join(out, "report.json"), encoding="utf-8") as f:
+    return json.load(f), capsys.readouterr().out.splitlines()
+
+
+def _refusal(capsys, *args):
+  """The one line of ``attn-symmetry align ARGS``, which must refuse (exit status 2)."""
+  capsys.readouterr()
+  status = align.cli(["align", *args, "--quiet", "--compilation-cache", ""])
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert status == 2 and len(lines) == 1, lines
+  assert lines[0].startswith("attn-symmetry align: error: ")
+  return lines[0].removeprefix("attn-symmetry align: error: ")
+
+
+def _check_recovered(folder_a, folder):
+  want, got = _read_folder(folder_a)[0], _read_folder(folder)[0]
+  assert set(got) == set(want)
+  for name, x in want.items():
+    assert np.abs(got[name] - x).max() <= RECOVERED * np.abs(x).max(), name
+
+
+def test_activation_method_recovers_a_planted_pair(gpt2, tmp_path, capsys):
+  """Every factor of g (heads, their matrices, FFN units, the residual) from the activations on
+  the text: aligned B is A tensor for tensor, to float32 rounding; the report records the
+  method's options and the match data."""
+  out = str(tmp_path / "out")
+  report, lines = _run(capsys, gpt2["a"], gpt2["planted"], "--out", out, "--method",
+                       "activation", "--match-data", gpt2["text"], "--match-batches", "2")
+  _check_recovered(gpt2["a"], os.path.join(out, "aligned_b"))
+  assert report["method"] == "activation" and report["options"] == {"steps": 200}
+  assert report["match_data"] == {"path": gpt2["text"], "batches": 2, "batch_shape": [8, 16]}
+  assert report["repair"] is False and "merged" not in report
+  assert report["function_check"]["aligned_b"]["relative"] <= 1e-5
+  assert any(line.startswith("function check: aligned B's logits") for line in lines)
+
+
+def test_repaired_merge_is_written_and_evaluated(gpt2, tmp_path, capsys):
+  """An independent pair, merged at 1/2 and REPAIRed: DIR/merged is a checkpoint of A's
+  architecture holding ``repair.repair`` of A and aligned B on the match batches; the report
+  holds the repaired loss beside the plain merge's, A's and B's, and REPAIR's info per point
+  without its arrays; the summary line reports the repaired merge."""
+  out = str(tmp_path / "out")
+  report, lines = _run(capsys, gpt2["a"], gpt2["independent"], "--out", out, "--method",
+                       "naive", "--merge", "0.5", "--repair", "--match-data", gpt2["text"],
+                       "--match-batches", "2", "--eval-text", gpt2["text"], "--lambdas", "3",
+                       "--dtype", "float32")
+  merged = report["merged"]
+  assert merged["lambda"] == 0.5 and set(merged["repaired"]) == {"loss", "accuracy"}
+  assert merged["repaired"]["loss"] != merged["loss"]
+  assert set(merged["repair"]) == {f"layers_{i}/{p}" for i in range(2)
+                                   for p in ("attention", "mlp")}
+  for point in merged["repair"].values():
+    assert set(point) == {"channels", "corrected", "degenerate", "shift_folded", "mean_gap"}
+    assert point["shift_folded"] and point["corrected"] == point["channels"]
+  assert report["repair"] is True
+  assert f"REPAIRed merged model (lambda 0.5): loss {merged['repaired']['loss']:.4g} (plain " \
+         f"merge {merged['loss']:.4g}, A {merged['a']['loss']:.4g}, B " \
+         f"{merged['b']['loss']:.4g})" in lines
+  model, params = _load(os.path.join(out, "merged"))
+  assert model.config == _load(gpt2["a"])[0].config
+  _, a = _load(gpt2["a"])
+  _, b = _load(gpt2["independent"])  # naive: aligned B is B
+  batches = _eval_files.match_batches(gpt2["text"], gpt2["a"], model, {}, batch_size=8,
+                                      seq_len=128, max_batches=2)
+  want, _ = repair.repair(model, a, b, 0.5, batches)
+  got = spec_lib.flatten(params)
+  for path, x in spec_lib.flatten(want).items():
+    np.testing.assert_allclose(got[path], x, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def test_repair_at_lambda_0_is_a(gpt2, tmp_path, capsys):
+  """``--merge 0 --repair``, without an evaluation: the merged model computes A's function
+  (REPAIR moves A's own channels onto A's statistics: nothing), and the summary says what
+  was corrected."""
+  out = str(tmp_path / "out")
+  report, lines = _run(capsys, gpt2["a"], gpt2["independent"], "--out", out, "--method",
+                       "naive", "--merge", "0", "--repair", "--match-data", gpt2["text"],
+                       "--match-batches", "1")
+  assert "loss" not in report["merged"] and set(report["merged"]) == {"lambda", "repair"}
+  assert any(line.startswith("REPAIRed merged model (lambda 0): 320 of 320 channels corrected")
+             for line in lines)
+  model, merged = _load(os.path.join(out, "merged"))
+  _, a = _load(gpt2["a"])
+  tokens = np.random.default_rng(1).integers(0, 64, (2, 16))
+  want = model.apply(a, tokens)[0]
+  np.testing.assert_allclose(model.apply(merged, tokens)[0], want, rtol=0,
+                             atol=1e-5 * np.abs(want).max())
+
+
+def test_vit_matches_and_repairs_on_an_image_folder(tmp_path, capsys):
+  """A planted ViT pair: the image folder's images, in whole batches of 3, recover A; the
+  REPAIRed merge of A with itself is A's merge (every channel's statistics already the
+  target)."""
+  a = _save_model("vit", str(tmp_path / "a"))
+  b = _write_b(a, str(tmp_path / "b"), _planted)
+  images = str(_images(tmp_path / "images", count=7))
+  out = str(tmp_path / "out")
+  report, _ = _run(capsys, a, b, "--out", out, "--method", "activation", "--match-data", images,
+                   "--batch-size", "3", "--merge", "0.5", "--repair")
+  _check_recovered(a, os.path.join(out, "aligned_b"))
+  assert report["match_data"]["batches"] == 2  # the 7th image makes no whole batch
+  assert report["match_data"]["batch_shape"] == [3, 8, 8, 3]
+  _check_recovered(a, os.path.join(out, "merged"))
+
+
+def test_bad_match_data_is_refused_in_one_line_naming_the_file(gpt2, tmp_path, capsys):
+  """Missing, empty and too short for one batch: one line naming the file, before any work
+  (nothing written)."""
+  out = str(tmp_path / "out")
+  pair = (gpt2["a"], gpt2["planted"], "--out", out, "--method", "activation", "--match-data")
+  missing = str(tmp_path / "missing.txt")
+  assert _refusal(capsys, *pair, missing) == f"--match-data {missing}: no such file"
+  assert _refusal(capsys, *pair, gpt2["empty"]) == f"--match-data {gpt2['empty']}: no text"
+  assert _refusal(capsys, *pair, gpt2["short"]) == (
+      f"--match-data {gpt2['short']}: 1 of the 8 sequences of 16 tokens that one batch needs "
+      "(--batch-size)")
+  folder = str(tmp_path / "no_images")
+  os.makedirs(os.path.join(folder, "0"))
+  assert _refusal(capsys, *pair, folder) == f"--match-data {folder}: no such file"
+  assert not os.path.exists(out)
+
+
+def test_bad_match_images_are_refused_in_one_line(tmp_path, capsys):
+  a = _save_model("vit", str(tmp_path / "a"))
+  b = _write_b(a, str(tmp_path / "b"), _planted)
+  pair = (a, b, "--out", str(tmp_path / "out"), "--method", "activation", "--match-data")
+  missing, empty = str(tmp_path / "missing"), str(tmp_path / "empty")
+  os.makedirs(os.path.join(empty, "0"))
+  images = str(_images(tmp_path / "images", count=2))
+  assert _refusal(capsys, *pair, missing) == f"--match-data {missing}: no such folder"
+  assert _refusal(capsys, *pair, empty) == (
+      f"--match-data {empty}: no images in label folders ({empty}/LABEL/*.png)")
+  assert _refusal(capsys, *pair, images) == (
+      f"--match-data {images}: 2 of the 8 images that one batch needs (--batch-size)")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--method", "activation"),
+     "--method activation matches the models' activations on data: give --match-data FILE"),
+    (("--method", "learned", "--learn-init", "activation", "--eval-text", "T"),
+     "--learn-init activation starts --method learned from the models' activations on data: "
+     "give --match-data FILE"),
+    (("--repair", "--match-data", "T"),
+     "--repair repairs the merged model: give --merge LAMBDA"),
+    (("--repair", "--merge", "0.5"),
+     "--repair resets the merged model's channel statistics measured on data: give "
+     "--match-data FILE"),
+    (("--match-data", "T"),
+     "--match-data is read by --method activation, --learn-init activation and --repair only; "
+     "--method is 'full' without --repair"),
+    (("--method", "activation", "--match-data", "T", "--match-batches", "0"),
+     "--match-batches must be an integer >= 1, got 0"),
+], ids=repr)
+def test_bad_data_options_are_refused_in_one_line(gpt2, tmp_path, capsys, args, message):
+  args = [gpt2["text"] if x == "T" else x for x in args]
+  out = str(tmp_path / "out")
+  assert _refusal(capsys, gpt2["a"], gpt2["planted"], "--out", out, *args) == message
+
+
+@pytest.mark.parametrize("args, why", [
+    (("--method", "activation", "--match-data", "T"), "--method activation (not streamed)"),
+    (("--method", "full", "--merge", "0.5", "--repair", "--match-data", "T"), "--repair"),
+], ids=repr)
+def test_whole_models_over_the_budget_are_refused_saying_why(gpt2, tmp_path, capsys, args, why):
+  """The activation method and REPAIR hold both whole models (``_memory.streams``): over the
+  budget, one line says which of them does, before any work."""
+  args = [gpt2["text"] if x == "T" else x for x in args]
+  line = _refusal(capsys, gpt2["a"], gpt2["planted"], "--out", str(tmp_path / "out"),
+                  "--memory-budget", "0.0001", *args)
+  assert line.startswith(f"{why} holds both whole models in float32, read and aligned: "), line
+
+
+def test_a_family_with_nothing_to_fold_is_refused_naming_it():
+  """REPAIR's own check of the family, run by the check stage before any work."""
+  toy = types.SimpleNamespace(config=types.SimpleNamespace(family="toy", depth=1),
+                              param_shapes={})
+  with pytest.raises(ValueError, match=r"^REPAIR cannot fold into family 'toy': it has no "
+                                       r"layers_0/attention/out/kernel"):
+    _check._check_repair(toy)
+
+
+def test_bert_match_data_is_one_sequence_per_line_with_its_mask(tmp_path):
+  """A BERT reads each line as one sequence (cut to --seq-len, its real tokens masked in), in
+  whole batches keyed by the model's input key, as ``Model.batch_activations`` reads them."""
+  _tokenizer(str(tmp_path), WORDS)
+  text = tmp_path / "lines.txt"
+  text.write_text("the cat sat\n\nthe dog ran far away while birds sang\na mat\n")
+  model = models.build("bert")
+  batches = _eval_files.match_batches(str(text), str(tmp_path), model, {}, batch_size=2,
+                                      seq_len=5, max_batches=8)
+  assert len(batches) == 1 and set(batches[0]) == {model.input_key, "mask"}
+  np.testing.assert_array_equal(batches[0]["mask"], [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+  assert batches[0][model.input_key].shape == (2, 5)
+  assert model.batch_activations(model.init(jax.random.key(0)), batches[0])
