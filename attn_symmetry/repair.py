@@ -84,6 +84,13 @@ class _Point:
   bias: str | None
 
 
+def check_model(model: Any, points: Sequence[str] = POINTS) -> None:
+  """Raises ValueError (one line) if ``repair`` cannot fold ``points`` into ``model``'s
+  weights: an unknown point, or a family without the projection a point folds into. Reads the
+  model's config and shapes only, so a caller can check before any work."""
+  _points(model, points)
+
+
 def _points(model: Any, points: Sequence[str]) -> list[_Point]:
   """The repaired points in forward order; ValueError for an unknown point name or a family
   that lacks what a point folds into."""

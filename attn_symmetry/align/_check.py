@@ -307,7 +307,7 @@ def _match_batches(options: Options, a: safetensors_io.Checkpoint,
 def _check_repair(model: Model) -> None:
   """Refuses ``--repair`` for a family with nothing to fold REPAIR's correction into (one line
   naming the family: ``repair.repair``'s own check, run before any work)."""
-  repair_lib._points(model, repair_lib.POINTS)  # pylint: disable=protected-access
+  repair_lib.check_model(model)
 
 
 def split_for_learning(batches: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
