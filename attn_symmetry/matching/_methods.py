@@ -83,6 +83,11 @@ class Method:
     return tuple(n for n in _options.NAMES
                  if n in self.options or (self.descent and n in _options.PROGRAM))
 
+  @property
+  def every_argument(self) -> tuple[str, ...]:
+    """Every argument it may read: ``arguments`` and those of ``when``."""
+    return self.arguments + tuple(a for w in self.when for a in w.arguments)
+
   def reads_arguments(self, options: _options.MatchOptions) -> tuple[str, ...]:
     """The arguments it reads given ``options``: ``arguments``, and those of ``when`` met."""
     return self.arguments + tuple(a for w in self.when if getattr(options, w.option) == w.value
@@ -107,8 +112,7 @@ def _register(method: Method) -> Method:
   if not callable(method.align):
     raise ValueError(f"matching method {method.name!r}: align must be callable, got "
                      f"{method.align!r}")
-  taken = sorted(set(_options.NAMES) & {*method.arguments,
-                                        *(a for w in method.when for a in w.arguments)})
+  taken = sorted(set(_options.NAMES) & set(method.every_argument))
   if taken:
     raise ValueError(f"matching method {method.name!r}: arguments {taken} are matching options; "
                      "name them in options")
@@ -158,15 +162,14 @@ def _check_arguments(method: Method, options: _options.MatchOptions,
                      arguments: Mapping[str, Any]) -> None:
   """ValueError naming an argument that no method reads, or one given (not None) to a
   method that does not read it with these options."""
-  known = {a for m in METHODS.values() for a in (*m.arguments, *(a for w in m.when
-                                                                  for a in w.arguments))}
+  known = {a for m in METHODS.values() for a in m.every_argument}
   unknown = sorted(set(arguments) - known)
+  read = method.reads_arguments(options)
   if unknown:
     hints = "".join(f"; {u} is the matching option {o}" for u in unknown
                     for o in _options.NAMES if o.endswith("_" + u))
     raise ValueError(f"unknown options {unknown} of method {method.name!r}; it takes the "
-                     f"matching options (MatchOptions) and {list(method.arguments)}{hints}")
-  read = method.reads_arguments(options)
+                     f"matching options (MatchOptions) and {list(read)}{hints}")
   unread = sorted(a for a, v in arguments.items() if v is not None and a not in read)
   if unread:
     readers = _readers(unread[0])
