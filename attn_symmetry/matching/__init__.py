@@ -46,9 +46,11 @@ models' activations on ``match_batches`` (``activations(params, batch)``, keyed 
 ``ACTIVATION_KEYS`` says; ``Model.activations`` for the built-in families): correlations
 and the exact assignment for permutations, Procrustes for an orthogonal residual, and per
 site Stage 1 on the heads' logits and outputs and Stage 2 by least squares. ``METHODS``
-maps every name to its ``Method`` (the options it reads: ``MatchOptions`` says which for
-the built-in methods), with the methods registered by ``register_method``
-(docs/extending.md).
+maps every name to its ``Method``: the function that computes its element, the options it
+reads (``MatchOptions`` says which for the built-in methods) and the arguments beyond them
+(data: ``activations``, ``loss_fn``, batches). The built-in methods are registered beside
+their code as the methods of ``register_method`` are (docs/extending.md), and
+``align_model`` calls every one the same way.
 
 bfloat16 and float16 parameters are matched in float32, and the elements are
 float32 (float32 and float64 parameters are matched in their own dtype);
@@ -56,6 +58,10 @@ float32 (float32 and float64 parameters are matched in their own dtype);
 Everything is jitted end to end, with no host callback, and imports jax, numpy and optax only.
 """
 
+# The built-in methods register themselves as their modules load, in this order (METHODS).
+from attn_symmetry.matching import _model  # naive, perm, ortho, full
+from attn_symmetry.matching import _learned  # learned
+from attn_symmetry.matching import _activation  # activation
 from attn_symmetry.matching._activation import ACTIVATION_KEYS
 from attn_symmetry.matching._assignment import head_permutations
 from attn_symmetry.matching._assignment import linear_assignment
@@ -93,3 +99,5 @@ from attn_symmetry.matching._streamed import align_model_streamed
 from attn_symmetry.matching._streamed import layer_program_memory
 from attn_symmetry.matching._streamed import leaf_sharding
 from attn_symmetry.matching._streamed import stream_groups
+
+METHODS.mark_built_in()

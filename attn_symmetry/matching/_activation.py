@@ -69,6 +69,8 @@ from attn_symmetry import spec as spec_lib
 from attn_symmetry.matching import _assignment
 from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _features
+from attn_symmetry.matching import _methods
+from attn_symmetry.matching import _model
 from attn_symmetry.matching import _stage2
 from attn_symmetry.matching import _static
 
@@ -380,35 +382,39 @@ def check_inputs(activations: Any, batches: Any) -> None:
                      f"(e.g. from the training split); got {batches!r}")
 
 
-def align(spec: spec_lib.SymmetrySpec, params_a, params_b, *, names: Sequence[str],
-          activations: Activations, batches: Sequence[Any], steps: int,
-          needs_folding: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-  """``align_model(method="activation")`` on checked models (module docstring).
+def align(spec: spec_lib.SymmetrySpec, params_a, params_b, *,
+          scope: str | Sequence[str] | None, steps: int, activations: Activations | None = None,
+          match_batches: Sequence[Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Method "activation" (``align_model(method="activation")``) on checked models (module
+  docstring).
 
   Args:
     spec: the models' spec.
     params_a, params_b: the two models (any float dtype; the statistics and the element are
       in the matching dtype, float32 for half precision).
-    names: the factors and sites in scope (``active_names``).
+    scope: parameter path prefixes; the names in scope are ``_model.active_names``'.
+    steps: the most Gauss-Newton iterations of each QK problem.
     activations: ``activations(params, batch) -> {key: array}`` (``ACTIVATION_KEYS``), pure
       and jittable; called on A's and B's parameters as given (unfolded).
-    batches: the batches it is evaluated on, one at a time.
-    steps: the most Gauss-Newton iterations of each QK problem.
-    needs_folding: whether the element acts on folded parameters (an orthogonal factor
-      meets norm scales); reported as info["folded_norm_scales"].
+    match_batches: the batches it is evaluated on, one at a time.
 
   Returns:
-    (element, info): info {"folded_norm_scales", "batches" (read), "samples" (per factor in
-    scope: the pooled rows of its statistics), "refinement_steps", "distance" {"initial",
-    "final"} the squared parameter distance to (folded) A before and after}.
+    (element, info): info {"folded_norm_scales" (whether the element acts on folded
+    parameters: an orthogonal factor in scope meets norm scales), "batches" (read),
+    "samples" (per factor in scope: the pooled rows of its statistics),
+    "refinement_steps", "distance" {"initial", "final"} the squared parameter distance to
+    (folded) A before and after}.
 
   Raises:
-    ValueError: before any computation, naming the key, if the activations lack what a name
+    ValueError: before any computation, naming the argument or key, if ``activations`` or
+      ``match_batches`` cannot serve (``check_inputs``) or the activations lack what a name
       in scope needs; after a batch, naming the model, batch and key, if an activation is
       not finite.
   """
+  batches = match_batches
   check_inputs(activations, batches)
-  names = tuple(names)
+  names = _model.active_names(spec, scope)
+  needs_folding = _model._needs_folding(spec, names)
   dtype = _attention.compute_dtype(next(iter(spec_lib.flatten(params_a).values())).dtype)
   for which, params in (("A", params_a), ("B", params_b)):
     try:
@@ -451,3 +457,5 @@ def align(spec: spec_lib.SymmetrySpec, params_a, params_b, *, names: Sequence[st
   return element, {"folded_norm_scales": needs_folding, "batches": len(batches),
                    "samples": samples, "refinement_steps": taken, "distance": distance}
 
+
+_methods.register_built_in("activation", align, arguments=("activations", "match_batches"))

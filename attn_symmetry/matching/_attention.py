@@ -51,7 +51,7 @@ from attn_symmetry.matching import _stage2
 
 # "learned" (``_learned``) fits "full"'s element to a task loss and "activation"
 # (``_activation``) matches the models' activations: ``align_model`` only.
-# ``_methods.METHODS`` holds these and the methods registered from outside.
+# The whole-model methods are ``_methods.METHODS``, each registered beside its code.
 METHODS = ("naive", "perm", "ortho", "full", "learned", "activation")
 # The methods that are stages of one computation (each starts from the one before it):
 # ``stage2`` and ``solve_layer`` take one of them by name, or by a traced index into this.

@@ -97,6 +97,9 @@ from attn_symmetry import group_action
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _correction
+from attn_symmetry.matching import _methods
+from attn_symmetry.matching import _model
+from attn_symmetry.matching import _options
 from attn_symmetry.matching import _stage2
 
 UNIFORM = "uniform"  # ``lam`` value: lambda ~ U(0, 1) at every step
@@ -471,23 +474,40 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
   return element, info
 
 
-def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
-          start: Callable[[], tuple[dict[str, Any], dict[str, Any]]], *, names: Sequence[str],
-          loss_fn: LossFn | None, batches: Iterable[Any] | None,
-          holdout_batches: Sequence[Any] | None, steps: int, learning_rate: float,
-          **options) -> tuple[dict[str, Any], dict[str, Any]]:
-  """``align_model(method="learned")``: checks every option, then runs ``start()`` (the
-  (element, info) of the method chosen by ``learn_init``: "full" or "activation") and
-  ``learn_alignment`` from it.
+def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
+          scope: str | Sequence[str] | None, loss_fn: LossFn | None = None,
+          batches: Iterable[Any] | None = None, holdout_batches: Sequence[Any] | None = None,
+          activations: Any = None, match_batches: Sequence[Any] | None = None,
+          lam: float | str = OPTIONS["lam"], key: jax.Array | None = None,
+          eval_every: int | None = None,
+          progress: Callable[[dict[str, Any]], None] | None = None,
+          **matching) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Method "learned" (``align_model(method="learned")``): checks every option, then runs
+  its start, the method that ``learn_init`` names ("full" or "activation", at the default
+  ``steps`` and ``learning_rate``, with ``activations`` and ``match_batches`` for
+  "activation"), and ``learn_alignment`` from it.
 
-  ``options``: those of ``learn_alignment`` after ``learning_rate`` (``OPTIONS``).
+  ``matching``: every matching option (``MatchOptions``; ``steps`` and ``learning_rate``
+  those of the training, ``learn_lam_band`` in hundredths); the rest as ``learn_alignment``.
   """
-  unknown = sorted(set(options) - set(OPTIONS))
-  if unknown:
-    raise ValueError(f"unknown options {unknown} of method 'learned'; it takes loss_fn, batches, "
-                     f"holdout_batches, steps, learning_rate and {list(OPTIONS)}")
-  options = dict(OPTIONS, **options, loss_fn=loss_fn, batches=batches,
-                 holdout_batches=holdout_batches, steps=steps, learning_rate=learning_rate)
-  check_options(**{k: v for k, v in options.items() if k != "factors"})
-  _correction.resolve(spec, names, options["factors"])
-  return learn_alignment(spec, params_a, params_b, start(), names=names, **options)
+  o = _options.MatchOptions(**matching)
+  options = dict(loss_fn=loss_fn, batches=batches, holdout_batches=holdout_batches,
+                 steps=o.steps, learning_rate=o.learning_rate, lam=lam,
+                 lam_band=o.learn_lam_band / 100, key=key, eval_every=eval_every,
+                 progress=progress)
+  check_options(**options)
+  names = _model.active_names(spec, scope)
+  _correction.resolve(spec, names, o.factors)
+  start = dataclasses.replace(o, steps=_options.DEFAULTS["steps"],
+                              learning_rate=_options.DEFAULTS["learning_rate"])
+  element = _methods.METHODS[o.learn_init].call(
+      spec, params_a, params_b, scope=scope, options=start,
+      arguments=dict(activations=activations, match_batches=match_batches))
+  return learn_alignment(spec, params_a, params_b, element, names=names, factors=o.factors,
+                         **options)
+
+
+_methods.register_built_in(
+    "learned", align, arguments=("loss_fn", "batches", "holdout_batches", "lam", "key",
+                                 "eval_every", "progress"),
+    when=(_methods.When("learn_init", "activation", ("activations", "match_batches")),))

@@ -1,12 +1,18 @@
-"""The whole-model matching methods by name: one registration per method.
+"""The whole-model matching methods by name: one registration per method, built-in or not.
 
-``METHODS`` maps each method's name to its ``Method``: the options of
-``align_model`` it reads (callers key saved results by them, so that a
-result is recomputed when one of them changes and only then; for a built-in
-method, the table ``MatchOptions`` says which) and, for a method registered
-from outside the package (``register_method``), the function that computes
-its element. The built-in methods ("naive", "perm", "ortho", "full",
-"learned", "activation") run inside ``align_model``.
+``METHODS`` maps each method's name to its ``Method``: the function that computes
+its element, the options of ``align_model`` it reads (callers key saved results by
+them, so that a result is recomputed when one of them changes and only then; for a
+built-in method, the table ``MatchOptions`` says which) and the arguments beyond the
+options that it reads (its data: "activation"'s ``activations`` and
+``match_batches``, "learned"'s ``loss_fn`` and batches). ``align_model`` checks the
+options, the arguments, the model pair and the scope once (``check``), then calls
+the method (``Method.call``).
+
+The built-in methods register themselves beside their code (``register_built_in``):
+"naive", "perm", "ortho" and "full" in ``_model``, "learned" in ``_learned``,
+"activation" in ``_activation``; ``register_method`` adds one from outside the
+package (docs/extending.md).
 """
 
 from __future__ import annotations
@@ -16,12 +22,20 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from attn_symmetry import registry
-from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _options
 
 # The options of ``align_model`` that a method may name (``MatchOptions``' fields but those of
 # the built-in descent alone: ``max_rounds``).
 ALIGN_OPTIONS = _options.METHOD_OPTIONS
+Align = Callable[..., tuple[dict[str, Any], dict[str, Any]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class When:
+  """``arguments`` that a method reads only when option ``option`` is ``value``."""
+  option: str
+  value: Any
+  arguments: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,23 +44,29 @@ class Method:
 
   Attributes:
     name: the method's name (``align_model(method=...)``, ``study.methods``).
+    align: ``align(spec, params_a, params_b, *, scope, **options, **arguments)``
+      -> (element, info): a group element of ``spec`` (as
+      ``group_action.identity_model``'s) that brings B close to A, acting only
+      inside ``scope`` (parameter path prefixes, checked), and a dict of
+      JSON-convertible diagnostics. ``info["folded_norm_scales"]`` True says
+      the element needs both endpoints' norm scales folded
+      (``group_action.fold_norm_scales``), as an orthogonal residual does. It
+      receives the options of ``takes`` and the arguments of ``reads_arguments``
+      that the caller gave.
     options: the entries of ``ALIGN_OPTIONS`` it reads.
     descent: whether it runs ``align_model``'s coordinate descent, and so reads the
       descent's own options too (``max_rounds``): the built-in methods but "naive"
-      (``_options.DESCENTS``).
-    align: None for a built-in method (``align_model`` runs it); for a
-      registered one, ``align(spec, params_a, params_b, *, scope, **options)``
-      -> (element, info): a group element of ``spec`` (as
-      ``group_action.identity_model``'s) that brings B close to A, acting only
-      inside ``scope`` (parameter path prefixes), and a dict of
-      JSON-convertible diagnostics. ``info["folded_norm_scales"]`` True says
-      the element needs both endpoints' norm scales folded
-      (``group_action.fold_norm_scales``), as an orthogonal residual does.
+      and "activation" (``_options.DESCENTS``).
+    arguments: the arguments of ``align_model`` beyond the options that it reads.
+    when: arguments it reads under a condition on the options ("learned" reads
+      ``activations`` with ``learn_init="activation"``).
   """
   name: str
   options: tuple[str, ...]
-  align: Callable[..., tuple[dict[str, Any], dict[str, Any]]] | None = None
+  align: Align
   descent: bool = False
+  arguments: tuple[str, ...] = ()
+  when: tuple[When, ...] = ()
 
   def reads(self, given: Mapping[str, Any]) -> tuple[str, ...]:
     """The matching options it reads, in ``MatchOptions``' order, when called with the
@@ -55,27 +75,133 @@ class Method:
     "adam" solver)."""
     return _options.reads(self.options, self.name, self.descent, given)
 
+  @property
+  def takes(self) -> tuple[str, ...]:
+    """The options its ``align`` receives, in table order: its ``options`` and, for a
+    descent, every option of the descent's one compiled program (``_options.PROGRAM``), so
+    that "perm", "ortho" and "full" called with equal options share that program."""
+    return tuple(n for n in _options.NAMES
+                 if n in self.options or (self.descent and n in _options.PROGRAM))
 
-METHODS: registry.Registry = registry.Registry(
-    (name, Method(name, _options.built_in_options(name), descent=name in _options.DESCENTS))
-    for name in _attention.METHODS)
+  @property
+  def every_argument(self) -> tuple[str, ...]:
+    """Every argument it may read: ``arguments`` and those of ``when``."""
+    return self.arguments + tuple(a for w in self.when for a in w.arguments)
+
+  def reads_arguments(self, options: _options.MatchOptions) -> tuple[str, ...]:
+    """The arguments it reads given ``options``: ``arguments``, and those of ``when`` met."""
+    return self.arguments + tuple(a for w in self.when if getattr(options, w.option) == w.value
+                                  for a in w.arguments)
+
+  def call(self, spec: Any, params_a: Any, params_b: Any, *, scope: Any,
+           options: _options.MatchOptions, arguments: Mapping[str, Any]
+           ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``align`` on the pair, with the options it takes and the ``arguments`` it reads."""
+    read = self.reads_arguments(options)
+    return self.align(spec, params_a, params_b, scope=scope,
+                      **{k: getattr(options, k) for k in self.takes},
+                      **{k: v for k, v in arguments.items() if k in read})
 
 
-def register_method(name: str, align: Callable[..., tuple[dict[str, Any], dict[str, Any]]], *,
-                    options: Sequence[str] = ()) -> Method:
+METHODS: registry.Registry = registry.Registry()
+
+
+def _register(method: Method) -> Method:
+  if method.name in METHODS:
+    raise ValueError(f"matching method {method.name!r} is already registered")
+  if not callable(method.align):
+    raise ValueError(f"matching method {method.name!r}: align must be callable, got "
+                     f"{method.align!r}")
+  taken = sorted(set(_options.NAMES) & set(method.every_argument))
+  if taken:
+    raise ValueError(f"matching method {method.name!r}: arguments {taken} are matching options; "
+                     "name them in options")
+  METHODS[method.name] = method
+  return method
+
+
+def register_built_in(name: str, align: Align, *, arguments: Sequence[str] = (),
+                      when: Sequence[When] = ()) -> Method:
+  """Adds the package's method ``name``: its options are those the table ``MatchOptions``
+  names for it, and it runs the descent if it is one of ``_options.DESCENTS``."""
+  return _register(Method(name, _options.built_in_options(name), align,
+                          descent=name in _options.DESCENTS, arguments=tuple(arguments),
+                          when=tuple(when)))
+
+
+def register_method(name: str, align: Align, *, options: Sequence[str] = (),
+                    arguments: Sequence[str] = ()) -> Method:
   """Adds a whole-model matching method (``Method``); returns it.
 
   Raises:
-    ValueError: the name is taken, ``align`` is not callable, or ``options``
-      names something other than ``ALIGN_OPTIONS``.
+    ValueError: the name is taken, ``align`` is not callable, ``options`` names
+      something other than ``ALIGN_OPTIONS``, or ``arguments`` names an option.
   """
-  if name in METHODS:
-    raise ValueError(f"matching method {name!r} is already registered")
-  if not callable(align):
-    raise ValueError(f"matching method {name!r}: align must be callable, got {align!r}")
   unknown = sorted(set(options) - set(ALIGN_OPTIONS))
   if unknown:
     raise ValueError(f"matching method {name!r}: unknown options {unknown}; a method reads "
                      f"some of {ALIGN_OPTIONS}")
-  METHODS[name] = Method(name, tuple(options), align)
-  return METHODS[name]
+  return _register(Method(name, tuple(options), align, arguments=tuple(arguments)))
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+def _words(names: Sequence[str]) -> str:
+  return " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _readers(argument: str) -> list[str]:
+  """Who reads ``argument``: "method 'activation'", "'learned' with learn_init='activation'"."""
+  return ([f"method {m.name!r}" for m in METHODS.values() if argument in m.arguments]
+          + [f"{m.name!r} with {w.option}={w.value!r}" for m in METHODS.values()
+             for w in m.when if argument in w.arguments])
+
+
+def _check_arguments(method: Method, options: _options.MatchOptions,
+                     arguments: Mapping[str, Any]) -> None:
+  """ValueError naming an argument that no method reads, or one given (not None) to a
+  method that does not read it with these options."""
+  known = {a for m in METHODS.values() for a in m.every_argument}
+  unknown = sorted(set(arguments) - known)
+  read = method.reads_arguments(options)
+  if unknown:
+    hints = "".join(f"; {u} is the matching option {o}" for u in unknown
+                    for o in _options.NAMES if o.endswith("_" + u))
+    raise ValueError(f"unknown options {unknown} of method {method.name!r}; it takes the "
+                     f"matching options (MatchOptions) and {list(read)}{hints}")
+  unread = sorted(a for a, v in arguments.items() if v is not None and a not in read)
+  if unread:
+    readers = _readers(unread[0])
+    group = [a for a in unread if _readers(a) == readers]
+    condition = "".join(f" with {w.option}={getattr(options, w.option)!r}" for w in method.when
+                        if set(group) & set(w.arguments))
+    raise ValueError(f"{_words(group)} are read by {readers[0]}"
+                     + "".join(f" (and {r})" for r in readers[1:])
+                     + f" only, not by {method.name!r}{condition}")
+
+
+def check(name: str, options: _options.MatchOptions, arguments: Mapping[str, Any]) -> Method:
+  """``METHODS[name]``, once ``options`` and ``arguments`` are seen to fit it.
+
+  Raises:
+    ValueError: naming the option or argument: the method is unknown, an option lies
+      outside its range (``OneOf``, ``AtLeast``; the methods that read learning_rate and
+      factors check those), an option that one built-in method alone reads (``learned``'s
+      own) is given another value than its default to a method that does not read it, or
+      an argument is unknown or given to a method that does not read it.
+  """
+  if name not in METHODS:
+    raise ValueError(f"method must be one of {tuple(METHODS)}, got {name!r}")
+  for option in _options.OPTIONS:  # learning_rate and factors: the methods that read them
+    value = getattr(options, option.name)
+    if isinstance(option.range, (_options.OneOf, _options.AtLeast)) and value not in option.range:
+      raise ValueError(f"{option.name} must {option.range.says}, got {value!r}")
+  method = METHODS[name]
+  foreign = [n for n in _options.OWN
+             if getattr(options, n) != _options.DEFAULTS[n] and n not in method.options]
+  if foreign:
+    raise ValueError(f"{foreign} are options of method {_options.OWN[foreign[0]]!r} only, not "
+                     f"of {name!r}")
+  _check_arguments(method, options, arguments)
+  return method

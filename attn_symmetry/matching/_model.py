@@ -74,7 +74,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -83,11 +83,9 @@ import numpy as np
 
 from attn_symmetry import group_action
 from attn_symmetry import spec as spec_lib
-from attn_symmetry.matching import _activation
 from attn_symmetry.matching import _assignment
 from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _features
-from attn_symmetry.matching import _learned
 from attn_symmetry.matching import _methods
 from attn_symmetry.matching import _options
 from attn_symmetry.matching import _stage2
@@ -620,14 +618,37 @@ def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps
   return element, info
 
 
+def _identity(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
+              scope: str | Sequence[str] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Method "naive": the identity element, in the matching dtype."""
+  del params_b, scope
+  dtype = _attention.compute_dtype(next(iter(spec_lib.flatten(params_a).values())).dtype)
+  return group_action.identity_model(spec, dtype), {"folded_norm_scales": False}
+
+
+def _descent(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
+             scope: str | Sequence[str] | None, method: str, **options
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Methods "perm", "ortho" and "full" (``method``): Weight Matching of the factors in
+  ``scope`` with the method's attention matching, one compiled program for the three
+  (``options``: ``_options.PROGRAM``)."""
+  return _weight_matching(spec, params_a, params_b, names=active_names(spec, scope),
+                          method=method, **options)
+
+
+_methods.register_built_in("naive", _identity)
+for _stage in _attention.STAGES:
+  _methods.register_built_in(_stage, functools.partial(_descent, method=_stage))
+
+
 def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
                 scope: str | Sequence[str] | None = None, method: str = "full",
-                loss_fn: Callable[[Params, Any], Any] | None = None,
-                batches: Iterable[Any] | None = None, holdout_batches: Sequence[Any] | None = None,
-                activations: Callable[[Params, Any], dict[str, Any]] | None = None,
-                match_batches: Sequence[Any] | None = None,
-                **learned_options) -> tuple[dict[str, Any], dict[str, Any]]:
+                **arguments) -> tuple[dict[str, Any], dict[str, Any]]:
   """Aligns model B to model A: every factor and attention site of ``spec`` in scope.
+
+  Every method, built-in or registered, is a ``Method`` of ``matching.METHODS``: this
+  checks the options, the arguments, the model pair and the scope, then calls the
+  method's ``align`` with the options it takes and the arguments it reads.
 
   Args:
     spec: the models' symmetry spec.
@@ -643,12 +664,12 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       ``learning_rate``), then its attention matrices in scope trained on
       ``loss_fn`` of the interpolated model (``learn_alignment``, where
       ``steps`` and ``learning_rate`` are those of the training; ``factors``
-      chooses what is trained), or a
-      method of ``register_method``: its ``align`` is called with ``scope``
-      and the options it names (``matching.METHODS[method].options``), or
-      "activation": every factor and site decided from the two models'
-      ``activations`` on ``match_batches`` (``_activation``; ``steps``: the most
-      Gauss-Newton iterations of its QK problems).
+      chooses what is trained), or "activation": every factor and site decided
+      from the two models' ``activations`` on ``match_batches`` (``_activation``;
+      ``steps``: the most Gauss-Newton iterations of its QK problems), or a
+      method of ``register_method``: its ``align`` is called with ``scope``,
+      the options it names (``matching.METHODS[method].options``) and the
+      arguments it declares.
     **matching options: one keyword argument per field of ``MatchOptions``, which holds
       each one's default, doc and range (this signature is generated from it):
     distance, steps, learning_rate, init, solver: attention matching options
@@ -666,8 +687,11 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     learn_init, learn_lam_band: for "learned": its start ("full" or "activation") and the
       half-width, in hundredths, of the band around ``lam`` that lambda is drawn from at
       every step (0: lambda fixed).
-    loss_fn, batches, holdout_batches, **learned_options: for "learned" only
-      (``learn_alignment``; learned_options: lam, key, eval_every, progress).
+    **arguments: the arguments a method reads beyond the options (``Method.arguments``);
+      one given (not None) to a method that does not read it is a ValueError. Those of the
+      built-in methods:
+    loss_fn, batches, holdout_batches, lam, key, eval_every, progress: for "learned"
+      (``learn_alignment``).
     activations, match_batches: for "activation", and "learned" from it:
       ``activations(params, batch) -> {key: array}`` keyed by the spec's names
       (``matching.ACTIVATION_KEYS``; ``Model.activations``), pure and jittable, and the
@@ -690,70 +714,19 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     info["refinement_steps"] (``_activation.align``).
 
   Raises:
-    ValueError: before any computation, naming the leaf or option, if the
-      parameters do not fit the spec or each other, hold NaN or Inf, a scope
-      prefix matches nothing, or an option is unknown; for "activation", naming the key,
-      when the activations lack what a name in scope needs or are not finite.
+    ValueError: before any computation, naming the leaf, option or argument, if the
+      parameters do not fit the spec or each other, hold NaN or Inf, a scope prefix
+      matches nothing, or an option or argument is unknown or not the method's
+      (``_methods.check``); for "activation", naming the key, when the activations lack
+      what a name in scope needs or are not finite.
   """
-  o = _options.MatchOptions(**{k: learned_options.pop(k) for k in _options.NAMES
-                                if k in learned_options})
-  _attention.check_options(method, o.distance, o.steps, o.init, methods=_methods.METHODS,
-                           solver=o.solver)
-  if o.refine not in REFINES:
-    raise ValueError(f"refine must be one of {REFINES}, got {o.refine!r}")
-  for option in (o_ for o_ in _options.OPTIONS if o_.name in ("learn_init", "learn_lam_band")):
-    value = getattr(o, option.name)
-    if value not in option.range:
-      raise ValueError(f"{option.name} must {option.range.says}, got {value!r}")
+  options = _options.MatchOptions(**{k: arguments.pop(k) for k in _options.NAMES
+                                      if k in arguments})
+  chosen = _methods.check(method, options, arguments)
   _check_model_pair(spec, params_a, params_b)
-  names = active_names(spec, scope)
-  descent = dict(distance=o.distance, max_rounds=o.max_rounds, init=o.init, refine=o.refine,
-                 solver=o.solver)
-  if "lam_band" in learned_options:
-    raise ValueError("the band of lambda is the matching option learn_lam_band (hundredths), "
-                     "not lam_band")
-  registered = _methods.METHODS[method]
-  if method != "learned":
-    learned_only = [n for n, v in (("loss_fn", loss_fn), ("batches", batches),
-                                   ("holdout_batches", holdout_batches)) if v is not None]
-    if o.factors is not None and "factors" not in registered.options:
-      learned_only.append("factors")
-    learned_only += [n for n in ("learn_init", "learn_lam_band")
-                     if getattr(o, n) != _options.DEFAULTS[n] and n not in registered.options]
-    if learned_only or learned_options:
-      raise ValueError(f"{learned_only + sorted(learned_options)} are options of method "
-                       f"'learned' only, not of {method!r}")
-  from_activations = method == "activation" or (method == "learned"
-                                                 and o.learn_init == "activation")
-  if from_activations:
-    _activation.check_inputs(activations, match_batches)
-  elif activations is not None or match_batches is not None:
-    raise ValueError("activations and match_batches are read by method 'activation' (and "
-                     f"'learned' with learn_init='activation') only, not by {method!r}"
-                     + (f" with learn_init={o.learn_init!r}" if method == "learned" else ""))
-  by_activations = functools.partial(
-      _activation.align, spec, params_a, params_b, names=names, activations=activations,
-      batches=match_batches, needs_folding=_needs_folding(spec, names))
-  if method == "learned":  # its start at the default steps and learning rate, then training
-    start = (functools.partial(by_activations, steps=_options.DEFAULTS["steps"])
-             if from_activations else
-             functools.partial(_weight_matching, spec, params_a, params_b, names=names,
-                               method="full", steps=_options.DEFAULTS["steps"],
-                               learning_rate=_options.DEFAULTS["learning_rate"], **descent))
-    return _learned.align(spec, params_a, params_b, start, names=names, loss_fn=loss_fn,
-                          batches=batches, holdout_batches=holdout_batches, steps=o.steps,
-                          learning_rate=o.learning_rate, factors=o.factors,
-                          lam_band=o.learn_lam_band / 100, **learned_options)
-  if method == "activation":
-    return by_activations(steps=o.steps)
-  if registered.align is not None:  # register_method's: it reads the options it names
-    return registered.align(spec, params_a, params_b, scope=scope,
-                            **{k: getattr(o, k) for k in registered.options})
-  if method == "naive":
-    dtype = _attention.compute_dtype(next(iter(spec_lib.flatten(params_a).values())).dtype)
-    return group_action.identity_model(spec, dtype), {"folded_norm_scales": False}
-  return _weight_matching(spec, params_a, params_b, names=names, method=method, steps=o.steps,
-                          learning_rate=o.learning_rate, **descent)
+  active_names(spec, scope)  # a scope prefix that names no leaf is an error
+  return chosen.call(spec, params_a, params_b, scope=scope, options=options,
+                     arguments=arguments)
 
 
 align_model.__signature__ = _options.signature(align_model)

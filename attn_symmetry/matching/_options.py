@@ -13,8 +13,8 @@ names the options derives from this table:
 * the study's ``study.match_*`` config fields (default, doc, rule:
   ``experiments/setting/config_schema.py``).
 
-A new option is one field here plus the code that reads it (a method's
-``align``, or ``_model``'s descent for a built-in one).
+A new option is one field here plus the code that reads it (the ``align`` of a
+method that reads it: ``_model``'s descent for "perm", "ortho" and "full").
 """
 
 from __future__ import annotations
@@ -229,6 +229,12 @@ NAMES = tuple(o.name for o in OPTIONS)
 # What a method's registration may name: every option but the built-in descent's own.
 METHOD_OPTIONS = tuple(o.name for o in OPTIONS if not o.descent)
 DEFAULTS: dict[str, Any] = {o.name: o.default for o in OPTIONS}
+# The options of the built-in descent's one compiled program, which "perm", "ortho" and "full"
+# share (``Method.takes``): those that "full" reads and the descent's own.
+PROGRAM = tuple(o.name for o in OPTIONS if "full" in o.methods or o.descent)
+# The options that one built-in method alone reads ("learned"'s own), each to that method: a
+# method that does not read one refuses a value other than its default (``_methods.check``).
+OWN = {o.name: o.methods[0] for o in OPTIONS if len(o.methods) == 1}
 
 
 def built_in_options(method: str) -> tuple[str, ...]:
