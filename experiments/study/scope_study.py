@@ -146,7 +146,7 @@ _ENDPOINTS = "each seed's own model, evaluated once"
 def align(spec, params_a: Params, params_b: Params, *, scope: list[str], method: str,
           options: Mapping[str, Any], **data) -> tuple[dict, dict]:
   """(element, info) of a method that trains nothing (all but "learned"), built-in or
-  registered (``matching.align_model`` calls a registered method's own ``align``); ``data``:
+  registered alike (``matching.align_model`` calls the method's own ``align``); ``data``:
   the "activation" method's ``activations`` and ``match_batches``."""
   return matching.align_model(spec, params_a, params_b, scope=scope, method=method, **options,
                               **data)
