@@ -174,14 +174,15 @@ def _header(sweep: Sweep, methods: Sequence[str]) -> list[str]:
 
 
 def trends(results_root: str, sweep: Sweep) -> dict[str, Slope | None]:
-  """Each aligned method's slope of the barrier in % of naive per doubling of x, over the
-  committed points of ``sweep`` that have it ({} when none is committed)."""
+  """Each aligned method's slope of the barrier in % of naive per doubling of x (REPAIRed paths
+  too, but naive's), over the committed points of ``sweep`` that have it ({} when none is
+  committed)."""
   points = _committed(results_root, sweep.points)
   if not points:
     return {}
   methods = methods_of([res for *_, res in points])
   out = {}
-  for m in methods[1:]:
+  for m in (m for m in methods if m.removesuffix(report.REPAIRED) != "naive"):
     kept = [(x, i) for x, *_, res in points
             if (i := ss.jackknife(_pairs(res, m, ratio=True))) is not None]
     out[m] = slope([x for x, _ in kept], [i for _, i in kept]) if kept else None
@@ -206,11 +207,12 @@ def sweep_table(results_root: str, sweep: Sweep) -> str:
     for m in methods[1:]:
       ratios[m].append((x, r[m]))
   what = "the width" if sweep.axis == _width_axis else sweep.axis
+  bits = all(res.get("loss_unit", "").startswith("bits") for *_, res in points)
   lines += ["", f"Slope per doubling of {what} (least squares against log2 of it over the "
                 "committed points; 95 % interval from the per-point seed-level standard "
                 "errors):",
             "", "| statistic | slope per doubling | 95 % interval | points |", "|---|---|---|---|"]
-  for label, table, unit, digits in (("loss barrier", barriers, " nats", 4),
+  for label, table, unit, digits in (("loss barrier", barriers, " bits" if bits else " nats", 4),
                                      ("% of naive", ratios, " points", 1)):
     for m, points_m in table.items():
       kept = [(x, i) for x, i in points_m if i is not None]
