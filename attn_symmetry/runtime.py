@@ -64,7 +64,9 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import importlib.util
 import os
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -73,6 +75,20 @@ import jax
 import numpy as np
 
 COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), "attn_symmetry", "jax_cache")
+
+
+def import_script_package(script: str) -> None:
+  """Makes the package that holds ``script`` (a file run by path, whose folder has an
+  ``__init__.py``) importable under its folder's name, without putting anything on
+  ``sys.path``: how the commands of a package that is not installed (the repository's
+  ``experiments/``) import their siblings. Does nothing once the package is imported."""
+  folder = os.path.dirname(os.path.abspath(script))
+  name = os.path.basename(folder)
+  if name in sys.modules:
+    return
+  spec = importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"))
+  sys.modules[name] = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(sys.modules[name])
 
 
 def jsonable(tree: Any) -> Any:

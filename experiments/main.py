@@ -24,7 +24,6 @@ results are those of one process with as many devices. On CPU, the processes'
 collectives run over gloo (JAX's default ``jax_cpu_collectives_implementation``).
 """
 
-import importlib.util
 import logging as python_logging
 import os
 import sys
@@ -42,10 +41,7 @@ from attn_symmetry import data
 from attn_symmetry import runtime
 
 if not __package__:  # run by path: import the package this file is in, from its own folder
-  _SPEC = importlib.util.spec_from_file_location(
-      "experiments", os.path.join(os.path.dirname(os.path.abspath(__file__)), "__init__.py"))
-  sys.modules["experiments"] = importlib.util.module_from_spec(_SPEC)
-  _SPEC.loader.exec_module(sys.modules["experiments"])
+  runtime.import_script_package(__file__)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position  (after the package above)
 from experiments.setting import config_checks

@@ -42,7 +42,6 @@ The pieces: ``reproduction/runner.py`` runs one setting (``run_setting``,
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import tempfile
@@ -56,10 +55,7 @@ from absl import logging
 from attn_symmetry import runtime
 
 if not __package__:  # run by path: import the package this file is in, from its own folder
-  _SPEC = importlib.util.spec_from_file_location(
-      "experiments", os.path.join(os.path.dirname(os.path.abspath(__file__)), "__init__.py"))
-  sys.modules["experiments"] = importlib.util.module_from_spec(_SPEC)
-  _SPEC.loader.exec_module(sys.modules["experiments"])
+  runtime.import_script_package(__file__)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position  (after the package above)
 from experiments.configs import cpu_paper
