@@ -14,17 +14,10 @@ from experiments import accelerator_sweep
 from experiments.configs import cpu_paper
 from experiments.reproduction import carry
 from experiments.reproduction import sweep_plan
+from tests.test_reproduce import _leaves  # a config's fields as (dotted path, value)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATOR = list(cpu_paper.ACCELERATOR_ONLY)
-
-
-def _leaves(tree, prefix=""):
-  if isinstance(tree, dict):
-    for k, v in tree.items():
-      yield from _leaves(v, f"{prefix}.{k}")
-  else:
-    yield prefix, tree
 
 
 def _differences(a: str, b: str) -> dict:

@@ -252,10 +252,13 @@ class ScopeStudy:
     self.computed += why is not None
     return result
 
-  def _path(self, a: int, b: int, theta_a: Params, aligned_b: Params) -> dict[str, Any]:
+  def _path(self, a: int, b: int, theta_a: Params, aligned_b: Params,
+            interior: Callable[[np.ndarray], dict[str, list[float]]] | None = None
+            ) -> dict[str, Any]:
     """``path_evaluation.curve_result`` of the path from ``theta_a`` to ``aligned_b``.
 
-    Only the interior lambdas are evaluated: every path of pair (a, b) starts at a
+    Only the interior lambdas are evaluated (by ``interior(lams)``; default: the models
+    (1 - lam) theta_A + lam aligned_B): every path of pair (a, b) starts at a
     model that computes theta_A's function and ends at one that computes theta_B's
     (g.theta_B is theta_B under a symmetry, and folding norm scales keeps a model's
     function), so the endpoints' loss and accuracy are theta_A's and theta_B's,
@@ -266,9 +269,10 @@ class ScopeStudy:
       if seed not in self._ends:
         self._ends[seed] = self.evaluator(self.params[seed], self.params[seed], self.lams[:1])
     start, end = self._ends[a], self._ends[b]
-    interior = self.evaluator(theta_a, aligned_b, self.lams[1:-1]) if len(self.lams) > 2 else {
-        k: [] for k in start}
-    curve = {k: [*start[k], *interior[k], *end[k]] for k in start}
+    if interior is None:
+      interior = lambda lams: self.evaluator(theta_a, aligned_b, lams)
+    inside = interior(self.lams[1:-1]) if len(self.lams) > 2 else {k: [] for k in start}
+    curve = {k: [*start[k], *inside[k], *end[k]] for k in start}
     return path_evaluation.curve_result(curve, self.lams)
 
   def _activation_batches(self) -> list[dict[str, Any]]:
@@ -289,19 +293,22 @@ class ScopeStudy:
     ``_activation_batches``); the endpoints are the seeds' own models, as REPAIR at lambda 0
     and 1 computes them. Adds "repair": per lambda, the channels REPAIR corrected and those it
     left as they were (degenerate), summed over the points."""
-    path = self._path(a, b, theta_a, aligned_b)
-    counts = []
-    for i, lam in enumerate(self.lams[1:-1], start=1):
-      params, info = repair.repair(self.model, theta_a, aligned_b, float(lam),
-                                   self._activation_batches())
-      point = self.evaluator(params, params, self.lams[:1])
-      for k in ("loss", "accuracy"):
-        path[k][i] = point[k][0]
-      counts.append({k: int(sum(p[k] for p in info.values()))
-                     for k in ("channels", "corrected", "degenerate")})
-    curve = {k: path[k] for k in ("loss", "accuracy")}
-    return dict(path_evaluation.curve_result(curve, self.lams),
-                repair={"points": sorted(info) if counts else [], "per_lambda": counts})
+    points, counts = set(), []
+
+    def repaired_points(lams: np.ndarray) -> dict[str, list[float]]:
+      out: dict[str, list[float]] = {"loss": [], "accuracy": []}
+      for lam in lams:
+        params, info = repair.repair(self.model, theta_a, aligned_b, float(lam),
+                                     self._activation_batches())
+        for k, v in self.evaluator(params, params, self.lams[:1]).items():
+          out[k] += v
+        points.update(info)
+        counts.append({k: int(sum(p[k] for p in info.values()))
+                       for k in ("channels", "corrected", "degenerate")})
+      return out
+
+    path = self._path(a, b, theta_a, aligned_b, interior=repaired_points)
+    return dict(path, repair={"points": sorted(points), "per_lambda": counts})
 
   def _matching_options(self, method: str, **overrides) -> dict[str, Any]:
     return matching_kwargs(self.config, method, **overrides)
