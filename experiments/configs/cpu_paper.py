@@ -211,6 +211,7 @@ def _lm(config: ml_collections.ConfigDict, family: str, pos: str,
   s.num_lambdas, s.eval_examples, s.permutation_ablation = 11, 256, False  # module docstring
   if scopes == ("full",):  # module docstring
     s.learn_factors = matching.LEARNED_FACTORS
+    _data_methods(config)
 
 
 def _bert_mlm(config: ml_collections.ConfigDict, name: str, pos: str) -> None:
@@ -245,9 +246,9 @@ SETTINGS = {
        for d in ("mnist", "fashion") for pos in ("ape", "rope")},
     **{f"table1_bert_mlm_{pos}": (lambda c, pos=pos: _bert_mlm(c, f"table1_bert_mlm_{pos}", pos))
        for pos in ("ape", "rope")},
-    "scopes_vit_fashion": lambda c: _scopes(c, "fashion_mnist_deb",
-                                            ("all_attention", "first_layer", "full"),
-                                            every_factor=True),
+    "scopes_vit_fashion": lambda c: (_scopes(c, "fashion_mnist_deb",
+                                             ("all_attention", "first_layer", "full"),
+                                             every_factor=True), _data_methods(c)),
     "scopes_vit_mnist_to_fashion_attention": lambda c: _scopes(
         c, "mnist5k", ("first_attention", "all_attention"), transfer_to="fashion_mnist_deb"),
     "scopes_vit_mnist_to_fashion_first_layer": lambda c: _scopes(
@@ -319,11 +320,12 @@ def _lm_width_sweep(config: ml_collections.ConfigDict, width: int) -> None:
   t.num_steps = 6000
   t.eval_every = t.checkpoint_every = 1000
   config.reinit.validate_every = 200
-  config.study.methods = ("naive", "full", "learned")
+  config.study.methods, config.study.repair = ("naive", "full", "learned"), False
 
 
-# The methods of the data-size sweep, started after activation matching and REPAIR existed
-# (the width sweeps' points, started before, have naive, full and learned).
+# The methods from data: the data-size sweep and the full-model rows (lm_*_full,
+# scopes_vit_fashion), started after activation matching and REPAIR existed (the width sweeps'
+# points, started before, have naive, full and learned).
 DATA_METHODS = ("naive", "full", "activation", "learned")
 
 
