@@ -160,6 +160,15 @@ BAD = [
     (TEXT, "study.noise_levels", (0.0, 1.5), "study.noise_levels[1]",
      "token replacement rate on text and must be in [0, 1], got 1.5"),
     (IMAGES, "study.num_lambdas", None, "study.num_lambdas", "is missing"),
+    (IMAGES, "dataset.train_split", "train[:125%]", "dataset.train_split",
+     "reads a data fraction outside (0, 1]: its percent bound 125% is outside [-100, 100], "
+     "got 'train[:125%]'"),
+    (IMAGES, "dataset.train_split", "train[:0%]", "dataset.train_split",
+     "reads a data fraction of 0 of its split; it must be in (0, 1]"),
+    (IMAGES, "dataset.validation_split", "train[95%:90%]", "dataset.validation_split",
+     "a data fraction of -0.05 of its split"),
+    (IMAGES, "study.eval_split", "test[-150%:]", "study.eval_split",
+     "its percent bound -150% is outside [-100, 100], got 'test[-150%:]'"),
     (IMAGES, "train.lerning_rate", 1e-3, "train.lerning_rate", "is not a field"),
 ]
 
@@ -210,6 +219,8 @@ def test_every_field_rejects_its_rules_bad_value(field):
     (IMAGES, "dataset.train_split", "train"),
     (IMAGES, "study.eval_split", "test[:50%]"),  # only evaluated: the test split is allowed
     (IMAGES, "study.eval_split", "train[:90%]"),
+    (IMAGES, "study.eval_split", "test[-100%:]"),  # all of the test split
+    (IMAGES, "study.eval_split", "test[:300]"),  # a slice in records: the data source checks it
 ])
 def test_edge_values_are_accepted(setting, field, value):
   changes = {field: value}
@@ -368,3 +379,12 @@ def test_eval_split_must_be_a_split_of_the_studied_data_set():
     data_checks.check_data(config)
   with pytest.raises(ValueError, match=re.escape(says)):
     path_evaluation.evaluation_examples(config, "digits")
+
+
+@pytest.mark.parametrize("part, fraction", [
+    ("train", 1.0), ("train[:25%]", 0.25), ("train[90%:]", 0.1), ("train[-10%:]", 0.1),
+    ("train[10%:-10%]", 0.8), ("test[:100%]", 1.0), ("train[:5000]", None),
+    ("train[10%:5000]", None)])
+def test_split_fraction_reads_percent_slices(part, fraction):
+  got = config_schema.split_fraction(part)
+  assert got == (None if fraction is None else pytest.approx(fraction))

@@ -158,8 +158,30 @@ def _check_model_overrides(field: str, value: Any) -> None:
            f"overrides; choose from {known}")
 
 
+_SLICE = re.compile(r"\[(?P<start>-?\d*)(?P<start_pct>%?):(?P<stop>-?\d*)(?P<stop_pct>%?)\]")
+
+
+def split_fraction(split: str) -> float | None:
+  """The fraction of its split that ``split`` reads: "train" 1.0, "train[:25%]" 0.25,
+  "train[90%:]" and "train[-10%:]" 0.1; None for a slice in records ("train[:5000]"), whose
+  fraction depends on the split's size, or a slice of another form. ValueError for a percent
+  bound outside [-100, 100]."""
+  if "[" not in split:
+    return 1.0
+  m = _SLICE.fullmatch(split[split.index("["):])
+  if not m or (m["start"] and not m["start_pct"]) or (m["stop"] and not m["stop_pct"]):
+    return None
+  for text in (m["start"], m["stop"]):
+    if text and not -100 <= int(text) <= 100:
+      raise ValueError(f"its percent bound {text}% is outside [-100, 100]")
+  bound = lambda text, default: (default if not text else
+                                 int(text) + 100 if int(text) < 0 else int(text))
+  return (bound(m["stop"], 100) - bound(m["start"], 0)) / 100
+
+
 def _split(optional: bool = False, evaluation: bool = False) -> Rule:
-  """A split of the data set ("train") or one slice of it ("train[:90%]"); "" too if
+  """A split of the data set ("train") or one slice of it ("train[:90%]") that reads a
+  fraction of it in (0, 1] (``split_fraction``); "" too if
   ``optional``. Not the test split (kept for the reported evaluations, so that no training
   decision reads it), unless ``evaluation``: a split that is only evaluated
   (``study.eval_split``) may be any. Whether the data set has it is checked when it is
@@ -172,6 +194,13 @@ def _split(optional: bool = False, evaluation: bool = False) -> Rule:
     if not re.fullmatch(r"[A-Za-z][\w-]*(\[[^\[\]]*\])?", value):
       fail(field, "must be a split such as 'train' or one slice of it such as 'train[:90%]', "
            f"got {value!r}")
+    try:
+      fraction = split_fraction(value)
+    except ValueError as e:
+      fail(field, f"reads a data fraction outside (0, 1]: {e}, got {value!r}")
+    if fraction is not None and not 0 < fraction <= 1:
+      fail(field, f"reads a data fraction of {fraction:g} of its split; it must be in (0, 1] "
+           f"(percent bounds with start before stop), got {value!r}")
     if not evaluation and value.split("[", 1)[0] == "test":
       fail(field, f"reads the test split ({value!r}), which is kept for the reported "
            "evaluations: no training decision may read it; hold out a slice of the training "
