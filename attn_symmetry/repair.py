@@ -38,6 +38,7 @@ This module imports jax and numpy only; the model (``models.Model``) is an argum
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -127,6 +128,13 @@ def _batch_parts(model: Any, batch: Any) -> tuple[Any, Any, Any]:
 
 
 def moments_fn(model: Any, names: Sequence[str]) -> Callable[..., dict[str, tuple]]:
+  """``_moments_fn`` of (``model``, ``names``), built once per model and names: every lambda
+  of a path, and its endpoints, run one compiled program."""
+  return _moments_fn(model, tuple(names))
+
+
+@functools.lru_cache(maxsize=8)
+def _moments_fn(model: Any, names: tuple[str, ...]) -> Callable[..., dict[str, tuple]]:
   """The jitted statistics of one batch: ``(params, inputs, mask, segments) -> {name: (n,
   shift [C], mean [C], m2 [C])}``.
 
@@ -135,7 +143,6 @@ def moments_fn(model: Any, names: Sequence[str]) -> Callable[..., dict[str, tupl
   and m2 the sum of squares of x - shift about it, in the activations' dtype. Pure; one
   compilation serves every model of the same shapes and dtypes.
   """
-  names = tuple(names)
 
   def moments(params, inputs, mask, segments):
     _, inter = model.apply(params, inputs, mask=mask, segments=segments)
@@ -228,8 +235,43 @@ def _fold(params: Params, point: _Point, a: np.ndarray, c: np.ndarray | None) ->
   return spec_lib.unflatten(flat)
 
 
+@dataclasses.dataclass(frozen=True)
+class Endpoints:
+  """The endpoints' ``Moments`` at the repaired points (``endpoint_statistics``): the targets of
+  every lambda of one pair, measured once.
+
+  Attributes:
+    points: the ``POINTS`` they were measured at.
+    a, b: {"layers_i/<point>": Moments} of A and of B (aligned).
+  """
+  points: tuple[str, ...]
+  a: dict[str, Moments]
+  b: dict[str, Moments]
+
+
+def endpoint_statistics(model: Any, params_a: Params, params_b: Params, batches: Sequence[Any],
+                        *, points: Sequence[str] = POINTS) -> Endpoints:
+  """A's and B's ``Moments`` at ``points`` of every layer over ``batches``, for ``repair`` at
+  any lambda of the path between them (its ``endpoints``).
+
+  Raises:
+    ValueError: as ``repair``: an unknown point, a family with nothing to fold it into,
+      parameters that do not fit the model, no batches, activations that are not finite.
+  """
+  names = [p.name for p in _points(model, points)]
+  model.check_params(params_a)
+  model.check_params(params_b)
+  fn = moments_fn(model, names)
+  stats = {}
+  for which, params in (("model A", params_a), ("model B", params_b)):
+    stats[which] = _accumulate(fn, model, params, batches, names)
+    _check_finite(stats[which], names, which)
+  return Endpoints(tuple(points), stats["model A"], stats["model B"])
+
+
 def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: Iterable[Any],
-           *, points: Sequence[str] = POINTS) -> tuple[Params, dict[str, dict[str, Any]]]:
+           *, points: Sequence[str] = POINTS, endpoints: Endpoints | None = None
+           ) -> tuple[Params, dict[str, dict[str, Any]]]:
   """The REPAIRed interpolation (1 - lam) theta_A + lam theta_B (module docstring).
 
   Args:
@@ -237,8 +279,11 @@ def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: 
     params_a, params_b: the endpoints, B already aligned to A (e.g. ``group_action.apply_model``).
     lam: the point of the path, in [0, 1].
     batches: as ``statistics`` takes them; a sequence (it is read 2 + len(points) x depth
-      times: once per endpoint, once per repaired point).
+      times: once per endpoint, once per repaired point; len(points) x depth times with
+      ``endpoints``).
     points: which of ``POINTS`` to repair in every layer.
+    endpoints: ``endpoint_statistics`` of these endpoints, batches and points, when several
+      lambdas of one path are repaired (else measured here).
 
   Returns:
     (params, info): the repaired parameters, a checkpoint of ``model`` with the pytree
@@ -255,21 +300,22 @@ def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: 
   Raises:
     ValueError: lam outside [0, 1]; an unknown point; a family with nothing to fold a point
       into (one line naming the family); parameters that do not fit the model; no batches;
-      activations that are not finite (naming the point and the model).
+      activations that are not finite (naming the point and the model); ``endpoints``
+      measured at other points.
   """
   lam = float(lam)
   if not 0.0 <= lam <= 1.0:
     raise ValueError(f"repair lam must lie in [0, 1], got {lam}")
   found = _points(model, points)
   names = [p.name for p in found]
-  model.check_params(params_a)
-  model.check_params(params_b)
   batches = list(batches)
+  if endpoints is None:
+    endpoints = endpoint_statistics(model, params_a, params_b, batches, points=points)
+  elif tuple(endpoints.points) != tuple(points):
+    raise ValueError(f"repair endpoints were measured at points {endpoints.points}, not at "
+                     f"the repaired {tuple(points)}")
+  stats_a, stats_b = endpoints.a, endpoints.b
   fn = moments_fn(model, names)
-  stats_a = _accumulate(fn, model, params_a, batches, names)
-  _check_finite(stats_a, names, "model A")
-  stats_b = _accumulate(fn, model, params_b, batches, names)
-  _check_finite(stats_b, names, "model B")
   params = lmc.interpolate(params_a, params_b, lam)
   info = {}
   for point in found:

@@ -185,20 +185,51 @@ def test_degenerate_channels_are_left_and_counted(x64):
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(repaired))
 
 
+class _Counting:
+  """A stand-in for ``model`` that counts the traces of its ``apply`` (hashable, as a Model is)."""
+
+  def __init__(self, model):
+    self.model, self.traces = model, []
+    self.config, self.param_shapes = model.config, model.param_shapes
+    self.input_key, self.check_params = model.input_key, model.check_params
+
+  def apply(self, params, inputs, **kwargs):
+    self.traces.append(1)
+    return self.model.apply(params, inputs, **kwargs)
+
+
 def test_statistics_compile_once(x64):
-  """One compiled pass serves A, B and every repaired point."""
+  """One compiled pass serves A, B, every repaired point and every lambda of a path."""
   model = models.build("llama", "tiny")
-  traces = []
+  counting = _Counting(model)
+  params_a, params_b, batches = _params64(model, 0), _params64(model, 1), _batches(model)
+  repair_lib.repair(counting, params_a, params_b, 0.5, batches)
+  endpoints = repair_lib.endpoint_statistics(counting, params_a, params_b, batches)
+  repair_lib.repair(counting, params_a, params_b, 0.25, batches, endpoints=endpoints)
+  assert len(counting.traces) == 1
 
-  def apply(params, inputs, **kwargs):
-    traces.append(1)
-    return model.apply(params, inputs, **kwargs)
 
-  counting = types.SimpleNamespace(config=model.config, param_shapes=model.param_shapes,
-                                   input_key=model.input_key, check_params=model.check_params,
-                                   apply=apply)
-  repair_lib.repair(counting, _params64(model, 0), _params64(model, 1), 0.5, _batches(model))
-  assert len(traces) == 1
+def test_endpoint_statistics_measured_once_serve_every_lambda(x64, monkeypatch):
+  """``endpoints`` measured once give every lambda the repair it computes alone, and the
+  batches then run through the interpolated model only: 2 x depth passes over them per
+  lambda instead of 2 + 2 x depth."""
+  model, params_a, params_b, batches = _pair("gpt2")
+  endpoints = repair_lib.endpoint_statistics(model, params_a, params_b, batches)
+  accumulate, passes = repair_lib._accumulate, []
+  monkeypatch.setattr(repair_lib, "_accumulate",
+                      lambda *args: (passes.append(1), accumulate(*args))[1])
+  depth = model.config.depth
+  for lam in (0.25, 0.5):
+    passes.clear()
+    alone, _ = repair_lib.repair(model, params_a, params_b, lam, batches)
+    assert len(passes) == 2 + 2 * depth
+    passes.clear()
+    shared, _ = repair_lib.repair(model, params_a, params_b, lam, batches, endpoints=endpoints)
+    assert len(passes) == 2 * depth
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), alone, shared)
+  with pytest.raises(ValueError, match=r"measured at points \('attention', 'mlp'\), not at the "
+                                       r"repaired \('mlp',\)"):
+    repair_lib.repair(model, params_a, params_b, 0.5, batches, points=("mlp",), endpoints=endpoints)
 
 
 def test_refusals(x64):

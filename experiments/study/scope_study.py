@@ -290,16 +290,18 @@ class ScopeStudy:
   def _repaired_path(self, a: int, b: int, theta_a: Params, aligned_b: Params
                      ) -> dict[str, Any]:
     """``_path`` with each interior point REPAIRed (``repair.repair`` at its lambda, on
-    ``_activation_batches``); the endpoints are the seeds' own models, as REPAIR at lambda 0
+    ``_activation_batches``, the endpoints' statistics measured once); the endpoints are the seeds' own models, as REPAIR at lambda 0
     and 1 computes them. Adds "repair": per lambda, the channels REPAIR corrected and those it
     left as they were (degenerate), summed over the points."""
     points, counts = set(), []
 
     def repaired_points(lams: np.ndarray) -> dict[str, list[float]]:
       out: dict[str, list[float]] = {"loss": [], "accuracy": []}
+      batches = self._activation_batches()
+      endpoints = repair.endpoint_statistics(self.model, theta_a, aligned_b, batches)
       for lam in lams:
-        params, info = repair.repair(self.model, theta_a, aligned_b, float(lam),
-                                     self._activation_batches())
+        params, info = repair.repair(self.model, theta_a, aligned_b, float(lam), batches,
+                                     endpoints=endpoints)
         for k, v in self.evaluator(params, params, self.lams[:1]).items():
           out[k] += v
         points.update(info)
