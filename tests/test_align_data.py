@@ -274,3 +274,18 @@ def test_bert_match_data_is_one_sequence_per_line_with_its_mask(tmp_path):
   np.testing.assert_array_equal(batches[0]["mask"], [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
   assert batches[0][model.input_key].shape == (2, 5)
   assert model.batch_activations(model.init(jax.random.key(0)), batches[0])
+
+
+def test_bert_classifier_match_data_drops_the_label_column(tmp_path):
+  """An evaluation file (LABEL<TAB>text) serves a classifier as match data: the labels are not
+  read as text, and lines without a label are read as they are."""
+  _tokenizer(str(tmp_path), WORDS)
+  model = models.build("bert")
+  read = []
+  for name, text in (("labelled.txt", "0\tthe cat sat\n1\ta mat\n"),
+                     ("plain.txt", "the cat sat\na mat\n")):
+    (tmp_path / name).write_text(text)
+    read.append(_eval_files.match_batches(str(tmp_path / name), str(tmp_path), model, {},
+                                          batch_size=2, seq_len=5, max_batches=1)[0])
+  for key in (model.input_key, "mask"):
+    np.testing.assert_array_equal(read[0][key], read[1][key])

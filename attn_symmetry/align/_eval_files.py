@@ -264,7 +264,8 @@ def match_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, 
   (ViT) a folder ``path/LABEL/*.png`` (the labels are not read); for a text model a text
   file, read with ``folder``'s tokenizer.json: a language model's tokens in rows of ``seq_len``
   (at most the model's length), a BERT's lines one sequence each (cut to ``seq_len``, with the
-  real-token mask). No example is padded: a last batch that is not whole is dropped.
+  real-token mask; a classifier's ``LABEL<TAB>`` column, as its evaluation file has it, is
+  dropped where present). No example is padded: a last batch that is not whole is dropped.
 
   Raises:
     ValueError: naming ``path``: missing, without text or images, or too short for one batch.
@@ -289,6 +290,8 @@ def match_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, 
       enough(len(columns[key]), f"sequences of {seq_len} tokens")
     else:
       enough(len(lines), "lines")
+      if model.task == tasks.CLASSIFICATION:  # an evaluation file's labels are not text
+        lines = [line.split("\t", 1)[1] if "\t" in line else line for line in lines]
       tokens, mask, _ = _sequences(tok, lines[:rows], seq_len, hf_config, cfg.vocab_size, where)
       columns = {key: tokens, "mask": mask}
   whole = len(next(iter(columns.values()))) // batch_size * batch_size
