@@ -18,6 +18,13 @@ command, the git commit, wall time, the machine) into
 Files already in the target folder are replaced only by this setting's new
 reports.
 
+A variant of ``cpu_paper.LEARN_VARIANTS`` (the learned method from another start
+or lambda scheme) trains exactly what its base setting trains: when its workdir is
+absent and its base's is in ``--workdir_root``, its workdir starts as a copy of
+the base's (``runner.seed_workdir``, said in the log), so that only its learned
+stages are computed; run it after its base has finished. With the base's workdir
+elsewhere, copy it by hand first (``cp -r <base's workdir> <root>/<variant>``).
+
 Each setting runs on one CPU core (``runner.use_one_core``), so that its numbers do
 not depend on the machine's core count or on what runs beside it: XLA splits
 a computation over its process's thread pool, which has one thread per core
@@ -100,12 +107,16 @@ def main(argv):
     print(f"running on core {core} of {os.cpu_count()} (to run on every core: --noone_core)",
           flush=True)
   for setting in settings:
-    name = setting + ("_reduced" if FLAGS.reduced else "")
     out = runner.results_dir(FLAGS.results, setting, reduced=FLAGS.reduced,
                              one_core=FLAGS.one_core)
+    seeded = runner.seed_workdir(FLAGS.workdir_root, setting, reduced=FLAGS.reduced)
+    if seeded:
+      print(f"{setting}: its workdir starts as a copy of {seeded} (its base setting's trained "
+            "runs and study stages; the stages whose fields differ are recomputed)", flush=True)
     try:
       record = runner.run_setting(setting, reduced=FLAGS.reduced,
-                                  workdir=os.path.join(FLAGS.workdir_root, name),
+                                  workdir=runner.workdir(FLAGS.workdir_root, setting,
+                                                         reduced=FLAGS.reduced),
                                   results_dir=out, jobs=FLAGS.jobs, one_core=FLAGS.one_core)
     except ValueError as e:
       sys.exit(f"FATAL {e}")

@@ -65,7 +65,8 @@ Settings:
     The full model is left out: its re-initialised models never see the
     MNIST base, so they are scopes_vit_fashion's.
   No setting repeats another's computation but a base model's training
-  (settings split to stay under an hour train the same base).
+  (settings split to stay under an hour train the same base; the learn_*
+  variants below reuse their base setting's runs).
   lm_{gpt2,llama}_wiki_{first_attention,full}: byte-level language models
     (GPT-2 with learned positions, Llama with RoPE) on gensim's Wikipedia
     text, the first attention layer or the full model re-initialised (one
@@ -139,6 +140,19 @@ Settings:
     The points with all of the training data are width_vit_fashion_64 and
     width_gpt2_wiki_64. Studied by naive, full, activation and learned, each with
     and without REPAIR at every interior point (study.repair).
+  learn_{activation_start,band10}_{vit_fashion_20k,gpt2_wiki_64}: the learned
+    method from another start or under another lambda scheme, on the pairs of
+    data_vit_fashion_20k (the ViT) and width_gpt2_wiki_64 (the byte-level
+    GPT-2): which leaves less on the same pairs. activation_start starts it from
+    activation matching's element (study.learn_init = "activation") instead of
+    the full method's; band10 draws the lambda of each of its training steps
+    from U(0.4, 0.6) (study.learn_lam_band = 10, as Theus et al.) instead of
+    fixing it at 1/2. Each is its base setting with its training config
+    unchanged, so its endpoints are its base's runs (reproduce.py starts its
+    workdir as a copy of the base's: no training repeated), studied by naive
+    and learned alone, without REPAIR; the base's learned method (from the
+    full method's element, lambda 1/2) on the same pairs is what it is set
+    against (experiments/report/learned_variants.py).
   control_vit_fashion_spawn: the positive control of the width sweep, at
     width 64: a base model trained 2,000 steps (its own warmup and cosine
     decay; about 2.4 epochs), then five children spawned from it (the
@@ -360,6 +374,32 @@ def _data_sweep(config: ml_collections.ConfigDict, model: str, train_split: str)
 
 SETTINGS.update({name: (lambda c, m=m, split=split: _data_sweep(c, m, split))
                  for name, (m, split) in DATA_SWEEP.items()})
+
+
+# The learned method from another start or under another lambda scheme, on the pairs of a
+# committed setting (module docstring): variant -> (its base setting, the study fields it
+# sets). Each scheme runs on each base; a variant trains exactly what its base trains.
+LEARN_BASES = {"vit_fashion_20k": "data_vit_fashion_20k", "gpt2_wiki_64": LM_WIDTH_SWEEP[64]}
+LEARN_SCHEMES = {"activation_start": {"learn_init": "activation"},
+                 "band10": {"learn_lam_band": 10}}
+LEARN_VARIANTS = {f"learn_{scheme}_{short}": (base, study)
+                  for short, base in LEARN_BASES.items()
+                  for scheme, study in LEARN_SCHEMES.items()}
+LEARN_VARIANT_METHODS = ("naive", "learned")
+
+
+def _learn_variant(config: ml_collections.ConfigDict, base: str, study: dict) -> None:
+  """``base``'s setting studied by ``LEARN_VARIANT_METHODS`` alone, without REPAIR, with the
+  "learned" method's ``study`` fields set (``study.learn_init``, ``study.learn_lam_band``)."""
+  SETTINGS[base](config)
+  s = config.study
+  s.methods, s.repair = LEARN_VARIANT_METHODS, False
+  for name, value in study.items():
+    s[name] = value
+
+
+SETTINGS.update({name: (lambda c, base=base, study=study: _learn_variant(c, base, study))
+                 for name, (base, study) in LEARN_VARIANTS.items()})
 
 
 def _spawn_control(config: ml_collections.ConfigDict) -> None:

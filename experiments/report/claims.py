@@ -55,6 +55,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from experiments.configs import cpu_paper
 from experiments.report import regime
 from experiments.report import report
 from experiments.report import seed_statistics as ss
@@ -419,10 +420,12 @@ def _read_scope(setting_dir: str, setting: str, scope: str) -> _Scope | None:
 
 def _scopes(results_root: str) -> Iterator[tuple[_Scope, _Scope | None]]:
   """Every setting's scopes under ``results_root`` (not its reduced rerun's nor its run on every
-  core: ``report.RERUN_FOLDERS``), sorted, each with its run on every core where one exists."""
+  core: ``report.RERUN_FOLDERS``), sorted, each with its run on every core where one exists.
+  The variants of ``cpu_paper.LEARN_VARIANTS`` are left out: they repeat their base's pairs
+  with naive and the learned method alone, and ``learned_variants.py`` reports them."""
   for setting in sorted(os.listdir(results_root)):
     folder = os.path.join(results_root, setting)
-    if not os.path.isdir(folder):
+    if not os.path.isdir(folder) or setting in cpu_paper.LEARN_VARIANTS:
       continue
     for scope in sorted(os.listdir(folder)):
       if scope in report.RERUN_FOLDERS:

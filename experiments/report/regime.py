@@ -148,7 +148,8 @@ def _committed(results_root: str, points: dict[float, str] | None = None
   return out
 
 
-def _show(i: ss.Interval | None, digits: int) -> str:
+def show_interval(i: ss.Interval | None, digits: int) -> str:
+  """"estimate [low, high]" to ``digits`` decimals; "n/a" without an interval."""
   if i is None:
     return "n/a"
   return f"{i.estimate:.{digits}f} [{i.low:.{digits}f}, {i.high:.{digits}f}]"
@@ -256,7 +257,8 @@ def _row(sweep: Sweep, x: float, run: dict[str, Any], res: dict[str, Any],
   r = {m: ss.jackknife(_pairs(res, m, ratio=True)) for m in methods[1:]}
   seeds = b["naive"].num_seeds if b["naive"] else "n/a"
   row = [sweep.label(x), str(seeds),
-         *(_show(b[m], 4) for m in methods), *(_show(r[m], 1) for m in methods[1:]),
+         *(show_interval(b[m], 4) for m in methods),
+         *(show_interval(r[m], 1) for m in methods[1:]),
          report.training_cell(run.get("training", {}), "full"), f"{run['wall_seconds'] / 60:.0f} min"]
   return "| " + " | ".join(row) + " |", b, r
 
@@ -316,11 +318,11 @@ def control_table(results_root: str) -> str:
   for m in methods_of([res]):
     b = ss.jackknife(_pairs(res, m, ratio=False))
     if m == "naive":
-      lines.append(f"| naive | {_show(b, 4)} | | | |")
+      lines.append(f"| naive | {show_interval(b, 4)} | | | |")
       continue
     d = ss.paired_difference(_pairs(res, m, ratio=False), naive)
-    lines.append(f"| {m} | {_show(b, 4)} | {_show(d.interval, 4)} | {control_verdict(d)} | "
-                 f"{_identity_cell(res, m)} |")
+    lines.append(f"| {m} | {show_interval(b, 4)} | {show_interval(d.interval, 4)} | "
+                 f"{control_verdict(d)} | {_identity_cell(res, m)} |")
   lines += ["", f"Training: {report.training_cell(run.get('training', {}), 'spawn')}; "
                 f"wall time {run['wall_seconds'] / 60:.0f} min."]
   return "\n".join(lines)

@@ -7,8 +7,9 @@ runs ended, the wall time, the commit and the command, all read from
 ``results/<setting>/run.json``, ``config.json`` and ``<scope>/results.json``;
 nothing is typed in. It also writes the verdict on each of the paper's claims
 (``claims.verdict_table``), the findings that open the README
-(``claims.findings``), and the width sweep and its positive control
-(``regime.py``).
+(``claims.findings``), the width sweep and its positive control
+(``regime.py``), and the learned method from other starts and lambda schemes
+(``learned_variants.py``).
 Before that it restates each committed run (``restate``): what its reports derive
 from its measured pairs (the statistics, the seed-level intervals, summary.md)
 is rewritten as the current code derives it, so that runs stored before a
@@ -23,6 +24,7 @@ import os
 from typing import Any
 
 from experiments.report import claims
+from experiments.report import learned_variants
 from experiments.report import regime
 from experiments.report import report
 from experiments.workdir import atomic_io
@@ -47,6 +49,9 @@ SWEEPS_END = "<!-- end of other sweeps -->"
 CONTROL_BEGIN = ("<!-- positive control: written by experiments/reproduce.py --table from "
                  "experiments/report/regime.py; do not edit -->")
 CONTROL_END = "<!-- end of positive control -->"
+LEARNED_BEGIN = ("<!-- learned variants: written by experiments/reproduce.py --table from "
+                 "experiments/report/learned_variants.py; do not edit -->")
+LEARNED_END = "<!-- end of learned variants -->"
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -267,7 +272,9 @@ def write(results_root: str) -> str:
   between ``TRAJECTORY_BEGIN`` and ``TRAJECTORY_END``), the ViT's width sweep, the other
   sweeps and the positive control (``regime.width_table``, ``regime.other_sweeps_table`` and
   ``regime.control_table``, between ``WIDTH_BEGIN`` and ``WIDTH_END``, ``SWEEPS_BEGIN`` and
-  ``SWEEPS_END``, ``CONTROL_BEGIN`` and ``CONTROL_END``)."""
+  ``SWEEPS_END``, ``CONTROL_BEGIN`` and ``CONTROL_END``), and the learned method's variants
+  against their bases (``learned_variants.table``, between ``LEARNED_BEGIN`` and
+  ``LEARNED_END``)."""
   for d in setting_dirs(results_root):
     restate(d)
   path = os.path.join(results_root, "README.md")
@@ -284,6 +291,8 @@ def write(results_root: str) -> str:
   text = _replace_between(text, SWEEPS_BEGIN, SWEEPS_END,
                           regime.other_sweeps_table(results_root), path)
   text = _replace_between(text, CONTROL_BEGIN, CONTROL_END, regime.control_table(results_root),
+                          path)
+  text = _replace_between(text, LEARNED_BEGIN, LEARNED_END, learned_variants.table(results_root),
                           path)
   atomic_io.write_text(path, text)
   return path

@@ -77,6 +77,40 @@ def results_dir(results_root: str, setting: str, *, reduced: bool, one_core: boo
                       *([] if one_core else [report.EVERY_CORE]))
 
 
+def workdir(root: str, setting: str, *, reduced: bool) -> str:
+  """A setting's workdir under ``root``: ``<root>/<setting>``, ``<setting>_reduced`` for its
+  reduced form."""
+  return os.path.join(root, setting + ("_reduced" if reduced else ""))
+
+
+def seed_workdir(root: str, setting: str, *, reduced: bool) -> str | None:
+  """Starts a variant of ``cpu_paper.LEARN_VARIANTS`` from its base setting's workdir.
+
+  A variant's training config is its base's, so the fingerprints of a copy of the base's
+  workdir reuse every trained run and every study stage whose fields are unchanged (naive's)
+  and recompute the rest (the learned method's). When the variant's workdir under ``root``
+  is absent and its base's is there, the base's is copied to it (into a temporary folder
+  first, renamed when whole). Run the variant after its base has finished: a copy of a
+  workdir being written holds its runs as they were.
+
+  Returns:
+    The base's workdir when it was copied; None for a setting that is no variant, a variant
+    whose workdir exists, or one whose base's workdir does not (it then trains its runs).
+  """
+  if setting not in cpu_paper.LEARN_VARIANTS:
+    return None
+  target = workdir(root, setting, reduced=reduced)
+  source = workdir(root, cpu_paper.LEARN_VARIANTS[setting][0], reduced=reduced)
+  if os.path.exists(target) or not os.path.isdir(source):
+    return None
+  partial = target + ".copying"
+  if os.path.exists(partial):  # an earlier copy that did not finish
+    shutil.rmtree(partial)
+  shutil.copytree(source, partial)
+  os.rename(partial, target)
+  return source
+
+
 def use_one_core(core: int | None = None) -> int | None:
   """Restricts this process to ``core`` (default: the lowest-numbered core it may use) and
   returns it; None where the platform cannot, and this process keeps every core.

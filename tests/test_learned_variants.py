@@ -1,0 +1,128 @@
+"""The learned method's variants (cpu_paper.LEARN_VARIANTS): each trains exactly what its base
+setting trains, its workdir starts as a copy of the base's, and the report sets its learned
+barrier against the base's on the same pairs."""
+
+import itertools
+import json
+import os
+
+import pytest
+
+from experiments.configs import cpu_paper
+from experiments.report import claims
+from experiments.report import learned_variants
+from experiments.report import report
+from experiments.report import seed_statistics as ss
+from experiments.reproduction import runner
+from experiments.setting import fingerprints
+from tests.test_reproduce import _leaves  # a config's fields as (dotted path, value)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = sorted(cpu_paper.LEARN_VARIANTS)
+# What trains the runs: a variant whose fields here equal its base's has the base's endpoints.
+TRAINED_BY = (fingerprints.TRAINING + fingerprints.TRAIN_SCHEDULE + fingerprints.REINIT_SCHEDULE
+              + fingerprints.STOPPING + fingerprints.PER_RUN)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("form", ["", ",reduced"])
+def test_a_variant_is_its_base_with_only_the_learned_study_fields_changed(variant, form):
+  base, study = cpu_paper.LEARN_VARIANTS[variant]
+  configs = [cpu_paper.get_config(name + form) for name in (variant, base)]
+  fields = [dict(_leaves(c.to_dict())) for c in configs]
+  changed = {k for k in fields[0].keys() | fields[1].keys() if fields[0].get(k) != fields[1].get(k)}
+  assert changed <= {".study.methods", ".study.repair", *(f".study.{k}" for k in study)}
+  assert {f".study.{k}" for k in study} <= changed
+  v = configs[0].study
+  assert (tuple(v.methods), v.repair) == (cpu_paper.LEARN_VARIANT_METHODS, False)
+  assert {k: v[k] for k in study} == study
+  assert (fingerprints.config_fields(configs[0], TRAINED_BY)
+          == fingerprints.config_fields(configs[1], TRAINED_BY))
+  # the changed field keys the learned stage (not at its unkeyed default): a copy of the base's
+  # workdir recomputes the learned method and reuses naive
+  assert fingerprints.config_fields(configs[0], [f"study.{k}" for k in study]) != {}
+
+
+def test_each_base_is_a_committed_setting_with_the_learned_method():
+  for base, _ in cpu_paper.LEARN_VARIANTS.values():
+    config = cpu_paper.get_config(base)
+    assert "learned" in config.study.methods
+    assert os.path.exists(os.path.join(REPO, "results", base, "run.json")), base
+  assert set(VARIANTS) <= set(cpu_paper.SETTINGS)
+  assert not set(VARIANTS) & set(cpu_paper.ACCELERATOR_ONLY)
+
+
+def test_a_variants_workdir_starts_as_a_copy_of_its_bases(tmp_path):
+  variant = VARIANTS[0]
+  base = cpu_paper.LEARN_VARIANTS[variant][0]
+  root = str(tmp_path)
+  assert runner.seed_workdir(root, variant, reduced=False) is None  # no base's workdir
+  run = os.path.join(root, base, "reinit", "full", "seed_1")
+  os.makedirs(run)
+  with open(os.path.join(run, "fingerprint.json"), "w") as f:
+    f.write("{}")
+  os.makedirs(os.path.join(root, variant + ".copying", "stale"))  # an interrupted copy
+  assert runner.seed_workdir(root, variant, reduced=False) == os.path.join(root, base)
+  target = runner.workdir(root, variant, reduced=False)
+  assert sorted(os.listdir(target)) == ["reinit"]
+  assert os.path.exists(os.path.join(target, "reinit", "full", "seed_1", "fingerprint.json"))
+  assert not os.path.exists(target + ".copying")
+  assert runner.seed_workdir(root, variant, reduced=False) is None  # its own workdir is there
+  assert runner.seed_workdir(root, base, reduced=False) is None  # no variant
+  assert runner.seed_workdir(root, variant, reduced=True) is None  # the reduced base's is absent
+  assert runner.workdir(root, variant, reduced=True) == os.path.join(root, variant + "_reduced")
+
+
+def _commit(root, setting, barriers, seeds=5):
+  """results/<setting> holding the "full" scope's pairs of seeds 1..``seeds``, each method's
+  loss barrier ``barriers[method](a, b)``."""
+  folder = os.path.join(root, setting)
+  os.makedirs(os.path.join(folder, "full"))
+  with open(os.path.join(folder, "run.json"), "w") as f:
+    json.dump({"wall_seconds": 60}, f)
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump({"reinit": {"scopes": ["full"]}}, f)
+  pairs = [{"a": f"seed_{a}", "b": f"seed_{b}", "methods": {
+      m: {"loss_barrier": barrier(a, b), "accuracy_barrier": 0.0}
+      for m, barrier in barriers.items()}}
+           for a, b in itertools.combinations(range(1, seeds + 1), 2)]
+  with open(os.path.join(folder, "full", "results.json"), "w") as f:
+    json.dump({"pairs": pairs}, f)
+  return pairs
+
+
+def test_the_report_pairs_each_variant_with_its_base_and_names_what_is_left_out(tmp_path):
+  root = str(tmp_path)
+  assert learned_variants.table(root).startswith("No variant of the learned method is committed")
+  variant, (base, _) = next(iter(cpu_paper.LEARN_VARIANTS.items()))
+  naive = lambda a, b: 1.0 + 0.1 * a + 0.01 * b
+  base_pairs = _commit(root, base, {"naive": naive, "full": lambda a, b: 0.5,
+                                    "learned": lambda a, b: 0.2 + 0.01 * a})
+  # the variant leaves 3 points of naive less than the base in every pair but seed 5's
+  variant_pairs = _commit(root, variant, {
+      "naive": naive, "learned": lambda a, b: (0.2 + 0.01 * a) - (0.03 if b < 5 else 0.0)
+      * naive(a, b)})
+  rows, left_out = learned_variants.comparisons(root)
+  assert [(r.variant, r.base, r.scope) for r in rows] == [(variant, base, "full")]
+  (row,) = rows
+  expected = ss.paired_difference(report.ratio_pairs(variant_pairs, "learned"),
+                                  report.ratio_pairs(base_pairs, "learned"))
+  assert row.difference == expected
+  assert row.difference.mean == pytest.approx(-3.0 * 6 / 10)
+  assert (row.difference.below, row.difference.above) == (6, 0)
+  assert row.base_learned == ss.jackknife(report.ratio_pairs(base_pairs, "learned"))
+  assert row.naive_gap == 0.0
+  assert row.change == learned_variants.change_of(variant)
+  assert left_out == [f"{v} (not committed)" for v in cpu_paper.LEARN_VARIANTS if v != variant]
+  table = learned_variants.table(root)
+  (line,) = [t for t in table.splitlines() if t.startswith(f"| {variant} |")]
+  assert f"| {base} | full | `{row.change}` | 10 |" in line and line.endswith("| 6 / 0 | 0 |")
+  assert "Not in the table: " in table
+  # a variant whose base is not committed gives no row and says so
+  other = next(v for v, (b, _) in cpu_paper.LEARN_VARIANTS.items() if b != base)
+  _commit(root, other, {"naive": naive, "learned": naive})
+  assert (f"{other} (its base {cpu_paper.LEARN_VARIANTS[other][0]} is not committed)"
+          in learned_variants.comparisons(root)[1])
+  # the claims judge the base, not the variants that repeat its pairs
+  settings = {r.setting for r in claims.verdict_rows(root)}
+  assert base in settings and not settings & set(VARIANTS)
