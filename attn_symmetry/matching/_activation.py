@@ -51,6 +51,10 @@ the names in scope replaced): always an exact group element; what it brings B to
 function. On a planted pair (B = g . A) every factor and site is recovered exactly, the
 permutations by correlations of 1 and the matrices by the exact least squares.
 
+The sums are fed an entry at a time (``Statistics``), so that ``align_streamed`` can run the
+models a layer at a time: it holds the models' hidden states, the residual's sums and one layer's
+FFN and site sums, and solves each name once its sums are complete (its docstring).
+
 Activations that are not finite are refused, naming the key (the layer and tap) and the
 model and batch. This module imports jax, numpy and optax only.
 """
