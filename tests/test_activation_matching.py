@@ -193,20 +193,20 @@ def test_wrong_activation_shape_is_refused_naming_the_key():
 
 
 def test_one_program_for_equal_specs_and_batches(x64, monkeypatch):
-  """The accumulation and the solve are compiled once for every pair of one model and batch
-  shape (the layers of one shape share one vmapped program)."""
+  """The sums and the solves are compiled once per shape, not per layer or pair: an entry's
+  sums per (kind, entry shape), first or added (the residual's and the FFNs'), a site's per
+  first or added, a factor's solve per size, the sites' once for the layers of one shape."""
   model = _model("gpt2")
-  for name in ("_accumulate", "_solve"):
-    counted = jax.jit(chex.assert_max_traces(getattr(_activation, name), n=1),
-                      static_argnames=("spec", "groups") + (("steps",) if name == "_solve" else ()))
-    monkeypatch.setattr(_activation, f"{name}_jit", counted)
+  for name, static, most in (("_add_factor", ("kind",), 4), ("_add_site", (), 2),
+                             ("_solve_factor", ("kind",), 2),
+                             ("_solve_sites", ("site", "steps"), 1)):
+    counted = jax.jit(chex.assert_max_traces(getattr(_activation, name).__wrapped__, n=most),
+                      static_argnames=static)
+    monkeypatch.setattr(_activation, name, counted)
   for seed in (0, 1):
     a, b, _ = _planted("gpt2", seed)
     matching.align_model(model.spec, a, b, method="activation", activations=model.activations,
                          match_batches=[_inputs(model, 1), _inputs(model, 2)])
-  groups = _activation.groups(model.spec, matching.active_names(model.spec, None),
-                              jax.eval_shape(model.activations, a, _inputs(model, 1)))
-  assert sorted(len(g) for g in groups) == [1, 2, 2]  # residual; FFNs; attention sites
 
 
 def test_model_activations_keep_apply_unchanged():

@@ -240,12 +240,12 @@ def test_bad_data_options_are_refused_in_one_line(gpt2, tmp_path, capsys, args, 
 
 
 @pytest.mark.parametrize("args, why", [
-    (("--method", "activation", "--match-data", "T"), "--method activation (not streamed)"),
     (("--method", "full", "--merge", "0.5", "--repair", "--match-data", "T"), "--repair"),
+    (("--method", "activation", "--match-data", "T", "--eval-text", "T"), "the evaluation"),
 ], ids=repr)
 def test_whole_models_over_the_budget_are_refused_saying_why(gpt2, tmp_path, capsys, args, why):
-  """The activation method and REPAIR hold both whole models (``_memory.streams``): over the
-  budget, one line says which of them does, before any work."""
+  """REPAIR and an evaluation hold both whole models (``_memory.streams``): over the budget,
+  one line says which of them does, before any work."""
   args = [gpt2["text"] if x == "T" else x for x in args]
   line = _refusal(capsys, gpt2["a"], gpt2["planted"], "--out", str(tmp_path / "out"),
                   "--memory-budget", "0.0001", *args)

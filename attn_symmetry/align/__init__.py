@@ -30,15 +30,17 @@ announced by one progress line and timed in the report (``_clock.Clock``):
    batches that "activation", "learned" from it and REPAIR run the models on). Every problem
    is refused here (or, for NaN weights, while loading) with a one-line ``InputError``, before
    anything is written;
-2. the source (``_sources``): where A and B are read from. Whole models ("learned",
-   "activation", an evaluation or ``repair``) are loaded in a stage "load" (``_sources.Whole``:
-   both models' float32 parameters, one stored tensor at a time); every other method streams the
+2. the source (``_sources``): where A and B are read from. Whole models ("learned", an
+   evaluation or ``repair``) are loaded in a stage "load" (``_sources.Whole``: both models'
+   float32 parameters, one stored tensor at a time); every other method streams the
    checkpoints a group of tensors at a time (``_sources.Streamed``: a ``layers_i``, the
    embeddings, the final norm with the head, kept in their stored dtype and computed in
    float32);
 3. align: the element g, from the source (``matching.align_model`` on whole models,
    ``matching.align_model_streamed`` on streamed ones: a round of its descent is a pass over
-   the layers plus the residual's reduction), then one pass over the groups
+   the layers plus the residual's reduction; ``matching.align_activations_streamed`` for
+   "activation": one or two passes of both models over the match batches, a layer at a time,
+   ``Model.activations_streamed``), then one pass over the groups
    (``_apply.apply``; with whole models inside this stage, streamed as the stage "apply"):
    each unit of leaves (an attention site's, or one leaf) of A and B read, folded where g
    needs it, B' = g . B computed, the squared distances ||A - B||, ||A - B'|| summed per

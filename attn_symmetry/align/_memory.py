@@ -1,10 +1,11 @@
 """The memory policy: what an alignment holds, and whether it may.
 
-Every method of ``matching.STREAMED_METHODS`` without an evaluation or ``--repair`` streams
-(``streams``): both models are read a group of tensors at a time (``_sources.Streamed``), and memory
-holds two groups of each model in float32, as read and aligned. The methods that are not streamed
-("learned"; "activation", which runs both models on the match data), an evaluation and ``--repair``
-hold both whole models twice in float32 (``_sources.Whole``). A', B' and the models they come from
+Every method of ``STREAMED`` (``matching.STREAMED_METHODS`` and "activation") without an evaluation
+or ``--repair`` streams (``streams``): both models are read a group of tensors at a time
+(``_sources.Streamed``), and memory holds two groups of each model in float32, as read and aligned;
+"activation", which runs both models a layer at a time on the match data, holds besides both
+models' hidden states on every match batch and its sums (``activation_bytes``). "learned", an
+evaluation and ``--repair`` hold both whole models twice in float32 (``_sources.Whole``). A', B' and the models they come from
 are kept whole, for the function check and ``Alignment.params``, only where four float32 models fit
 the budget (``keeps_models``). An alignment whose working set does not fit is refused before any
 work (``check_memory``). The budget is ``--memory-budget``, else the machine's memory.
@@ -14,6 +15,9 @@ from __future__ import annotations
 
 import math
 
+import jax
+import numpy as np
+
 from attn_symmetry import matching
 from attn_symmetry import runtime
 from attn_symmetry.align._records import InputError, Options, natural_order
@@ -21,19 +25,21 @@ from attn_symmetry.models import Model
 from attn_symmetry.models import safetensors_io
 
 
+STREAMED = (*matching.STREAMED_METHODS, "activation")  # the methods that read group by group
+
+
 def streams(options: Options) -> bool:
-  """Whether the models are read group by group: every method of ``matching.STREAMED_METHODS``
-  without an evaluation or ``repair``. The other methods ("learned", "activation"), an
-  evaluation and REPAIR hold both whole models (``whole_because``)."""
-  return (options.method in matching.STREAMED_METHODS and not options.evaluated
-          and not options.repair)
+  """Whether the models are read group by group: every method of ``STREAMED`` without an
+  evaluation or ``repair``. "learned", an evaluation and REPAIR hold both whole models
+  (``whole_because``)."""
+  return options.method in STREAMED and not options.evaluated and not options.repair
 
 
 def whole_because(options: Options) -> str:
   """What holds both whole models where the alignment does not stream: the method (not
-  streamed: "learned" trains on the interpolated model, "activation" runs both models),
-  ``--repair`` (which runs the merged model) or the evaluation."""
-  if options.method not in matching.STREAMED_METHODS:
+  streamed: "learned" trains on the interpolated model), ``--repair`` (which runs the merged
+  model) or the evaluation."""
+  if options.method not in STREAMED:
     return f"--method {options.method} (not streamed)"
   return "--repair" if options.repair else "the evaluation"
 
@@ -61,6 +67,23 @@ def group_bytes(model: Model) -> tuple[int, tuple[str, ...]]:
   return size(paths), paths
 
 
+def activation_bytes(model: Model, options: Options) -> tuple[int, int]:
+  """(bytes of both models' hidden states [B, T, D] on every match batch, bytes of the sums)
+  that the streamed "activation" method holds besides two groups of each model, in float32:
+  ``--match-batches`` batches of ``--batch-size`` examples of ``--seq-len`` tokens (at most the
+  model's length; a ViT's patches), and ``matching.activation_statistics_bytes``."""
+  config = model.config
+  if model.input_key == "image":
+    inputs = jax.ShapeDtypeStruct((options.batch_size, config.image_size, config.image_size,
+                                   config.num_channels), np.float32)
+  else:
+    inputs = jax.ShapeDtypeStruct((options.batch_size, min(options.seq_len, config.max_len)),
+                                  np.int32)
+  hidden = 2 * options.match_batches * 4 * math.prod(model.hidden_shape({model.input_key:
+                                                                          inputs}))
+  return hidden, matching.activation_statistics_bytes(model.spec)
+
+
 def keeps_models(model: Model, options: Options) -> bool:
   """Whether A, B and their aligned copies are held whole in float32, four models: always
   where the models are whole (``streams``); when streamed, only where they fit the budget, for the
@@ -78,8 +101,9 @@ def not_kept(model: Model, options: Options) -> str:
 def check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, model: Model,
                  options: Options) -> None:
   """Refuses, before any work, an alignment that needs more than the budget: the streamed one
-  holds two groups of leaves of each model in float32 (as read and aligned: ``group_bytes``);
-  the whole models (``whole_because``) are held twice in float32.
+  holds two groups of leaves of each model in float32 (as read and aligned: ``group_bytes``),
+  and for "activation" the hidden states and sums (``activation_bytes``); the whole models
+  (``whole_because``) are held twice in float32.
 
   Raises:
     InputError: naming the checkpoints' size, what the alignment needs, and the budget.
@@ -89,13 +113,20 @@ def check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, mod
   says = f"the memory budget {gb(most)} (--memory-budget)"
   if streams(options):
     group, paths = group_bytes(model)
-    if 4 * group > most:
-      top = sorted({p.split("/")[0] for p in paths}, key=natural_order)
-      raise InputError(f"the checkpoints ({sizes}) are read a group of tensors at a time, and "
-                       f"the largest ({', '.join(top)}: {gb(group)} per model in float32) "
-                       f"needs {gb(4 * group)} as read and aligned, above {says}")
+    top = sorted({p.split("/")[0] for p in paths}, key=natural_order)
+    largest = (f"the checkpoints ({sizes}) are read a group of tensors at a time, and the "
+               f"largest ({', '.join(top)}: {gb(group)} per model in float32) needs "
+               f"{gb(4 * group)} as read and aligned")
+    if options.method == "activation":
+      hidden, sums = activation_bytes(model, options)
+      if 4 * group + hidden + sums > most:
+        raise InputError(f"{largest}; --method activation adds both models' hidden states on "
+                         f"{options.match_batches} match batches ({gb(hidden)}) and its sums "
+                         f"({gb(sums)}): {gb(4 * group + hidden + sums)}, above {says}")
+    elif 4 * group > most:
+      raise InputError(f"{largest}, above {says}")
   elif 4 * whole_bytes(model) > most:
     raise InputError(f"{whole_because(options)} holds both whole models in float32, read and "
                      f"aligned: {gb(4 * whole_bytes(model))} for the checkpoints ({sizes}), "
                      f"above {says}; without an evaluation or --repair, methods "
-                     f"{', '.join(matching.STREAMED_METHODS)} read one layer at a time")
+                     f"{', '.join(STREAMED)} read one layer at a time")

@@ -94,10 +94,15 @@ def _align(source: _sources.Source, inputs: Inputs, options: Options,
       aligned = _apply.apply(source, inputs, options, element, info, tmp, stage)
       stage.summary = f"method {options.method}, {_done(aligned, options)}"
       return aligned
-    stage.summary = (f"method {options.method}, {info.get('rounds', 0)} rounds, reading "
-                     f"{len(matching.stream_groups(inputs.model.spec))} groups of tensors one at "
-                     "a time" + (f", each split over {info['devices']} devices"
-                                 if info.get("devices", 1) > 1 else ""))
+    groups = len(matching.stream_groups(inputs.model.spec))
+    if "passes" in info:  # "activation"
+      stage.summary = (f"method {options.method}, {info['passes']} passes of both models over "
+                       f"{info['batches']} match batches, a layer at a time")
+    else:
+      stage.summary = (f"method {options.method}, {info.get('rounds', 0)} rounds, reading "
+                       f"{groups} groups of tensors one at a time" +
+                       (f", each split over {info['devices']} devices"
+                        if info.get("devices", 1) > 1 else ""))
   with clock.stage("apply") as stage:
     aligned = _apply.apply(source, inputs, options, element, info, tmp, stage)
     stage.summary = f"B' = g . B group by group, {_done(aligned, options)}"

@@ -1,6 +1,6 @@
-"""Where the alignment reads A and B from: the whole models, loaded (``Whole``: "learned",
-"activation", an evaluation, ``--repair``), or the checkpoints, read a group of tensors at a time
-(``Streamed``: every other method; ``_memory.streams``). Both give the same four things: the element
+"""Where the alignment reads A and B from: the whole models, loaded (``Whole``: "learned", an
+evaluation, ``--repair``), or the checkpoints, read a group of tensors at a time (``Streamed``:
+every other method, "activation" running both models a layer at a time; ``_memory.streams``). Both give the same four things: the element
 g (``match``), the function check's reference logits (``reference``), a group of leaves of each
 model (``read``) for the one pass that computes B' (``_apply.apply``), and the release of a group
 once that pass is done with it (``release``)."""
@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import time
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from attn_symmetry import matching
@@ -142,7 +145,7 @@ class Streamed:
     """(g, info) of ``matching.align_model_streamed`` of B to A on the scope, the models read a
     group of leaves at a time (``read``), each group split over this process's devices where it
     has several (``_local_mesh``; info["devices"] says how many); each pass over the groups
-    says one line to the stage.
+    says one line to the stage. Method "activation": ``_match_activations``.
 
     Raises:
       InputError: a tied tensor differs from what it ties, or a tensor holds NaN or Inf.
@@ -153,6 +156,8 @@ class Streamed:
         safetensors_io.check_tied(ckpt, inputs.model)
     except ValueError as e:
       raise InputError(str(e)) from None
+    if options.method == "activation":
+      return self._match_activations(options, stage)
     shapes = {p: (s, np.dtype(np.float32)) for p, s in inputs.model.param_shapes.items()}
     mesh = _local_mesh()
     with runtime.release_memory_after_compiles():
@@ -162,6 +167,36 @@ class Streamed:
                                                     on_group=stage.tick, **options.matching)
       jax.block_until_ready(element)
     return element, info | {"devices": 1 if mesh is None else mesh.devices.size}
+
+  def _match_activations(self, options: Options, stage: Stage) -> Match:
+    """(g, info) of ``matching.align_activations_streamed``: both models run side by side on
+    the match batches a group of leaves at a time (``Model.activations_streamed``, the leaves
+    ``read`` and computed in float32), one pass, or two where the sites wait for the residual's
+    element; each pass says one line to the stage."""
+    inputs, model = self.inputs, self.inputs.model
+
+    def read(paths):
+      return tuple({p: jnp.asarray(x, jnp.float32) for p, x in flat.items()}
+                   for flat in self.read(paths))
+
+    def forward():
+      start = time.perf_counter()
+      yield from model.activations_streamed(read, inputs.match)
+      stage.say(f"a pass of both models over {len(inputs.match)} match batches, "
+                f"{model.config.depth} layers read one at a time "
+                f"({time.perf_counter() - start:.1f} s)")
+
+    abstract = spec_lib.unflatten({p: jax.ShapeDtypeStruct(s, jnp.float32)
+                                   for p, s in model.param_shapes.items()})
+    shapes = jax.eval_shape(model.batch_activations, abstract, inputs.match[0])
+    steps = matching.MatchOptions(**options.matching).steps
+    with runtime.release_memory_after_compiles():
+      try:
+        return matching.align_activations_streamed(model.spec, forward, shapes,
+                                                   scope=inputs.scope, steps=steps,
+                                                   batches=len(inputs.match))
+      except ValueError as e:
+        raise InputError(str(e)) from None
 
   def reference(self, folders: Sequence[str], inputs: jax.Array) -> dict[str, jax.Array]:
     """{folder: its source's logits on ``inputs``}, each source loaded whole in turn and

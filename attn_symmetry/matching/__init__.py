@@ -11,6 +11,8 @@ method "activation", every factor and site from the two models' activations.
   head_distances              Stage 1 costs between the heads of two layers.
   match_ffn                   Weight Matching of a spec's permutation/orthogonal factors.
   align_model                 all of it, for every factor and attention site in scope.
+  align_activations_streamed  method "activation" on models run a group of leaves at a time
+                              (``activation_statistics_bytes``: the sums it holds at once).
   learn_alignment             an element's factors fitted to a task loss.
   register_method             a whole-model method of one's own, next to the built-in ones.
   MatchOptions                align_model's matching options, one field each: default, doc,
@@ -63,6 +65,8 @@ from attn_symmetry.matching import _model  # naive, perm, ortho, full
 from attn_symmetry.matching import _learned  # learned
 from attn_symmetry.matching import _activation  # activation
 from attn_symmetry.matching._activation import ACTIVATION_KEYS
+from attn_symmetry.matching._activation import align_streamed as align_activations_streamed
+from attn_symmetry.matching._activation import statistics_bytes as activation_statistics_bytes
 from attn_symmetry.matching._assignment import head_permutations
 from attn_symmetry.matching._assignment import linear_assignment
 from attn_symmetry.matching._attention import DEFAULT_LEARNING_RATE

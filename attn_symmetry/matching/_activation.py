@@ -51,6 +51,10 @@ the names in scope replaced): always an exact group element; what it brings B to
 function. On a planted pair (B = g . A) every factor and site is recovered exactly, the
 permutations by correlations of 1 and the matrices by the exact least squares.
 
+The sums are fed an entry at a time (``Statistics``), so that ``align_streamed`` can run the
+models a layer at a time: it holds the models' hidden states, the residual's sums and one layer's
+FFN and site sums, and solves each name once its sums are complete (its docstring).
+
 Activations that are not finite are refused, naming the key (the layer and tap) and the
 model and batch. This module imports jax, numpy and optax only.
 """
@@ -58,7 +62,7 @@ model and batch. This module imports jax, numpy and optax only.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -72,7 +76,7 @@ from attn_symmetry.matching import _features
 from attn_symmetry.matching import _methods
 from attn_symmetry.matching import _model
 from attn_symmetry.matching import _stage2
-from attn_symmetry.matching import _static
+from attn_symmetry.matching import _streamed
 
 SEPARATOR = ":"
 SITE_TAPS = ("q", "k", "v", "heads")  # an attention site's keys: f"{site}:{tap}"
@@ -127,14 +131,6 @@ def check_shapes(spec: spec_lib.SymmetrySpec, names: Sequence[str],
       lead = shape[:-2]
 
 
-def _needed(spec: spec_lib.SymmetrySpec, names: Sequence[str], keys: Sequence[str]) -> list[str]:
-  out = []
-  for name in names:
-    out += (factor_keys(keys, name) if name in spec.factors
-            else [f"{name}{SEPARATOR}{t}" for t in SITE_TAPS])
-  return out
-
-
 # ----------------------------------------------------------------------------- statistics
 
 
@@ -179,11 +175,10 @@ def _standardised(x: jax.Array) -> jax.Array:
   return x / jnp.where(rms > 0, rms, 1)
 
 
-def _factor_stats(kind: str, units_a: list[jax.Array], units_b: list[jax.Array]):
-  """One batch's statistics of one factor, from its entries (each ``_standardised``, then
-  pooled)."""
-  a = jnp.concatenate([_standardised(x) for x in units_a])
-  b = jnp.concatenate([_standardised(x) for x in units_b])
+def _factor_stats(kind: str, a: jax.Array, b: jax.Array):
+  """One entry's statistics of one factor on one batch (each side ``_standardised``); a
+  factor's statistics are the sums over its entries and the batches."""
+  a, b = _standardised(a), _standardised(b)
   if kind == "orthogonal":
     return _dot(b, a, "ti,tj->ij")  # X_B^T X_A
   return PermutationStats(jnp.asarray(a.shape[0], a.dtype), a.sum(0), b.sum(0), (a * a).sum(0),
@@ -206,52 +201,80 @@ def _site_stats(taps_a: dict[str, jax.Array], taps_b: dict[str, jax.Array]) -> S
                    jnp.sum(lb * lb, (0, 2, 3)))
 
 
-def groups(spec: spec_lib.SymmetrySpec, names: Sequence[str], shapes: Mapping[str, Any]
-           ) -> tuple[tuple[str, ...], ...]:
-  """``names`` grouped where one program serves them all (vmapped over the group): factors
-  of one kind and size whose entries have equal shapes (the FFNs of all layers), sites of
-  one configuration and tap shapes (every attention layer)."""
-  out: dict[Any, list[str]] = {}
-  for name in names:
-    if name in spec.factors:
-      keys = factor_keys(list(shapes), name)
-      key = (spec.factors[name], tuple(tuple(shapes[k].shape) for k in keys))
-    else:
-      key = (spec.attention[name],
-             tuple(tuple(shapes[f"{name}{SEPARATOR}{t}"].shape) for t in SITE_TAPS))
-    out.setdefault(key, []).append(name)
-  return tuple(tuple(g) for g in out.values())
+@functools.partial(jax.jit, static_argnames=("kind",))
+def _add_factor(total, a, b, *, kind):
+  new = _factor_stats(kind, a, b)
+  return new if total is None else jax.tree.map(jnp.add, total, new)
 
 
-def _entries(spec: spec_lib.SymmetrySpec, acts: Mapping[str, jax.Array], name: str
-             ) -> list[jax.Array]:
-  if name in spec.factors:
-    return [acts[k] for k in factor_keys(list(acts), name)]
-  return [acts[f"{name}{SEPARATOR}{t}"] for t in SITE_TAPS]
+@jax.jit
+def _add_site(total, taps_a, taps_b):
+  new = _site_stats(dict(zip(SITE_TAPS, taps_a)), dict(zip(SITE_TAPS, taps_b)))
+  return new if total is None else jax.tree.map(jnp.add, total, new)
 
 
-def _batch_stats(acts_a, acts_b, *, spec, groups):
-  """One batch's statistics of every group of names, stacked over the group's names."""
-  spec = spec.spec
-  out = []
-  for names in groups:
-    stack = lambda acts: [jnp.stack(x) for x in zip(*(_entries(spec, acts, n) for n in names))]
-    if names[0] in spec.factors:
-      kind = spec.factors[names[0]].kind
-      stats = jax.vmap(lambda a, b: _factor_stats(kind, a, b))(stack(acts_a), stack(acts_b))
-    else:
-      taps = lambda xs: dict(zip(SITE_TAPS, xs))
-      stats = jax.vmap(lambda a, b: _site_stats(taps(a), taps(b)))(stack(acts_a), stack(acts_b))
-    out.append(stats)
-  return out
+class Statistics:
+  """The sums of products of the names in scope, fed the two models' activations an entry at a
+  time: ``add`` takes any subset of the keys (every key of a batch, or one layer's), so that
+  neither the batches nor the layers need to be held together.
 
+  Held per name fed (float ``dtype``): a permutation factor of n units ``PermutationStats``
+  ([], [n] x 4, [n, n]); an orthogonal one X_B^T X_A [n, n]; a site (N heads, K kv heads, head
+  dim H) ``SiteStats``: Grams [N, N, H, H] (q, o) and [K, K, H, H] (k, v), self Grams
+  [N|K, H, H], logits [N, N] and [N] x 2. ``pop`` hands a name's sums over and forgets them.
 
-def _accumulate(total, acts_a, acts_b, *, spec, groups):
-  new = _batch_stats(acts_a, acts_b, spec=spec, groups=groups)
-  return jax.tree.map(jnp.add, total, new)
+  Attributes:
+    spec: the models' spec; names: the names whose entries are summed; dtype: the sums'.
+    sums: name -> its sums so far.
+  """
 
+  def __init__(self, spec: spec_lib.SymmetrySpec, names: Sequence[str], dtype: Any):
+    self.spec, self.names, self.dtype = spec, tuple(names), dtype
+    self.sums: dict[str, Any] = {}
 
-_accumulate_jit = jax.jit(_accumulate, static_argnames=("spec", "groups"))
+  def add(self, acts_a: Mapping[str, jax.Array], acts_b: Mapping[str, jax.Array], batch: int
+          ) -> set[str]:
+    """Adds the entries of ``acts_a`` and ``acts_b`` (A's and B's activations of the same keys
+    on match batch ``batch``) to the sums of the names they belong to; returns those names.
+
+    Raises:
+      ValueError: naming the model, batch and key, if an entry that is read is not finite.
+    """
+    fed = set()
+    for name in self.names:
+      if name in self.spec.factors:
+        keys = factor_keys(list(acts_a), name)
+      else:  # a site's four taps come together
+        taps = [f"{name}{SEPARATOR}{t}" for t in SITE_TAPS]
+        keys = taps if taps[0] in acts_a else []
+      if not keys:
+        continue
+      for which, acts in (("A", acts_a), ("B", acts_b)):
+        bad = next((k for k in keys if not bool(jnp.all(jnp.isfinite(acts[k])))), None)
+        if bad is not None:
+          raise ValueError(f"activations of model {which} on match batch {batch}: {bad!r} has "
+                           "NaN or Inf entries")
+      cast = lambda acts: [acts[k].astype(self.dtype) for k in keys]
+      total = self.sums.get(name)
+      if name in self.spec.factors:
+        kind = self.spec.factors[name].kind
+        for xa, xb in zip(cast(acts_a), cast(acts_b)):
+          total = _add_factor(total, xa, xb, kind=kind)
+      else:
+        total = _add_site(total, cast(acts_a), cast(acts_b))
+      self.sums[name] = jax.block_until_ready(total)
+      fed.add(name)
+    return fed
+
+  def pop(self, name: str) -> Any:
+    """The sums of ``name``, forgotten here.
+
+    Raises:
+      ValueError: naming it, if none of its entries were fed.
+    """
+    if name not in self.sums:
+      raise ValueError(f"activations: no entry of {name!r} was computed")
+    return self.sums.pop(name)
 
 
 # ----------------------------------------------------------------------------- solving
@@ -327,35 +350,68 @@ def _solve_site(stats: SiteStats, out_a, out_b, site: spec_lib.AttentionSite, *,
   return group_action.AttentionElement(perm.astype(jnp.int32), qk_m, vo_m), jnp.max(taken)
 
 
-def _solve(stats, outs, *, spec, groups, steps):
-  """The element of the names of ``groups`` from their statistics (``outs``: per site group,
-  W^O of A and B [S, N, H, D]), each group vmapped; every LAPACK call on one chain
-  (``_stage2.sequenced``)."""
-  spec = spec.spec
-  dtype = next(iter(jax.tree.leaves(stats))).dtype
-  element = group_action.identity_model(spec, dtype)
-  taken = jnp.int32(0)
-  last: Any = jnp.zeros((), dtype)
-  order = sorted(range(len(groups)), key=lambda i: groups[i][0] in spec.attention)
-  for i in order:  # the factors first: a site's Stage 1 reads the residual's element
-    names, s = groups[i], _stage2.sequenced(stats[i], last)
-    if names[0] in spec.factors:
-      orthogonal = spec.factors[names[0]].kind == "orthogonal"
-      values = _stage2.polar(s) if orthogonal else jax.vmap(_permutation)(s)
-      last = values.astype(dtype)
-    else:
-      out_a, out_b = outs[i]
-      out_b = jnp.stack([group_action.apply_leaf(spec, f"{n}/out/kernel", out_b[j], element)
-                         for j, n in enumerate(names)])
-      site = spec.attention[names[0]]
-      values, t = jax.vmap(lambda st, oa, ob: _solve_site(st, oa, ob, site, steps=steps))(
-          s, out_a, out_b)
-      taken, last = jnp.maximum(taken, jnp.max(t)), values.vo
-    element.update({n: jax.tree.map(lambda x, j=j: x[j], values) for j, n in enumerate(names)})
-  return element, taken
+@functools.partial(jax.jit, static_argnames=("kind",))
+def _solve_factor(stats, *, kind: str) -> jax.Array:
+  """A factor's element from its sums: polar(X_B^T X_A) (orthogonal) or the assignment on the
+  correlations (permutation)."""
+  return _stage2.polar(stats) if kind == "orthogonal" else _permutation(stats)
 
 
-_solve_jit = jax.jit(_solve, static_argnames=("spec", "groups", "steps"))
+@functools.partial(jax.jit, static_argnames=("site", "steps"))
+def _solve_sites(stats, out_a, out_b, *, site, steps):
+  """The elements of S sites of one configuration ``site``, vmapped: stats stacked [S, ...],
+  W^O of A and B [S, N, H, D] (B's mapped by the residual's element); (elements, the most
+  Gauss-Newton iterations)."""
+  values, taken = jax.vmap(lambda st, oa, ob: _solve_site(st, oa, ob, site, steps=steps))(
+      stats, out_a, out_b)
+  return values, jnp.max(taken)
+
+
+def _out_kernels(spec: spec_lib.SymmetrySpec, sites: Sequence[str], flat_a, flat_b, element
+                 ) -> tuple[jax.Array, jax.Array]:
+  """W^O of ``sites`` in A and B [S, N, H, D] from (folded, upcast) leaves, B's mapped by the
+  factors of ``element`` (its sites at identity: Stage 1 compares the heads' outputs in A's
+  stream)."""
+  path = lambda s: f"{s}/out/kernel"
+  out_a = jnp.stack([flat_a[path(s)] for s in sites])
+  out_b = jnp.stack([group_action.apply_leaf(spec, path(s), flat_b[path(s)], element)
+                     for s in sites])
+  return out_a, out_b
+
+
+def _site_groups(spec: spec_lib.SymmetrySpec, sites: Sequence[str]) -> list[list[str]]:
+  """``sites`` grouped by configuration (one program, vmapped, for each group)."""
+  out: dict[Any, list[str]] = {}
+  for s in sites:
+    out.setdefault(spec.attention[s], []).append(s)
+  return list(out.values())
+
+
+def _solve_into(element, spec: spec_lib.SymmetrySpec, stats: Statistics, sites: Sequence[str],
+                flat_a, flat_b, steps: int) -> int:
+  """Solves ``sites`` (of one configuration) from their sums in ``stats`` (popped) and the
+  leaves holding their W^O (folded where the element folds, upcast), into ``element``; returns
+  the most Gauss-Newton iterations. Each program is waited for: every LAPACK call on one
+  chain (``_stage2.sequenced``)."""
+  sums = jax.tree.map(lambda *x: jnp.stack(x), *[stats.pop(s) for s in sites])
+  out_a, out_b = _out_kernels(spec, sites, flat_a, flat_b, element)
+  values, taken = jax.block_until_ready(
+      _solve_sites(sums, out_a, out_b, site=spec.attention[sites[0]], steps=int(steps)))
+  element.update({s: jax.tree.map(lambda x, j=j: x[j], values) for j, s in enumerate(sites)})
+  return int(taken)
+
+
+def _solve_factors_into(element, spec: spec_lib.SymmetrySpec, stats: Statistics,
+                        factors: Sequence[str], samples: dict[str, float]) -> None:
+  """Solves ``factors`` from their sums (popped) into ``element``, one program each (waited
+  for); records the pooled rows of each permutation factor in ``samples``."""
+  for f in factors:
+    sums = stats.pop(f)
+    if isinstance(sums, PermutationStats):
+      samples[f] = float(sums.count)
+    kind = spec.factors[f].kind
+    element[f] = jax.block_until_ready(_solve_factor(sums, kind=kind)).astype(
+        jnp.int32 if kind == "permutation" else stats.dtype)
 
 
 # ----------------------------------------------------------------------------- the method
@@ -365,10 +421,7 @@ _JITTED: dict[Any, Any] = {}  # activations functions, jitted once each (keyed b
 
 def _jitted(activations: Activations):
   if activations not in _JITTED:
-    def run(params, batch):
-      acts = dict(activations(params, batch))
-      return acts, {k: jnp.all(jnp.isfinite(v)) for k, v in acts.items()}
-    _JITTED[activations] = jax.jit(run)
+    _JITTED[activations] = jax.jit(lambda params, batch: dict(activations(params, batch)))
   return _JITTED[activations]
 
 
@@ -380,6 +433,11 @@ def check_inputs(activations: Any, batches: Any) -> None:
   if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or not batches:
     raise ValueError("method 'activation' needs match_batches, a non-empty list of batches "
                      f"(e.g. from the training split); got {batches!r}")
+
+
+def _split(spec: spec_lib.SymmetrySpec, names: Sequence[str]) -> tuple[list[str], list[str]]:
+  """(the factors, the sites) among ``names``."""
+  return [n for n in names if n in spec.factors], [n for n in names if n in spec.attention]
 
 
 def align(spec: spec_lib.SymmetrySpec, params_a, params_b, *,
@@ -401,7 +459,7 @@ def align(spec: spec_lib.SymmetrySpec, params_a, params_b, *,
   Returns:
     (element, info): info {"folded_norm_scales" (whether the element acts on folded
     parameters: an orthogonal factor in scope meets norm scales), "batches" (read),
-    "samples" (per factor in scope: the pooled rows of its statistics),
+    "samples" (per permutation factor in scope: the pooled rows of its statistics),
     "refinement_steps", "distance" {"initial", "final"} the squared parameter distance to
     (folded) A before and after}.
 
@@ -423,39 +481,129 @@ def align(spec: spec_lib.SymmetrySpec, params_a, params_b, *,
       raise ValueError(f"activations(params_{which.lower()}, match_batches[0]) fails: "
                        f"{type(e).__name__}: {e}") from None
     check_shapes(spec, names, shapes)
-  static, run = _static.StaticSpec(spec), _jitted(activations)
-  grouped = groups(spec, names, shapes)
-  total = None  # zeros of the statistics' shapes, then the sums over the batches
+  run, stats = _jitted(activations), Statistics(spec, names, dtype)
   for i, batch in enumerate(batches):
-    acts = {}
-    for which, params in (("A", params_a), ("B", params_b)):
-      values, finite = run(params, batch)
-      needed = _needed(spec, names, list(values))
-      bad = next((k for k in needed if not bool(finite[k])), None)
-      if bad is not None:
-        raise ValueError(f"activations of model {which} on match batch {i}: {bad!r} has NaN "
-                         "or Inf entries")
-      acts[which] = {k: values[k].astype(dtype) for k in needed}
-    if total is None:
-      total = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
-          functools.partial(_batch_stats, spec=static, groups=grouped), acts["A"], acts["B"]))
-    total = _accumulate_jit(total, acts["A"], acts["B"], spec=static, groups=grouped)
-    del acts
+    stats.add(run(params_a, batch), run(params_b, batch), i)
   if needs_folding:
     params_a, params_b = (group_action.fold_norm_scales(spec, p) for p in (params_a, params_b))
   flat_a = _attention.upcast(spec_lib.flatten(params_a))
   flat_b = _attention.upcast(spec_lib.flatten(params_b))
-  outs = [tuple(jnp.stack([flat[f"{s}/out/kernel"] for s in g]) for flat in (flat_a, flat_b))
-          if g[0] in spec.attention else None for g in grouped]
-  element, taken = _solve_jit(total, outs, spec=static, groups=grouped, steps=int(steps))
+  factors, sites = _split(spec, names)
+  element, samples = group_action.identity_model(spec, dtype), {}
+  _solve_factors_into(element, spec, stats, factors, samples)
+  taken = max([_solve_into(element, spec, stats, group, flat_a, flat_b, steps)
+               for group in _site_groups(spec, sites)], default=0)
   moved = spec_lib.flatten(group_action.apply_model(spec, spec_lib.unflatten(flat_b), element,
                                                     check_element=False))
   distance = {"initial": sum(jnp.sum((flat_a[p] - flat_b[p]) ** 2) for p in flat_a),
               "final": sum(jnp.sum((flat_a[p] - moved[p]) ** 2) for p in flat_a)}
-  samples = {n: float(stats.count[j]) for g, stats in zip(grouped, total)
-             if isinstance(stats, PermutationStats) for j, n in enumerate(g)}
   return element, {"folded_norm_scales": needs_folding, "batches": len(batches),
-                   "samples": samples, "refinement_steps": taken, "distance": distance}
+                   "samples": samples, "refinement_steps": jnp.int32(taken),
+                   "distance": distance}
+
+
+Flat = dict[str, Any]
+Forward = Callable[[], Iterable[tuple[Sequence[Flat], Iterable[Sequence[Mapping[str, Any]]]]]]
+
+
+def align_streamed(spec: spec_lib.SymmetrySpec, forward: Forward, shapes: Mapping[str, Any], *,
+                   scope: str | Sequence[str] | None, steps: int, batches: int
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Method "activation" with both models run a group of leaves at a time: the element of
+  ``align`` (the same sums, added in another order: identical permutations, matrices to
+  rounding), without holding either model or all layers' activations.
+
+  ``forward()`` runs both models over the match batches once, a group of leaves at a time
+  (``Model.activations_streamed``): it yields, per step (the embeddings, each layer, the
+  head), ((A's leaves, B's leaves) read for it {path: array}, an iterable over the batches of
+  (A's, B's) activations {key: array} of the keys that step computes (``ACTIVATION_KEYS``)).
+  Each step's sums are added batch by batch (``Statistics``), and a name is solved as soon as
+  its sums are complete: a factor whose leaves lie in one group of ``stream_groups`` (an FFN)
+  at the end of its step, a factor spanning groups (the residual stream) at the end of the
+  pass, a site at the end of its step, reading its W^O from the step's leaves. A site's Stage
+  1 compares its heads' outputs in A's stream, through the residual's element: where that
+  element is in scope (it is only known after the whole pass), the sites are solved in a
+  second pass, which runs the models again and holds one site's sums at a time. So memory
+  holds, besides the step's leaves and the models' hidden states on the match batches: the
+  sums of each spanning factor ([n, n]), and of one layer's FFN factor ([F, F]) and site
+  (``Statistics``: [N, N, H, H] x 2, [K, K, H, H] x 2) while that layer runs.
+
+  Args:
+    spec: the models' spec.
+    forward: the pass, as above (called once or twice); the leaves and activations upcast
+      from half precision already (any float dtype; the sums are in the activations' dtype).
+    shapes: one model's activations on one batch, as ``jax.eval_shape`` gives them (the keys'
+      shapes and dtype), checked against the names in scope before any pass
+      (``check_shapes``).
+    scope, steps: as ``align``.
+    batches: how many match batches ``forward`` runs (info["batches"]).
+
+  Returns:
+    (element, info) as ``align``'s, without "distance" (the parameters are not held).
+
+  Raises:
+    ValueError: as ``align``.
+  """
+  names = _model.active_names(spec, scope)
+  check_shapes(spec, names, shapes)
+  needs_folding = _model._needs_folding(spec, names)
+  dtype = _attention.compute_dtype(next(iter(shapes.values())).dtype)
+  factors, sites = _split(spec, names)
+  groups = _streamed.stream_groups(spec)
+  leaves_of = lambda f: {p for p, axes in spec.axes.items() if f in axes}
+  local = {f for f in factors if any(leaves_of(f) <= set(g) for g in groups)}
+  spanning = [f for f in factors if f not in local]
+  waits = any(f in spanning for s in sites for f in spec.axes[f"{s}/out/kernel"])
+  element, samples, taken = group_action.identity_model(spec, dtype), {}, 0
+
+  def run(names: Sequence[str]) -> None:
+    nonlocal taken
+    stats, solved = Statistics(spec, names, dtype), set()
+    for leaves, entries in forward():
+      fed = set()
+      for i, (acts_a, acts_b) in enumerate(entries):
+        fed |= stats.add(acts_a, acts_b, i)
+      if fed & solved:
+        raise ValueError(f"activations: entries of {sorted(fed & solved)} in two steps of the "
+                         "pass; a layer's factor or site must be computed in one")
+      done = sorted(n for n in fed if n in local)
+      _solve_factors_into(element, spec, stats, done, samples)
+      here = [s for s in sites if s in fed]
+      if here:
+        flat_a, flat_b = (_attention.upcast(dict(x)) for x in leaves)
+        if needs_folding:
+          part = spec.part(list(flat_a))
+          flat_a, flat_b = (spec_lib.flatten(group_action.fold_norm_scales(
+              part, spec_lib.unflatten(x))) for x in (flat_a, flat_b))
+        taken = max(taken, _solve_into(element, spec, stats, here, flat_a, flat_b, steps))
+      solved |= set(done) | set(here)
+    _solve_factors_into(element, spec, stats, [f for f in spanning if f in names], samples)
+
+  if waits:
+    run(factors)
+    run(sites)
+  else:
+    run(names)
+  return element, {"folded_norm_scales": needs_folding, "batches": batches, "passes": 1 + waits,
+                   "samples": samples, "refinement_steps": jnp.int32(taken)}
+
+
+def statistics_bytes(spec: spec_lib.SymmetrySpec) -> int:
+  """The most bytes of float32 sums that ``align_streamed`` holds at once on the whole spec:
+  every factor spanning groups (``PermutationStats`` or [n, n]), plus the largest factor of
+  one group and the largest site (``Statistics``)."""
+  groups = _streamed.stream_groups(spec)
+  leaves_of = lambda f: {p for p, axes in spec.axes.items() if f in axes}
+  factor = lambda f: spec.factors[f].size ** 2 + 4 * spec.factors[f].size + 1
+  spanning = [f for f in spec.factors if not any(leaves_of(f) <= set(g) for g in groups)]
+  local = [factor(f) for f in spec.factors if f not in spanning]
+
+  def site(s):
+    n, k, h = s.num_heads, s.kv_heads, s.head_dim
+    return 2 * (n * n + k * k) * h * h + 2 * (n + k) * h * h * 2 + n * n + 2 * n
+
+  return 4 * (sum(factor(f) for f in spanning) + max(local, default=0) +
+              max((site(s) for s in spec.attention.values()), default=0))
 
 
 _methods.register_built_in("activation", align, arguments=("activations", "match_batches"))

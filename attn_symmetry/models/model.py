@@ -20,8 +20,7 @@ Everything outside this package sees them through ``Model``:
 from __future__ import annotations
 
 import functools
-import gc
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -120,7 +119,8 @@ class Model:
     the layers (embeddings, final norm, heads) are read first and held throughout; then each
     ``layers_i`` is read, run on the stream and released before the next is read: memory holds
     the outside and one layer, not the model, and none of it once the logits are returned. The
-    outside runs eagerly, each layer as one program (compiled once for all layers of one
+    module runs in front of the layers (``_front``) and behind them (``_back``) as one program
+    each, and each layer as one program (``_run_layer``, compiled once for all layers of one
     shape).
 
     Args:
@@ -130,30 +130,16 @@ class Model:
     Returns:
       logits as ``apply`` returns them (its intermediates are not kept).
     """
-    depth = self.config.depth
-    layers = [[p for p in self.param_shapes if p.split("/")[0] == f"layers_{i}"]
-              for i in range(depth)]
-    inside = {p for paths in layers for p in paths}
-    outside = dict(read([p for p in self.param_shapes if p not in inside]))
-    # The layers' places in the module hold empty arrays: ``encode`` runs ``stack`` instead.
-    placeholders = {p: np.zeros((0,), np.float32) for p in inside}
-    module = nnx.merge(self._graphdef, spec_lib.unflatten(outside | placeholders))
-
-    def stack(x, *, positions, mask):
-      for i, paths in enumerate(layers):
-        params = spec_lib.unflatten(dict(read(paths)))[f"layers_{i}"]
-        # The layer's program has run, and the layer is released, before the next is read:
-        # dispatch is asynchronous, and the queued programs would hold their layers.
-        x = jax.block_until_ready(_run_layer(self._layer_graphdef, params, x, positions, mask))
-        del params
-      return x
-
-    logits = module(inputs, mask=mask, segments=segments, layers=stack)[0]
-    # The module holds the outside in reference cycles (flax's object graph): collected now, it
-    # is not still in memory when the next model is read (a 7B model's embeddings and head: 1 GB).
-    del module, outside
-    gc.collect()
-    return logits
+    outside = dict(read(self._outside_paths))
+    x, positions, layer_mask = _front(self, outside, inputs, mask, segments)
+    for i, paths in enumerate(self._layer_paths):
+      params = self._layer(read(paths), i)
+      # The layer's program has run, and the layer is released, before the next is read:
+      # dispatch is asynchronous, and the queued programs would hold their layers.
+      x = jax.block_until_ready(_run_layer(self._layer_graphdef, params, x, positions,
+                                           layer_mask, taps=False))
+      del params
+    return _back(self, outside, inputs, mask, segments, x)
 
   def activations(self, params: Params, inputs: jax.Array, *, mask: jax.Array | None = None,
                   segments: jax.Array | None = None) -> dict[str, jax.Array]:
@@ -175,26 +161,126 @@ class Model:
     self.check_params(params)
     module = nnx.merge(self._graphdef, params)
     out: dict[str, jax.Array] = {}
-    r = core.RESIDUAL if core.RESIDUAL in self.spec.factors else None
-    stream = lambda name, x: out.update({f"{r}:{name}": x} if r else {})
     final = []
 
     def stack(x, *, positions, mask):
-      stream("embed", x)
+      out.update(self._embed_entries(x))
       for i in range(self.config.depth):
         x, parts = getattr(module, f"layers_{i}")(x, positions=positions, mask=mask, taps=True)
-        out[f"layers_{i}/mlp"] = parts.pop("mlp")
-        stream(f"layers_{i}/attention", parts.pop("attention"))
-        out.update({f"layers_{i}/{k}": v for k, v in parts.items()})
-        stream(f"layers_{i}", x)
+        out.update(self._layer_entries(i, x, parts))
       final.append(x)
       return x
 
     module(inputs, mask=mask, segments=segments, layers=stack)
     if self._head_activations is not None:
-      x = final[0] if module.final_norm is None else module.final_norm(final[0])
-      out.update(self._head_activations(module, x))
+      out.update(_head_entries(self, module, final[0]))
     return out
+
+  def activations_streamed(self, read: Callable[[Iterable[str]], Sequence[Mapping[str, Any]]],
+                           batches: Sequence[Mapping[str, Any]]
+                           ) -> Iterator[tuple[tuple[dict[str, Any], ...],
+                                               Iterator[tuple[dict[str, jax.Array], ...]]]]:
+    """``activations`` of several models (of this config) on ``batches``, computed a group of
+    parameters at a time, as ``apply_streamed`` runs the layers.
+
+    ``read(paths)`` returns each model's {path: array} at those paths (a tuple, one per
+    model). Yields one step at a time: the embeddings (the parameters outside the layers,
+    read, run on every batch in front of the layers and released), each ``layers_i`` (read,
+    every batch's stream advanced through it, released), and, for a family with head
+    activations, the head (the outside read again, run behind the layers). Each step is
+    (the leaves read for it, one {path: array} per model; an iterator over the batches of
+    the step's activations, one {key: array} per model, keyed as ``activations`` keys them).
+    The step's iterator advances the streams as it is consumed; whatever is left unconsumed
+    is run before the next step. Memory holds each model's hidden states on every batch
+    [B, T, D], the step's leaves and one batch's activations of the step.
+
+    Args:
+      read: the parameters of every model, by path (computed in the arrays' dtype).
+      batches: data batches, as ``batch_activations`` reads them.
+    """
+    inputs = [(b[self.input_key], b.get("mask")) for b in batches]
+    outside = tuple(dict(x) for x in read(self._outside_paths))
+    streams = [[None] * len(batches) for _ in outside]  # (x, positions, mask) per model, batch
+
+    def front():
+      for j, (x, mask) in enumerate(inputs):
+        for m, params in enumerate(outside):
+          streams[m][j] = _front(self, params, x, mask, None)
+        yield tuple(self._embed_entries(s[j][0]) for s in streams)
+
+    def layer(i, params):
+      for j in range(len(batches)):
+        out = []
+        for m, p in enumerate(params):
+          x, positions, mask = streams[m][j]
+          x, parts = _run_layer(self._layer_graphdef, p, x, positions, mask, taps=True)
+          streams[m][j] = (jax.block_until_ready(x), positions, mask)
+          out.append(self._layer_entries(i, x, parts))
+        yield tuple(out)
+
+    yield from _drained(outside, front())
+    del outside
+    for i, paths in enumerate(self._layer_paths):
+      leaves = tuple(dict(x) for x in read(paths))
+      yield from _drained(leaves, layer(i, [self._layer(x, i) for x in leaves]))
+      del leaves
+    if self._head_activations is not None:
+      outside = tuple(dict(x) for x in read(self._outside_paths))
+      yield from _drained(outside, (tuple(_heads(self, p, s[j][0])
+                                          for p, s in zip(outside, streams))
+                                    for j in range(len(batches))))
+
+  def hidden_shape(self, batch: Mapping[str, Any]) -> tuple[int, ...]:
+    """The shape of the stream [B, T, D] that the layers run on for ``batch`` (arrays or
+    ``jax.ShapeDtypeStruct``s); nothing is computed."""
+    outside = {p: jax.ShapeDtypeStruct(self.param_shapes[p], np.float32)
+               for p in self._outside_paths}
+    x = jax.eval_shape(lambda o, b: _front(self, o, b[self.input_key], b.get("mask"), None)[0],
+                       outside, dict(batch))
+    return tuple(x.shape)
+
+  def _embed_entries(self, x: jax.Array) -> dict[str, jax.Array]:
+    """The activations of the stream x entering the layers (``activations``' keys)."""
+    r = self._residual
+    return {f"{r}:embed": x} if r else {}
+
+  def _layer_entries(self, i: int, x: jax.Array, parts: Mapping[str, jax.Array]
+                     ) -> dict[str, jax.Array]:
+    """The activations of layer i (``activations``' keys) from its output x and its
+    ``core.Block`` parts (with taps)."""
+    parts, r = dict(parts), self._residual
+    out = {f"layers_{i}/mlp": parts.pop("mlp")}
+    attention = parts.pop("attention")
+    out |= {f"layers_{i}/{k}": v for k, v in parts.items()}
+    if r:
+      out |= {f"{r}:layers_{i}/attention": attention, f"{r}:layers_{i}": x}
+    return out
+
+  @functools.cached_property
+  def _residual(self) -> str | None:
+    return core.RESIDUAL if core.RESIDUAL in self.spec.factors else None
+
+  @functools.cached_property
+  def _layer_paths(self) -> list[list[str]]:
+    """The parameter paths of each ``layers_i``, in order."""
+    return [[p for p in self.param_shapes if p.split("/")[0] == f"layers_{i}"]
+            for i in range(self.config.depth)]
+
+  @functools.cached_property
+  def _outside_paths(self) -> list[str]:
+    """The parameter paths outside the layers (embeddings, final norm, heads)."""
+    inside = {p for paths in self._layer_paths for p in paths}
+    return [p for p in self.param_shapes if p not in inside]
+
+  def _layer(self, flat: Mapping[str, Any], i: int) -> Params:
+    """Layer i's nested parameters from its leaves {path: array}."""
+    return spec_lib.unflatten(dict(flat))[f"layers_{i}"]
+
+  def _outside_module(self, outside: Mapping[str, Any]) -> nnx.Module:
+    """The module with the parameters ``outside`` the layers; the layers' places hold empty
+    arrays (``encode`` runs a ``layers`` callable instead)."""
+    placeholders = {p: np.zeros((0,), np.float32) for paths in self._layer_paths for p in paths}
+    return nnx.merge(self._graphdef, spec_lib.unflatten(dict(outside) | placeholders))
 
   def batch_activations(self, params: Params, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
     """``activations`` of a data batch: its ``input_key`` entry, with its "mask" where it has
@@ -223,11 +309,58 @@ class Model:
     raise ValueError(f"unknown scope {scope!r}; choose from {SCOPES}")
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnames=("taps",))
 def _run_layer(graphdef: nnx.GraphDef, params: Params, x: jax.Array, positions: Any,
-               mask: jax.Array | None) -> jax.Array:
-  """One layer (``core.Block``) of ``Model.apply_streamed`` on the stream x [B, T, D]."""
-  return nnx.merge(graphdef, params)(x, positions=positions, mask=mask)[0]
+               mask: jax.Array | None, *, taps: bool) -> Any:
+  """One layer (``core.Block``) on the stream x [B, T, D]: its output, and with ``taps``
+  (output, the block's parts with the attention's taps)."""
+  x, parts = nnx.merge(graphdef, params)(x, positions=positions, mask=mask, taps=taps)
+  return (x, parts) if taps else x
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _front(model: Model, outside: Params, inputs: jax.Array, mask: jax.Array | None,
+           segments: jax.Array | None) -> tuple[jax.Array, Any, Any]:
+  """The module in front of its layers: (the stream x [B, T, D] entering ``layers_0``, the
+  positions and the mask the layers are called with). The module runs whole with its layers
+  replaced by a capture; what follows them is not returned, so the program drops it."""
+  held = {}
+
+  def capture(x, *, positions, mask):
+    held.update(x=x, positions=positions, mask=mask)
+    return x
+
+  model._outside_module(outside)(inputs, mask=mask, segments=segments, layers=capture)
+  return held["x"], held["positions"], held["mask"]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _back(model: Model, outside: Params, inputs: jax.Array, mask: jax.Array | None,
+          segments: jax.Array | None, x: jax.Array) -> jax.Array:
+  """The module behind its layers: the logits from the stream x [B, T, D] leaving the last
+  layer (the layers replaced by x; what precedes them is not used, so the program drops it)."""
+  module = model._outside_module(outside)
+  return module(inputs, mask=mask, segments=segments, layers=lambda *_, **__: x)[0]
+
+
+def _head_entries(model: Model, module: nnx.Module, x: jax.Array) -> dict[str, jax.Array]:
+  """The head's activations (``Family.head_activations``) from the stream x leaving the last
+  layer (``final_norm`` applied where the module has one)."""
+  return model._head_activations(module, x if module.final_norm is None else module.final_norm(x))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _heads(model: Model, outside: Params, x: jax.Array) -> dict[str, jax.Array]:
+  """``_head_entries`` with the parameters outside the layers."""
+  return _head_entries(model, model._outside_module(outside), x)
+
+
+def _drained(leaves: Any, entries: Iterator[Any]) -> Iterator[tuple[Any, Iterator[Any]]]:
+  """Yields the step (``leaves``, ``entries``) of ``Model.activations_streamed``, then runs
+  what the consumer left of ``entries``."""
+  yield leaves, entries
+  for _ in entries:
+    pass
 
 
 def build(family: str, preset: str = "tiny", **overrides: Any) -> Model:
