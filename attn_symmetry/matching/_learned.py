@@ -406,36 +406,10 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
                  lam=jnp.asarray(0.0 if uniform else lam, dtype),
                  limit=jnp.asarray(_stage2.max_condition(dtype), dtype))
   key = jax.random.key(0) if key is None else key  # unused for a fixed lambda
-  lams = UNIFORM_HOLDOUT_LAMBDAS if uniform else (lam,)
-  losses_at = lambda q, xs: _mean_holdout(q, data, holdout_batches, xs, dtype, loss_fn=loss_fn,
-                                          plan=plan)
-  start_curve = losses_at(params, (0.0, *lams, 1.0))
-  ends = (start_curve[0], start_curve[-1])  # the same for every iterate (module docstring)
-  held_out = lambda q: _held_out(losses_at(q, lams), ends, lams)
-
-  initial = best_value = final = _held_out(start_curve[1:-1], ends, lams)
-  best, best_step = params, 0
-  scale = max(abs(x) for x in initial["endpoints"])
-  tolerance = math.sqrt(float(jnp.finfo(dtype).eps)) * scale if math.isfinite(scale) else 0.0
+  tracker = _Tracker(params, data, holdout_batches, UNIFORM_HOLDOUT_LAMBDAS if uniform else (lam,),
+                     dtype, loss_fn, plan, steps, begin, progress)
   eval_every = eval_every or max(1, -(-steps // EVALUATIONS))
-  losses, skipped, taken, signature = [], jnp.zeros((), jnp.int32), 0, None
-
-  def evaluate():
-    nonlocal best, best_value, best_step, final
-    final = held_out(state.params)
-    if final["barrier"] < best_value["barrier"] - tolerance:
-      best, best_value, best_step = state.params, final, taken
-    train = float(jnp.mean(jnp.stack(losses))) if losses else math.nan
-    losses.clear()
-    line = dict(step=taken, steps=steps, train_loss=train, holdout_loss=final["loss"],
-                holdout_barrier=final["barrier"], best_holdout_barrier=best_value["barrier"],
-                skipped=int(skipped), seconds=time.perf_counter() - begin)
-    log.info("learned alignment: step %d/%d, train loss %.5g, held-out loss %.5g barrier %.4g "
-             "(best %.4g), %d skipped, %.1f s", taken, steps, train, final["loss"],
-             final["barrier"], best_value["barrier"], line["skipped"], line["seconds"])
-    if progress is not None:
-      progress(line)
-
+  skipped, taken, signature = jnp.zeros((), jnp.int32), 0, None
   for i, batch in enumerate(_training_batches(batches, steps)):
     signature = signature or _signature(batch)
     if _signature(batch) != signature:
@@ -444,34 +418,82 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
                        "batch shape (drop or pad the remainder)")
     state, loss, skip = _step_jit(state, data, batch, key, jnp.int32(i), loss_fn=loss_fn,
                                   plan=plan, uniform=uniform, band=float(lam_band), **options)
-    losses.append(loss)
+    tracker.losses.append(loss)
     skipped, taken = skipped + skip, i + 1
     if taken % eval_every == 0 or taken == steps:
-      evaluate()
+      tracker.evaluate(state.params, taken, int(skipped))
   if taken < steps:
     log.warning("learned alignment: the batches ran out after %d of %d steps", taken, steps)
     if taken % eval_every:
-      evaluate()
+      tracker.evaluate(state.params, taken, int(skipped))
 
-  element = _correction.compose(best, plan, element)
+  element = _correction.compose(tracker.best, plan, element)
   moved = _apply_moving(spec, params_b, element)
   check = _check_function(moved, params_b, holdout_batches[0], dtype, loss_fn=loss_fn)
-  moved = spec_lib.flatten(moved)
-  distance = dict(info.get("distance", {}))
-  if "final" in distance:
-    distance["start"] = distance["final"]
-  distance["final"] = sum(jnp.sum((a - moved[p]) ** 2) for p, a in data.a.items())
-  info["distance"] = distance
+  info["distance"] = _distances(info.get("distance", {}), data, moved)
   trained_names = [*plan.site_names, *(n for g in plan.factors for n in g.names)]
   info["learned"] = {"factors": list(trained), "sites": list(plan.site_names),
                      "names": [n for n in names if n in trained_names], "steps": taken,
                      "skipped": int(skipped),
-                     "holdout": {"initial": initial, "final": final, "best": best_value},
-                     "best_step": best_step, "lambda": lam, "function_check": check,
+                     "holdout": {"initial": tracker.initial, "final": tracker.final,
+                                 "best": tracker.best_value},
+                     "best_step": tracker.best_step, "lambda": lam, "function_check": check,
                      "seconds": time.perf_counter() - begin}
   if lam_band:
     info["learned"]["lambda_band"] = lam_band
   return element, info
+
+
+class _Tracker:
+  """The held-out evaluations of one learned alignment and its best iterate so far.
+
+  The endpoints' held-out losses are measured once, with the start (``params``): they are the
+  same for every iterate (module docstring). An iterate becomes the best when its held-out
+  barrier is below the best one by more than sqrt(eps) of the endpoints' losses.
+  """
+
+  def __init__(self, params: Params, data: _Data, holdout_batches: Sequence[Any],
+               lams: Sequence[float], dtype: Any, loss_fn: LossFn, plan: _correction.Plan,
+               steps: int, begin: float, progress: Callable[[dict[str, Any]], None] | None):
+    self._losses_at = lambda q, xs: _mean_holdout(q, data, holdout_batches, xs, dtype,
+                                                  loss_fn=loss_fn, plan=plan)
+    self._lams, self._steps, self._begin, self._progress = lams, steps, begin, progress
+    curve = self._losses_at(params, (0.0, *lams, 1.0))
+    self._ends = (curve[0], curve[-1])
+    self.initial = self.best_value = self.final = _held_out(curve[1:-1], self._ends, lams)
+    self.best, self.best_step = params, 0
+    scale = max(abs(x) for x in self.initial["endpoints"])
+    self._tolerance = (math.sqrt(float(jnp.finfo(dtype).eps)) * scale if math.isfinite(scale)
+                       else 0.0)
+    self.losses: list[jax.Array] = []  # training losses since the last evaluation
+
+  def evaluate(self, params: Params, taken: int, skipped: int) -> None:
+    """Evaluates ``params`` (after ``taken`` steps) on the held-out batches, keeps it if it is
+    the best, and reports the line to ``logging`` and ``progress``."""
+    self.final = _held_out(self._losses_at(params, self._lams), self._ends, self._lams)
+    if self.final["barrier"] < self.best_value["barrier"] - self._tolerance:
+      self.best, self.best_value, self.best_step = params, self.final, taken
+    train = float(jnp.mean(jnp.stack(self.losses))) if self.losses else math.nan
+    self.losses.clear()
+    line = dict(step=taken, steps=self._steps, train_loss=train,
+                holdout_loss=self.final["loss"], holdout_barrier=self.final["barrier"],
+                best_holdout_barrier=self.best_value["barrier"], skipped=skipped,
+                seconds=time.perf_counter() - self._begin)
+    log.info("learned alignment: step %d/%d, train loss %.5g, held-out loss %.5g barrier %.4g "
+             "(best %.4g), %d skipped, %.1f s", taken, self._steps, train, self.final["loss"],
+             self.final["barrier"], self.best_value["barrier"], skipped, line["seconds"])
+    if self._progress is not None:
+      self._progress(line)
+
+
+def _distances(distance: dict[str, Any], data: _Data, moved: Params) -> dict[str, Any]:
+  """The start's distances with "final" recomputed for the learned element (squared distance
+  of A to B moved by it), the start's kept as "start"."""
+  distance, moved = dict(distance), spec_lib.flatten(moved)
+  if "final" in distance:
+    distance["start"] = distance["final"]
+  distance["final"] = sum(jnp.sum((a - moved[p]) ** 2) for p, a in data.a.items())
+  return distance
 
 
 def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
