@@ -118,6 +118,11 @@ Settings:
     epochs; lm_gpt2_wiki_full's runs all ended at their 2,000-step budget, 0.4
     epoch, with the best validation loss near the end), validating every 200
     steps with a patience of 4 (a window of 800 steps).
+  depth6_gpt2_wiki_32: the 6-layer check of that sweep: lm_gpt2_wiki_full (6
+    layers, 4 heads, an FFN four times the width, its 2,000-step budget and
+    its methods) at width 32; with lm_gpt2_wiki_full itself at width 64 it
+    gives the width trend at 6 layers, under the lm_* protocol's shorter
+    budget, beside the 2-layer sweep's.
   width_gpt2_wiki_{256,512} and theus_gpt2_wiki (accelerator only): the
     largest points of that sweep, for one GPU (``experiments/accelerator_sweep.py``
     runs them; its docstring has the command). width_gpt2_wiki_256 and _512
@@ -335,6 +340,22 @@ def _lm_width_sweep(config: ml_collections.ConfigDict, width: int) -> None:
   t.eval_every = t.checkpoint_every = 1000
   config.reinit.validate_every = 200
   config.study.methods, config.study.repair = ("naive", "full", "learned"), False
+
+
+# The 6-layer check of the GPT-2 width sweep (module docstring): width -> the setting that is
+# lm_gpt2_wiki_full at that width (the width-64 one is lm_gpt2_wiki_full itself).
+DEPTH6_WIDTHS = {32: "depth6_gpt2_wiki_32", 64: "lm_gpt2_wiki_full"}
+
+
+def _depth6_check(config: ml_collections.ConfigDict, width: int) -> None:
+  """lm_gpt2_wiki_full (6 layers, its 2,000-step budget, its methods) at ``width``, with
+  ``SWEEP_HEADS`` heads and an FFN four times the width, as at width 64."""
+  _lm(config, "gpt2", "ape", ("full",))
+  config.model.overrides.update(width=width, num_heads=SWEEP_HEADS, mlp_dim=4 * width)
+
+
+SETTINGS.update({name: (lambda c, w=w: _depth6_check(c, w))
+                 for w, name in DEPTH6_WIDTHS.items() if name not in SETTINGS})
 
 
 # The methods from data: the data-size sweep and the full-model rows (lm_*_full,

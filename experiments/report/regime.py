@@ -83,7 +83,10 @@ GPT2_DATA = Sweep("gpt2_data", "byte-level GPT-2 at width 64, by training bytes"
                   "fraction of the training split's articles",
                   {0.25: "data_gpt2_wiki_quarter", 0.5: "data_gpt2_wiki_half",
                    1.0: cpu_paper.LM_WIDTH_SWEEP[64]}, lambda f: f"{f:g}", "data_sweep_gpt2.png")
-SWEEPS = (VIT_WIDTH, GPT2_WIDTH, VIT_DATA, GPT2_DATA)
+GPT2_DEPTH6 = Sweep("gpt2_width_depth6", "byte-level GPT-2 on Wikipedia at 6 layers (the lm_* "
+                    "protocol), full model re-initialised, by width", _width_axis,
+                    dict(cpu_paper.DEPTH6_WIDTHS), _width_label, "width_sweep_gpt2_depth6.png")
+SWEEPS = (VIT_WIDTH, GPT2_WIDTH, VIT_DATA, GPT2_DATA, GPT2_DEPTH6)
 
 
 class Slope(NamedTuple):
