@@ -265,9 +265,9 @@ SETTINGS = {
        for d in ("mnist", "fashion") for pos in ("ape", "rope")},
     **{f"table1_bert_mlm_{pos}": (lambda c, pos=pos: _bert_mlm(c, f"table1_bert_mlm_{pos}", pos))
        for pos in ("ape", "rope")},
-    "scopes_vit_fashion": lambda c: (_scopes(c, "fashion_mnist_deb",
-                                             ("all_attention", "first_layer", "full"),
-                                             every_factor=True), _data_methods(c)),
+    "scopes_vit_fashion": lambda c: _scopes(c, "fashion_mnist_deb",
+                                            ("all_attention", "first_layer", "full"),
+                                            every_factor=True),
     "scopes_vit_mnist_to_fashion_attention": lambda c: _scopes(
         c, "mnist5k", ("first_attention", "all_attention"), transfer_to="fashion_mnist_deb"),
     "scopes_vit_mnist_to_fashion_first_layer": lambda c: _scopes(
@@ -358,8 +358,8 @@ SETTINGS.update({name: (lambda c, w=w: _depth6_check(c, w))
                  for w, name in DEPTH6_WIDTHS.items() if name not in SETTINGS})
 
 
-# The methods from data: the data-size sweep and the full-model rows (lm_*_full,
-# scopes_vit_fashion), started after activation matching and REPAIR existed (the width sweeps'
+# The methods from data: the data-size sweep and the full-model language models (lm_*_full,
+# depth6_gpt2_wiki_32), started after activation matching and REPAIR existed (the width sweeps'
 # points, started before, have naive, full and learned).
 DATA_METHODS = ("naive", "full", "activation", "learned")
 
