@@ -8,8 +8,9 @@ runs ended, the wall time, the commit and the command, all read from
 nothing is typed in. It also writes the verdict on each of the paper's claims
 (``claims.verdict_table``), the findings that open the README
 (``claims.findings``), the width sweep and its positive control
-(``regime.py``), and the learned method from other starts and lambda schemes
-(``learned_variants.py``).
+(``regime.py``), the learned method from other starts and lambda schemes
+(``learned_variants.py``), and every method with and without REPAIR in the full-model
+studies from data (``from_data.py``).
 Before that it restates each committed run (``restate``): what its reports derive
 from its measured pairs (the statistics, the seed-level intervals, summary.md)
 is rewritten as the current code derives it, so that runs stored before a
@@ -24,6 +25,7 @@ import os
 from typing import Any
 
 from experiments.report import claims
+from experiments.report import from_data
 from experiments.report import learned_variants
 from experiments.report import regime
 from experiments.report import report
@@ -52,6 +54,9 @@ CONTROL_END = "<!-- end of positive control -->"
 LEARNED_BEGIN = ("<!-- learned variants: written by experiments/reproduce.py --table from "
                  "experiments/report/learned_variants.py; do not edit -->")
 LEARNED_END = "<!-- end of learned variants -->"
+FROM_DATA_BEGIN = ("<!-- from data: written by experiments/reproduce.py --table from "
+                   "experiments/report/from_data.py; do not edit -->")
+FROM_DATA_END = "<!-- end of from data -->"
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -272,9 +277,10 @@ def write(results_root: str) -> str:
   between ``TRAJECTORY_BEGIN`` and ``TRAJECTORY_END``), the ViT's width sweep, the other
   sweeps and the positive control (``regime.width_table``, ``regime.other_sweeps_table`` and
   ``regime.control_table``, between ``WIDTH_BEGIN`` and ``WIDTH_END``, ``SWEEPS_BEGIN`` and
-  ``SWEEPS_END``, ``CONTROL_BEGIN`` and ``CONTROL_END``), and the learned method's variants
+  ``SWEEPS_END``, ``CONTROL_BEGIN`` and ``CONTROL_END``), the learned method's variants
   against their bases (``learned_variants.table``, between ``LEARNED_BEGIN`` and
-  ``LEARNED_END``)."""
+  ``LEARNED_END``), and the studies from data with and without REPAIR (``from_data.table``,
+  between ``FROM_DATA_BEGIN`` and ``FROM_DATA_END``)."""
   for d in setting_dirs(results_root):
     restate(d)
   path = os.path.join(results_root, "README.md")
@@ -293,6 +299,8 @@ def write(results_root: str) -> str:
   text = _replace_between(text, CONTROL_BEGIN, CONTROL_END, regime.control_table(results_root),
                           path)
   text = _replace_between(text, LEARNED_BEGIN, LEARNED_END, learned_variants.table(results_root),
+                          path)
+  text = _replace_between(text, FROM_DATA_BEGIN, FROM_DATA_END, from_data.table(results_root),
                           path)
   atomic_io.write_text(path, text)
   return path
