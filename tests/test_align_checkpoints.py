@@ -637,7 +637,7 @@ def test_a_broken_alignment_is_refused_before_anything_is_written(check, tmp_pat
   line = _refusal(capsys, *args)
   refused = re.fullmatch(r"attn-symmetry align: error: aligned B does not compute B's function: "
                          r"on 2 random inputs its logits differ from B's by up to (\S+) \((\S+) of "
-                         r"the logits' scale \S+\), above --function-tolerance 0.000345; nothing "
+                         r"their scale \S+\), above --function-tolerance 0.000345; nothing "
                          r"is written", line)
   assert refused, line
   assert not os.path.exists(out)

@@ -177,6 +177,7 @@ def test_a_planted_bare_encoder_is_recovered_with_its_files(pooler, tmp_path):
   assert not any(k.startswith("bert.") for k in want)
   _check_close({k: np.asarray(v, np.float64) for k, v in want.items()}, _read_folder(aligned)[0])
   assert result.report["function_check"]["aligned_b"]["relative"] <= 1e-5
+  assert result.report["function_check"]["outputs"] == "last hidden states"  # no logits
   _assert_same_outputs(_encode(aligned, pooler), _encode(b, pooler), TOL)
   _assert_same_outputs(_encode(merged, pooler), _encode(a, pooler), 1e-3)
   _copies_of(b, aligned, left_out=("onnx", "pytorch_model", ".git", "linked"))

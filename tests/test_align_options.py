@@ -349,12 +349,12 @@ def test_function_check_measures_and_refuses():
   assert "\n" not in message and isinstance(refusal.value, align.InputError)
   assert re.fullmatch(
       r"aligned A \(A with its norm scales folded\) does not compute A's function: on 2 random "
-      r"inputs its logits differ from A's by up to (\S+) \((\S+) of the logits' scale \S+\), "
+      r"inputs its logits differ from A's by up to (\S+) \((\S+) of their scale \S+\), "
       r"above --function-tolerance 0.000345; nothing is written", message), message
   assert float(re.search(r"by up to (\S+)", message)[1]) == pytest.approx(difference["max_abs"],
                                                                          rel=1e-3)
   nan = spec_lib.unflatten({**flat, path: flat[path].at[0, 0, 0].set(jnp.nan)})
-  with pytest.raises(align.FunctionCheckError, match=r"up to nan \(nan of the logits' scale"):
+  with pytest.raises(align.FunctionCheckError, match=r"up to nan \(nan of their scale"):
     _tiny_check(model, params, nan, function_tolerance=1e30)
 
 

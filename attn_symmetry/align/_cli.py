@@ -111,8 +111,8 @@ def summary(report: dict, out: str | None) -> list[str]:
   check = report["function_check"]
   if "aligned_b" in check:
     b = check["aligned_b"]
-    lines.append(f"function check: aligned B's logits within {b['relative']:.2g} of B's "
-                 f"(tolerance {b['tolerance']:.2g})")
+    lines.append(f"function check: aligned B's {check.get('outputs', 'logits')} within "
+                 f"{b['relative']:.2g} of B's (tolerance {b['tolerance']:.2g})")
   else:
     lines.append(f"function check skipped: {check.get('skipped')}")
   if "barrier" in report:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_symmetry import tasks
 from attn_symmetry.align._records import FunctionCheckError, Options, Params
 from attn_symmetry.models import Model
 from attn_symmetry.models import convert
@@ -94,6 +95,12 @@ def function_difference(reference: jax.Array, logits: jax.Array, tolerance: floa
   return {"max_abs": max_abs, "scale": scale, "relative": relative, "tolerance": tolerance}
 
 
+def outputs_name(model: Model) -> str:
+  """What the check compares: the logits, or a bare encoder's last hidden states (a model
+  without a task head outputs those)."""
+  return "last hidden states" if model.task == tasks.FEATURES else "logits"
+
+
 def function_check(model: Model, options: Options, inputs: jax.Array,
                    reference: Mapping[str, jax.Array],
                    written: Mapping[str, tuple[safetensors_io.Checkpoint, Params]]
@@ -111,18 +118,19 @@ def function_check(model: Model, options: Options, inputs: jax.Array,
       it is written in (``round_to``) and then evaluated.
 
   Returns:
-    {"inputs": {"seed", "shape"}, folder: ``function_difference`` of its logits from its
-    reference, for each folder}.
+    {"inputs": {"seed", "shape"}, "outputs": what is compared (``outputs_name``), folder:
+    ``function_difference`` of its outputs from its reference, for each folder}.
 
   Raises:
     FunctionCheckError: a folder's relative difference is above its tolerance (or NaN).
   """
-  out: dict[str, Any] = {"inputs": {"seed": CHECK_SEED, "shape": list(inputs.shape)}}
+  out: dict[str, Any] = {"inputs": {"seed": CHECK_SEED, "shape": list(inputs.shape)},
+                         "outputs": outputs_name(model)}
   for folder, (ckpt, params) in written.items():
     dtypes = written_dtypes(ckpt, model, options.dtype)
     round_to(params, dtypes)
     out[folder] = _judge(folder, reference[folder], logits(model, params, inputs), options,
-                         dtypes.values())
+                         dtypes.values(), out["outputs"])
   return out
 
 
@@ -156,7 +164,7 @@ def streamed_function_check(model: Model, options: Options, inputs: jax.Array,
     FunctionCheckError: as ``function_check``, or a written tensor holds NaN or Inf.
   """
   out: dict[str, Any] = {"inputs": {"seed": CHECK_SEED, "shape": list(inputs.shape)},
-                         "streamed": True}
+                         "outputs": outputs_name(model), "streamed": True}
   for folder, (source, folder_ckpt) in written.items():
     reference = streamed_logits(model, source, inputs)
     dtypes = written_dtypes(source, model, options.dtype).values()
@@ -166,13 +174,13 @@ def streamed_function_check(model: Model, options: Options, inputs: jax.Array,
       what = "aligned B" if folder == "aligned_b" else "aligned A"
       raise FunctionCheckError(f"{what} does not compute its source's function: {e}; nothing "
                                "is written") from None
-    out[folder] = _judge(folder, reference, candidate, options, dtypes)
+    out[folder] = _judge(folder, reference, candidate, options, dtypes, out["outputs"])
   return out
 
 
 def _judge(folder: str, reference: jax.Array, candidate: jax.Array, options: Options,
-           dtypes: Iterable[np.dtype]) -> dict[str, float]:
-  """``function_difference`` of a folder's logits (``candidate``) from its source's, against
+           dtypes: Iterable[np.dtype], outputs: str) -> dict[str, float]:
+  """``function_difference`` of a folder's ``outputs`` (``candidate``) from its source's, against
   the tolerance (``options.function_tolerance``, else ``default_tolerance`` of the folder's
   ``dtypes``).
 
@@ -186,7 +194,7 @@ def _judge(folder: str, reference: jax.Array, candidate: jax.Array, options: Opt
     what = "aligned B" if folder == "aligned_b" else "aligned A (A with its norm scales folded)"
     raise FunctionCheckError(
         f"{what} does not compute {source}'s function: on {reference.shape[0]} random inputs its "
-        f"logits differ from {source}'s by up to {d['max_abs']:.4g} ({d['relative']:.3g} of the "
-        f"logits' scale {d['scale']:.4g}), above --function-tolerance {tolerance:.3g}; nothing "
+        f"{outputs} differ from {source}'s by up to {d['max_abs']:.4g} ({d['relative']:.3g} of "
+        f"their scale {d['scale']:.4g}), above --function-tolerance {tolerance:.3g}; nothing "
         "is written")
   return d
