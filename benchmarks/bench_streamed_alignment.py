@@ -2,6 +2,8 @@ r"""The streamed ``attn-symmetry align`` on a planted Mistral-7B-shaped bfloat16
 
     python -m benchmarks.bench_streamed_alignment [--layers=32] [--method=perm] [--max-rounds=N]
                                                   [--memory-budget=GB] [--workdir=DIR]
+                                                  [--match-batches=N] [--batch-size=N]
+                                                  [--seq-len=N]
 
 Writes A (random, Mistral-7B's shapes: width 4096, FFN 14336, 32 heads in 8 kv groups of head
 dim 128, vocabulary 32000, ``--layers`` layers; norm gains one) and B = g . A (heads permuted
@@ -17,6 +19,12 @@ write (and plant) tensor by tensor; the alignment holds one layer of each at a t
 in-memory function check holds (7 GB at one layer), so that every depth streams end to end and
 the function check reads the written folders back a layer at a time.
 
+``--method activation`` runs the models on match data: a word-level tokenizer.json
+(``tests/test_align_checkpoints.py``'s) of ``MATCH_WORDS`` written to A's folder, and DIR/match.txt,
+random words from it, enough for ``--match-batches`` batches of ``--batch-size`` rows of
+``--seq-len`` tokens (passed on; the command's defaults where not given). Measured peaks of both
+methods: docs/align.md (where it says what streams).
+
     python -m benchmarks.bench_streamed_alignment --check-only --workdir=DIR
 
 runs only that read-back function check (``align._function_check.streamed_function_check``) on
@@ -31,10 +39,15 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 from tests import child_memory
+from tests import test_align_checkpoints
 from tests import test_streamed_alignment as helpers
 
 GIB = 2 ** 30
+MATCH_WORDS = [f"w{i}" for i in range(1000)]  # the match data's vocabulary (ids 1..1000)
+DATA_FLAGS = {"match_batches": 8, "batch_size": 8, "seq_len": 128}  # the command's defaults
 
 
 def align_with_timeline(work: str, *args: str) -> child_memory.Child:
@@ -54,6 +67,20 @@ def align_with_timeline(work: str, *args: str) -> child_memory.Child:
             flush=True)
       begin = at
   return child
+
+
+def write_match_data(a: str, work: str, match_batches: int, batch_size: int,
+                     seq_len: int) -> str:
+  """Writes A's tokenizer.json (``MATCH_WORDS``, where A has none) and WORK/match.txt: random
+  words of it, lines of 64, enough for ``match_batches`` batches of ``batch_size`` rows of
+  ``seq_len`` tokens; returns the text file's path."""
+  if not os.path.exists(os.path.join(a, "tokenizer.json")):
+    test_align_checkpoints._tokenizer(a, MATCH_WORDS)  # pylint: disable=protected-access
+  words = np.random.default_rng(0).choice(MATCH_WORDS, match_batches * batch_size * seq_len)
+  path = os.path.join(work, "match.txt")
+  with open(path, "w", encoding="utf-8") as f:
+    f.writelines(" ".join(words[i:i + 64]) + "\n" for i in range(0, len(words), 64))
+  return path
 
 
 def check_written(a: str, b: str, out: str) -> None:
@@ -109,6 +136,9 @@ def main() -> None:
                       help="most rounds of the descent (default: until it converges)")
   parser.add_argument("--memory-budget", default="6",
                       help="the command's --memory-budget in GB (default 6: streams every depth)")
+  for flag, default in DATA_FLAGS.items():
+    parser.add_argument("--" + flag.replace("_", "-"), type=int, default=default,
+                        help=f"--method activation: the command's flag (default {default})")
   parser.add_argument("--workdir", default=None,
                       help="where the pair and the outputs go (default: a temporary folder, "
                            "removed after); a pair an earlier run left there is reused")
@@ -133,16 +163,22 @@ def main() -> None:
   size = sum(os.path.getsize(os.path.join(x, "model.safetensors")) for x in (a, b))
   print(f"{what} ({args.layers} layers, {size / GIB:.2f} GiB) in "
         f"{time.perf_counter() - start:.0f} s", flush=True)
-  rounds = [] if args.max_rounds is None else ["--max-rounds", str(args.max_rounds)]
+  extra = [] if args.max_rounds is None else ["--max-rounds", str(args.max_rounds)]
+  if args.method == "activation":
+    sizes = {flag: getattr(args, flag) for flag in DATA_FLAGS}
+    extra += ["--match-data", write_match_data(a, work, **sizes)]
+    extra += [x for flag, n in sizes.items() for x in ("--" + flag.replace("_", "-"), str(n))]
   child = align_with_timeline(work, a, b, "--out", out, "--method", args.method,
-                              "--memory-budget", args.memory_budget, *rounds)
+                              "--memory-budget", args.memory_budget, *extra)
   if child.status:
     raise SystemExit(child.stderr)
   peak, wall = child.peak, child.seconds
   with open(os.path.join(out, "report.json"), encoding="utf-8") as f:
     report = json.load(f)
   stages = ", ".join(f"{k} {v:.0f} s" for k, v in report["time_s"].items())
-  print(f"{args.layers} layers, method {args.method}, {report['rounds']} rounds: "
+  data = (f" on {args.match_batches} match batches of {args.batch_size} x {args.seq_len} tokens"
+          if args.method == "activation" else f", {report['rounds']} rounds")
+  print(f"{args.layers} layers, method {args.method}{data}: "
         f"{wall:.0f} s ({stages}); peak RSS "
         f"{peak / GIB:.2f} GiB, checkpoints {size / GIB:.2f} GiB; relative distance "
         f"{report['distance']['before']['relative']:.3g} -> "

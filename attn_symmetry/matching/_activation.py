@@ -379,6 +379,24 @@ def _out_kernels(spec: spec_lib.SymmetrySpec, sites: Sequence[str], flat_a, flat
   return out_a, out_b
 
 
+def _out_leaves(spec: spec_lib.SymmetrySpec, sites: Sequence[str], leaves: Sequence[Flat],
+                fold: bool) -> tuple[Flat, Flat]:
+  """(A's, B's) W^O of ``sites`` {path: array} from a step's leaves (one {path: array} per
+  model), upcast, and where ``fold`` with the norm scales among the leaves that read into them
+  folded (``group_action.fold_norm_scales`` on that part of the spec): all that ``_solve_into``
+  reads, so the step's other leaves are neither copied nor folded."""
+  outs = [f"{s}/out/kernel" for s in sites]
+  scales = [p for p, readers in spec.norm_scales.items()
+            if p in leaves[0] and any(r in outs for r in readers)]
+  picked = [_attention.upcast({p: x[p] for p in outs + scales}) for x in leaves]
+  if not fold:
+    return picked[0], picked[1]
+  part = spec.part(outs + scales)
+  flat_a, flat_b = (spec_lib.flatten(group_action.fold_norm_scales(part, spec_lib.unflatten(x)))
+                    for x in picked)
+  return flat_a, flat_b
+
+
 def _site_groups(spec: spec_lib.SymmetrySpec, sites: Sequence[str]) -> list[list[str]]:
   """``sites`` grouped by configuration (one program, vmapped, for each group)."""
   out: dict[Any, list[str]] = {}
@@ -570,13 +588,10 @@ def align_streamed(spec: spec_lib.SymmetrySpec, forward: Forward, shapes: Mappin
       _solve_factors_into(element, spec, stats, done, samples)
       here = [s for s in sites if s in fed]
       if here:
-        flat_a, flat_b = (_attention.upcast(dict(x)) for x in leaves)
-        if needs_folding:
-          part = spec.part(list(flat_a))
-          flat_a, flat_b = (spec_lib.flatten(group_action.fold_norm_scales(
-              part, spec_lib.unflatten(x))) for x in (flat_a, flat_b))
-        taken = max(taken, _solve_into(element, spec, stats, here, flat_a, flat_b, steps))
+        taken = max(taken, _solve_into(element, spec, stats, here,
+                                       *_out_leaves(spec, here, leaves, needs_folding), steps))
       solved |= set(done) | set(here)
+      del leaves, entries  # not held while the next step reads its leaves
     _solve_factors_into(element, spec, stats, [f for f in spanning if f in names], samples)
 
   if waits:
