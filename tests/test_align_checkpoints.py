@@ -397,7 +397,7 @@ def test_planted_pair_is_recovered(family, tmp_path):
   assert side_b == aligned and os.path.isdir(side_a)
   _check_close(_read_folder(side_a)[0], _read_folder(side_b)[0])
   checked = {"aligned_b"} | ({"aligned_a"} if family in ROPE else set())
-  assert set(report["function_check"]) == {"inputs", *checked}
+  assert set(report["function_check"]) == {"inputs", "outputs", *checked}
   for name in checked:
     assert report["function_check"][name]["relative"] <= 1e-5
   if family in ROPE:
