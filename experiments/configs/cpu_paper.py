@@ -85,7 +85,9 @@ Settings:
     ablation (24 x 10 more paths; the Table 1 settings have it). In the
     "full" ones the learned method trains every factor of the model
     (``study.learn_factors``: the attention matrices, the head and FFN
-    permutations and the residual basis), since every one was re-initialised.
+    permutations and the residual basis), since every one was re-initialised,
+    and the methods are the data sweep's: naive, full, activation and learned,
+    each with and without REPAIR (``DATA_METHODS``).
   width_vit_fashion_{32,64,128}: the full-model scope of scopes_vit_fashion
     (every model trained from scratch on Fashion-MNIST, five seeds) at three
     widths, studied by the naive, full and learned methods. The head count
