@@ -309,11 +309,14 @@ def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: 
   found = _points(model, points)
   names = [p.name for p in found]
   batches = list(batches)
-  if endpoints is None:
+  if endpoints is None:  # it checks the parameters
     endpoints = endpoint_statistics(model, params_a, params_b, batches, points=points)
-  elif tuple(endpoints.points) != tuple(points):
-    raise ValueError(f"repair endpoints were measured at points {endpoints.points}, not at "
-                     f"the repaired {tuple(points)}")
+  else:
+    if tuple(endpoints.points) != tuple(points):
+      raise ValueError(f"repair endpoints were measured at points {endpoints.points}, not at "
+                       f"the repaired {tuple(points)}")
+    model.check_params(params_a)
+    model.check_params(params_b)
   stats_a, stats_b = endpoints.a, endpoints.b
   fn = moments_fn(model, names)
   params = lmc.interpolate(params_a, params_b, lam)

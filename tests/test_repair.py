@@ -230,6 +230,10 @@ def test_endpoint_statistics_measured_once_serve_every_lambda(x64, monkeypatch):
   with pytest.raises(ValueError, match=r"measured at points \('attention', 'mlp'\), not at the "
                                        r"repaired \('mlp',\)"):
     repair_lib.repair(model, params_a, params_b, 0.5, batches, points=("mlp",), endpoints=endpoints)
+  other = spec_lib.flatten(params_b)
+  other.pop("layers_1/mlp/wo/kernel")  # parameters that do not fit the model are still refused
+  with pytest.raises(ValueError, match=r"do not fit gpt2 model: missing \['layers_1/mlp/wo/kernel'\]"):
+    repair_lib.repair(model, params_a, spec_lib.unflatten(other), 0.5, batches, endpoints=endpoints)
 
 
 def test_refusals(x64):
