@@ -96,6 +96,7 @@ if not __package__:  # run by path: import the package this file is in, from its
 
 # pylint: disable=g-import-not-at-top,wrong-import-position  (after the package above)
 from experiments.configs import cpu_paper
+from experiments.report import committed
 from experiments.reproduction import carry
 from experiments.reproduction import runner
 from experiments.reproduction import sweep_plan
@@ -115,9 +116,8 @@ def _config(setting: str, toy: bool):
 
 def _finished(results_root: str, setting: str) -> bool:
   """Whether ``results_root/<setting>`` holds a finished GPU run of this script."""
-  record = atomic_io.read_json_or_none(os.path.join(results_root, setting, "run.json"),
-                                       "run record")
-  return isinstance(record, dict) and not record.get("accelerator", {}).get("toy", True)
+  record = committed.saved_record(results_root, setting)
+  return record is not None and not record.get("accelerator", {}).get("toy", True)
 
 
 # --- one point, in a process of its own -------------------------------------------------------

@@ -13,16 +13,22 @@ SEEDS = ("seed_1", "seed_2", "seed_3", "seed_4", "seed_5")
 
 def _write(root, setting, scope, barriers, seeds=SEEDS, ablation=None, dataset=None):
   """results/<setting>/<scope>/results.json whose pair k has loss barrier
-  ``barriers[method][k]`` for each method (and the setting's config.json, naming
-  ``dataset``, when given)."""
+  ``barriers[method][k]`` for each method, in a committed run of ``setting``: its run.json,
+  and its config.json listing the scope (and naming ``dataset``, when given)."""
   pairs = [{"a": a, "b": b, "methods": {m: {"loss_barrier": v[k]} for m, v in barriers.items()}}
            for k, (a, b) in enumerate(itertools.combinations(seeds, 2))]
   res = {"pairs": pairs, "ablation": ablation or {}}
   folder = root / setting / scope
   folder.mkdir(parents=True)
   (folder / "results.json").write_text(json.dumps(res))
+  config_path = root / setting / "config.json"
+  config = json.loads(config_path.read_text()) if config_path.exists() else {
+      "reinit": {"scopes": []}}
+  config["reinit"]["scopes"].append(scope)
   if dataset is not None:
-    (root / setting / "config.json").write_text(json.dumps({"dataset": {"name": dataset}}))
+    config["dataset"] = {"name": dataset}
+  config_path.write_text(json.dumps(config))
+  (root / setting / "run.json").write_text("{}")
 
 
 def _rows(root, claim_start, across=False):

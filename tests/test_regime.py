@@ -55,6 +55,8 @@ def _commit_point(root, width, res, training, sweep=None):
   os.makedirs(os.path.join(folder, "full"))
   with open(os.path.join(folder, "run.json"), "w") as f:
     json.dump({"wall_seconds": 600, "training": training}, f)
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump({"reinit": {"scopes": ["full"]}}, f)
   with open(os.path.join(folder, "full", "results.json"), "w") as f:
     json.dump(res, f)
 

@@ -13,6 +13,7 @@ import pytest
 
 from experiments.configs import cpu_paper
 from experiments.report import claims
+from experiments.report import committed
 from experiments.report import report
 from experiments.report import results_table
 from experiments.reproduction import runner
@@ -192,16 +193,13 @@ def test_committed_reports_are_restated_by_the_current_code(tmp_path):
   changes no byte."""
   root = tmp_path / "results"
   shutil.copytree(os.path.join(REPO, "results"), root, ignore=shutil.ignore_patterns("*.png"))
-  dirs = results_table.setting_dirs(str(root))
-  assert len(dirs) > 1 and str(root / SMALLEST / "reduced") in dirs
-  changed = [p for d in dirs for p in results_table.restate(d)]
+  runs = committed.runs(str(root), reruns=True)
+  assert len(runs) > 1 and str(root / SMALLEST / "reduced") in [r.folder for r in runs]
+  changed = [p for run in runs for p in results_table.restate(run)]
   assert not changed, f"run reproduce.py --table: {changed}"
-  for d in dirs:
-    with open(os.path.join(d, "config.json")) as f:
-      scopes = json.load(f)["reinit"]["scopes"]
-    for scope in scopes:
-      with open(os.path.join(d, scope, "results.json")) as f:
-        methods = json.load(f)["methods"]
+  for run in runs:
+    for scope in run.scopes():
+      methods = run.results(scope)["methods"]
       assert all("loss_barrier_ratio_pct_seed_ci" in row and
                  "accuracy_barrier_ratio_pct_seed_ci" in row for row in methods.values())
 
@@ -227,12 +225,13 @@ def test_restate_derives_the_statistics_from_the_pairs(tmp_path):
   res["methods"] = {m: {"loss_barrier_mean": 0.0} for m in res["methods"]}
   del res["differences"]
   path.write_text(json.dumps(res, indent=1))
-  assert results_table.restate(str(setting)) == [str(path)]  # summary.md: from the pairs too
+  run = committed.find(str(tmp_path), SMALLEST)
+  assert results_table.restate(run) == [str(path)]  # summary.md: from the pairs too
   restated = json.loads(path.read_text())
   assert restated["methods"] == report.summarise_methods(res["pairs"])
   assert restated["differences"] == report.paired_differences(res["pairs"])
   assert list(restated) == list(_load(COMMITTED))  # the study's order of keys
-  assert results_table.restate(str(setting)) == []
+  assert results_table.restate(run) == []
 
 
 def test_commit_column_marks_edited_code_but_not_reports_of_other_settings():
@@ -386,8 +385,9 @@ def test_trajectory_table_says_where_each_mean_of_the_every_core_run_falls(tmp_p
   assert all(rows[m].endswith("| inside |") for m in ("naive", "Variant 1", "Variant 2",
                                                       "learned"))
   assert "on 2 cores" in table and "--noone_core" in table
-  assert str(setting / "every_core") in results_table.setting_dirs(str(tmp_path))
-  assert results_table.restate(str(setting / "every_core")) == [  # its stale statistics
+  every_core = committed.find(str(tmp_path), "s", "every_core")
+  assert every_core in committed.runs(str(tmp_path), reruns=True)
+  assert results_table.restate(every_core) == [  # its stale statistics
       str(path), str(setting / "every_core" / "summary.md")]
   assert {(r.setting, r.scope) for r in claims.verdict_rows(str(tmp_path))
           if r.setting != claims.ACROSS_SETTING} == {("s", "first_attention")}

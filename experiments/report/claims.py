@@ -46,9 +46,7 @@ scope with a method missing, a non-finite barrier, or fewer than
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -56,6 +54,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from experiments.configs import cpu_paper
+from experiments.report import committed
 from experiments.report import regime
 from experiments.report import report
 from experiments.report import seed_statistics as ss
@@ -403,36 +402,26 @@ class Row(NamedTuple):
   figure: tuple[float, float, float, str] | None
 
 
-def _read_scope(setting_dir: str, setting: str, scope: str) -> _Scope | None:
-  path = os.path.join(setting_dir, scope, "results.json")
-  if not os.path.isfile(path):
+def _read_scope(run: committed.Run | None, scope: str) -> _Scope | None:
+  if run is None or not run.has(scope):
     return None
-  with open(path) as f:
-    res = json.load(f)
-  dataset = None
-  config = os.path.join(setting_dir, "config.json")
-  if os.path.isfile(config):
-    with open(config) as f:
-      cfg = json.load(f)
-    dataset = cfg.get("reinit", {}).get("dataset") or cfg.get("dataset", {}).get("name")
-  return _Scope(setting, scope, res, dataset)
+  cfg = run.config()
+  dataset = cfg.get("reinit", {}).get("dataset") or cfg.get("dataset", {}).get("name")
+  return _Scope(run.setting, scope, run.results(scope), dataset)
 
 
 def _scopes(results_root: str) -> Iterator[tuple[_Scope, _Scope | None]]:
-  """Every setting's scopes under ``results_root`` (not its reduced rerun's nor its run on every
-  core: ``report.RERUN_FOLDERS``), sorted, each with its run on every core where one exists.
-  The variants of ``cpu_paper.LEARN_VARIANTS`` are left out: they repeat their base's pairs
-  with naive and the learned method alone, and ``learned_variants.py`` reports them."""
-  for setting in sorted(os.listdir(results_root)):
-    folder = os.path.join(results_root, setting)
-    if not os.path.isdir(folder) or setting in cpu_paper.LEARN_VARIANTS:
+  """Every committed setting's scopes under ``results_root`` (not its reduced rerun's), by
+  setting and scope name, each with its run on every core where one exists. The variants of
+  ``cpu_paper.LEARN_VARIANTS`` are left out: they repeat their base's pairs with naive and the
+  learned method alone, and ``learned_variants.py`` reports them."""
+  for run in committed.runs(results_root):
+    if run.setting in cpu_paper.LEARN_VARIANTS:
       continue
-    for scope in sorted(os.listdir(folder)):
-      if scope in report.RERUN_FOLDERS:
-        continue
-      found = _read_scope(folder, setting, scope)
-      if found is not None:
-        yield found, _read_scope(os.path.join(folder, report.EVERY_CORE), setting, scope)
+    every_core = committed.find(results_root, run.setting, report.EVERY_CORE)
+    for scope in sorted(run.scopes()):
+      if (found := _read_scope(run, scope)) is not None:
+        yield found, _read_scope(every_core, scope)
 
 
 def _other(judged: Judged, other: Judged | None) -> str:

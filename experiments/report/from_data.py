@@ -26,12 +26,11 @@ REPAIRed path that some pair lacks shows "n/a".
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from experiments.report import committed
 from experiments.report import regime
 from experiments.report import report
 from experiments.report import seed_statistics as ss
@@ -141,16 +140,9 @@ def studies(results_root: str) -> list[Study]:
   """Every committed (setting, scope) under ``results_root`` studied from data, by setting and
   then in the setting's order of scopes."""
   out = []
-  for setting in sorted(os.listdir(results_root)):
-    folder = os.path.join(results_root, setting)
-    if not all(os.path.isfile(os.path.join(folder, f)) for f in ("run.json", "config.json")):
-      continue
-    with open(os.path.join(folder, "config.json")) as f:
-      scopes = json.load(f)["reinit"]["scopes"]
-    for scope in scopes:
-      with open(os.path.join(folder, scope, "results.json")) as f:
-        s = study(setting, scope, json.load(f))
-      if s is not None:
+  for run in committed.runs(results_root):
+    for scope in run.scopes():
+      if (s := study(run.setting, scope, run.results(scope))) is not None:
         out.append(s)
   return out
 

@@ -23,10 +23,10 @@ A variant whose results, or whose base's, are not committed gives no row; a note
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, NamedTuple
 
 from experiments.configs import cpu_paper
+from experiments.report import committed
 from experiments.report import regime
 from experiments.report import report
 from experiments.report import seed_statistics as ss
@@ -56,21 +56,8 @@ class Comparison(NamedTuple):
   naive_gap: float | None
 
 
-def _committed(results_root: str, setting: str) -> dict[str, Any] | None:
-  """``setting``'s committed config.json, or None when its run is not committed."""
-  folder = os.path.join(results_root, setting)
-  if not all(os.path.isfile(os.path.join(folder, f)) for f in ("run.json", "config.json")):
-    return None
-  with open(os.path.join(folder, "config.json")) as f:
-    return json.load(f)
-
-
-def _pairs(results_root: str, setting: str, scope: str) -> list[dict[str, Any]] | None:
-  path = os.path.join(results_root, setting, scope, "results.json")
-  if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    return json.load(f)["pairs"]
+def _pairs(run: committed.Run, scope: str) -> list[dict[str, Any]] | None:
+  return run.results(scope)["pairs"] if run.has(scope) else None
 
 
 def _naive_gap(variant: list[dict[str, Any]], base: list[dict[str, Any]]) -> float | None:
@@ -92,15 +79,15 @@ def comparisons(results_root: str) -> tuple[list[Comparison], list[str]]:
   variant or scope left out as "<variant> (why)"), in ``cpu_paper.LEARN_VARIANTS``' order."""
   rows, left_out = [], []
   for variant, (base, _) in cpu_paper.LEARN_VARIANTS.items():
-    config = _committed(results_root, variant)
-    if config is None:
+    run, base_run = committed.find(results_root, variant), committed.find(results_root, base)
+    if run is None:
       left_out.append(f"{variant} (not committed)")
       continue
-    if _committed(results_root, base) is None:
+    if base_run is None:
       left_out.append(f"{variant} (its base {base} is not committed)")
       continue
-    for scope in config["reinit"]["scopes"]:
-      pairs = _pairs(results_root, variant, scope), _pairs(results_root, base, scope)
+    for scope in run.scopes():
+      pairs = _pairs(run, scope), _pairs(base_run, scope)
       lacking = [s for s, held in zip((variant, base), pairs)
                  if not held or not all(METHOD in p["methods"] for p in held)]
       if lacking:

@@ -31,7 +31,6 @@ the identity. ``plot_sweep`` draws a sweep (``python -m experiments.report.regim
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from typing import Any, NamedTuple
 from matplotlib import figure
 
 from experiments.configs import cpu_paper
+from experiments.report import committed
 from experiments.report import report
 from experiments.report import seed_statistics as ss
 from experiments.workdir import atomic_io
@@ -141,13 +141,8 @@ def _committed(results_root: str, points: dict[float, str] | None = None
   ``points`` (x -> setting; the ViT's width sweep by default)."""
   out = []
   for width, setting in sorted((points or VIT_WIDTH.points).items()):
-    folder = os.path.join(results_root, setting)
-    if not os.path.exists(os.path.join(folder, "run.json")):
-      continue
-    with open(os.path.join(folder, "run.json")) as f:
-      run = json.load(f)
-    with open(os.path.join(folder, "full", "results.json")) as f:
-      out.append((width, setting, run, json.load(f)))
+    if (run := committed.find(results_root, setting)) is not None:
+      out.append((width, setting, run.record(), run.results("full")))
   return out
 
 
@@ -308,13 +303,10 @@ def control_table(results_root: str) -> str:
   """Markdown: the positive control's barriers per method with seed-level intervals, each
   method's paired difference to naive and its verdict against ``CONTROL_MARGIN``, the element's
   distance to the identity, and how the base model and the children ended."""
-  folder = os.path.join(results_root, CONTROL)
-  if not os.path.exists(os.path.join(folder, "run.json")):
+  control = committed.find(results_root, CONTROL)
+  if control is None:
     return "The positive control is not committed yet."
-  with open(os.path.join(folder, "run.json")) as f:
-    run = json.load(f)
-  with open(os.path.join(folder, "spawn", "results.json")) as f:
-    res = json.load(f)
+  run, res = control.record(), control.results("spawn")
   lines = [f"| method | loss barrier | method − naive | verdict (margin {CONTROL_MARGIN:g} nats) "
            "| element against the identity |", "|---|---|---|---|---|"]
   naive = _pairs(res, "naive", ratio=False)

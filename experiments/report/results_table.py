@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 from experiments.report import claims
+from experiments.report import committed
 from experiments.report import from_data
 from experiments.report import learned_variants
 from experiments.report import regime
@@ -94,20 +95,13 @@ def markdown(results_root: str) -> str:
            "commit | command |",
            "|" + "---|" * 14]
   minutes, intervals = {}, []
-  for setting in sorted(os.listdir(results_root)):
-    run_path = os.path.join(results_root, setting, "run.json")
-    if not os.path.exists(run_path):
-      continue
-    with open(run_path) as f:
-      run = json.load(f)
+  for committed_run in committed.runs(results_root):
+    setting, run = committed_run.setting, committed_run.record()
     minutes[setting] = run["wall_seconds"] / 60
     start = datetime.datetime.fromisoformat(run["started"]).timestamp()
     intervals.append((start, start + run["wall_seconds"]))
-    with open(os.path.join(results_root, setting, "config.json")) as f:
-      scopes = json.load(f)["reinit"]["scopes"]
-    for scope in scopes:
-      with open(os.path.join(results_root, setting, scope, "results.json")) as f:
-        res = json.load(f)
+    for scope in committed_run.scopes():
+      res = committed_run.results(scope)
       rows = report.summarise_methods(res["pairs"])  # results stored before seed intervals too
       naive = rows["naive"]
       floor = report.below_floor(rows) is not None
@@ -160,27 +154,26 @@ def _replace_between(text: str, begin: str, end: str, body: str, path: str) -> s
   return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
 
 
-def restate(setting_dir: str) -> list[str]:
-  """Rewrites what a committed setting's reports derive from its measured pairs, as the
-  current code derives it: each scope's ``results.json`` "methods" and "differences"
-  (``report.pair_statistics``: the seed-level intervals of reports stored before them) and the setting's ``summary.md``, as the study writes them.
-  The pairs, curves, endpoints and ablations stay as measured (the distance ablation's
-  summaries too: its pairs are not stored). Returns the paths whose bytes changed."""
-  with open(os.path.join(setting_dir, "config.json")) as f:
-    config = json.load(f)
+def restate(run: committed.Run) -> list[str]:
+  """Rewrites what a committed run's reports derive from its measured pairs, as the current
+  code derives it: each scope's ``results.json`` "methods" and "differences"
+  (``report.pair_statistics``: the seed-level intervals of reports stored before them) and the
+  run's ``summary.md``, as the study writes them. The pairs, curves, endpoints and ablations
+  stay as measured (the distance ablation's summaries too: its pairs are not stored). Returns
+  the paths whose bytes changed."""
+  config = run.config()
   title = report.study_title(config)
   results, changed = {}, []
-  for scope in config["reinit"]["scopes"]:
-    path = os.path.join(setting_dir, scope, "results.json")
-    with open(path) as f:
-      stored = json.load(f)
+  for scope in run.scopes():
+    path = os.path.join(run.folder, scope, "results.json")
+    stored = run.results(scope)
     derived = report.pair_statistics(stored["pairs"])
     kept = [k for k in stored if k not in derived]
     at = kept.index("ablation") if "ablation" in kept else len(kept)  # the study's order
     res = {**{k: stored[k] for k in kept[:at]}, **derived, **{k: stored[k] for k in kept[at:]}}
     results[scope] = res
     changed += _write_if_changed(path, json.dumps(res, indent=1))
-  summary = os.path.join(setting_dir, "summary.md")
+  summary = os.path.join(run.folder, "summary.md")
   return changed + _write_if_changed(summary, report.markdown_summary(title, results))
 
 
@@ -190,19 +183,6 @@ def _write_if_changed(path: str, text: str) -> list[str]:
       return []
   atomic_io.write_text(path, text)
   return [path]
-
-
-def setting_dirs(results_root: str) -> list[str]:
-  """Every committed run's folder under ``results_root``: each setting's, and where committed
-  its reduced form's (``<setting>/reduced``) and its run's on every core
-  (``<setting>/every_core``; ``runner.results_dir``)."""
-  dirs = []
-  for setting in sorted(os.listdir(results_root)):
-    folder = os.path.join(results_root, setting)
-    for d in (folder, *(os.path.join(folder, rerun) for rerun in report.RERUN_FOLDERS)):
-      if all(os.path.exists(os.path.join(d, name)) for name in ("run.json", "config.json")):
-        dirs.append(d)
-  return dirs
 
 
 def trajectory_table(results_root: str) -> str:
@@ -220,19 +200,19 @@ def trajectory_table(results_root: str) -> str:
            "over seeds] | every-core mean against the one-core interval |",
            "|---|---|---|---|---|---|"]
   runs = []
-  for setting in sorted(os.listdir(results_root)):
-    other = os.path.join(results_root, setting, report.EVERY_CORE)
-    if not os.path.exists(os.path.join(other, "run.json")):
+  for one_core in committed.runs(results_root):
+    setting = one_core.setting
+    every_core = committed.find(results_root, setting, report.EVERY_CORE)
+    if every_core is None:
       continue
-    committed = os.path.join(results_root, setting)
-    records = [_read_json(os.path.join(d, "run.json")) for d in (committed, other)]
+    records = [one_core.record(), every_core.record()]
     runs.append(f"`{setting}`: the one-core run at {_commit(records[0])} "
                 f"({records[0]['wall_seconds'] / 60:.0f} min), the run on "
                 f"{records[1]['machine']['cores_used']} cores at {_commit(records[1])} "
                 f"({records[1]['wall_seconds'] / 60:.0f} min, `{records[1]['command']}`).")
-    for scope in _read_json(os.path.join(committed, "config.json"))["reinit"]["scopes"]:
-      rows = [report.summarise_methods(_read_json(os.path.join(d, scope, "results.json"))["pairs"])
-              for d in (committed, other)]
+    for scope in one_core.scopes():
+      rows = [report.summarise_methods(run.results(scope)["pairs"])
+              for run in (one_core, every_core)]
       for method in ("naive", "perm", "ortho", "full", "learned"):
         # naive: the loss barrier (its mean, "loss_barrier_seed_ci"); the others: % of naive
         key, ci = (("loss_barrier_mean", "loss_barrier_seed_ci") if method == "naive" else
@@ -244,11 +224,6 @@ def trajectory_table(results_root: str) -> str:
   if not runs:
     return "No setting has a run on every core (`reproduce.py --setting=NAME --noone_core`)."
   return "\n".join(lines + [""] + runs)
-
-
-def _read_json(path: str) -> Any:
-  with open(path) as f:
-    return json.load(f)
 
 
 def _mean_interval(row: dict[str, Any], key: str, ci_key: str) -> str:
@@ -281,8 +256,8 @@ def write(results_root: str) -> str:
   against their bases (``learned_variants.table``, between ``LEARNED_BEGIN`` and
   ``LEARNED_END``), and the studies from data with and without REPAIR (``from_data.table``,
   between ``FROM_DATA_BEGIN`` and ``FROM_DATA_END``)."""
-  for d in setting_dirs(results_root):
-    restate(d)
+  for run in committed.runs(results_root, reruns=True):
+    restate(run)
   path = os.path.join(results_root, "README.md")
   with open(path) as f:
     text = f.read()

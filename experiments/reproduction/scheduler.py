@@ -15,17 +15,16 @@ import subprocess
 import time
 from collections.abc import Callable
 
+from experiments.report import committed
 from experiments.reproduction import runner
-from experiments.workdir import atomic_io
 
 
 def longest_first(settings: list[str], results_root: str) -> list[str]:
   """``settings`` by the wall time of their runs under ``results_root``, longest first; those
   with no run first, in the order given (so that a queue of ``jobs`` lanes ends together)."""
   def seconds(setting: str) -> float:
-    record = atomic_io.read_json_or_none(os.path.join(results_root, setting, "run.json"),
-                                         "run record")
-    return record["wall_seconds"] if isinstance(record, dict) else float("inf")
+    record = committed.saved_record(results_root, setting)
+    return float("inf") if record is None else record["wall_seconds"]
   return sorted(settings, key=lambda s: -seconds(s))
 
 
