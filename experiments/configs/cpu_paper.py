@@ -160,6 +160,11 @@ Settings:
     and learned alone, without REPAIR; the base's learned method (from the
     full method's element, lambda 1/2) on the same pairs is what it is set
     against (experiments/report/learned_variants.py).
+  learn_full_start_{gpt2,llama}_wiki_full: the other way round on the full-model
+    language models, whose learned method starts from activation matching's
+    element (chosen from learn_activation_start_gpt2_wiki_64): the learned
+    method from the full method's element (study.learn_init = "full") on
+    lm_gpt2_wiki_full's and lm_llama_wiki_full's pairs, measured the same way.
   control_vit_fashion_spawn: the positive control of the width sweep, at
     width 64: a base model trained 2,000 steps (its own warmup and cosine
     decay; about 2.4 epochs), then five children spawned from it (the
@@ -417,6 +422,11 @@ LEARN_SCHEMES = {"activation_start": {"learn_init": "activation"},
 LEARN_VARIANTS = {f"learn_{scheme}_{short}": (base, study)
                   for short, base in LEARN_BASES.items()
                   for scheme, study in LEARN_SCHEMES.items()}
+# The full-model language models start the learned method from activation matching's element
+# (``_lm_full``); their variants measure the full method's start on the same pairs.
+LEARN_VARIANTS.update({f"learn_full_start_{family}_wiki_full": (f"lm_{family}_wiki_full",
+                                                                {"learn_init": "full"})
+                       for family in ("gpt2", "llama")})
 LEARN_VARIANT_METHODS = ("naive", "learned")
 
 
