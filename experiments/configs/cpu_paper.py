@@ -280,9 +280,9 @@ SETTINGS = {
        for d in ("mnist", "fashion") for pos in ("ape", "rope")},
     **{f"table1_bert_mlm_{pos}": (lambda c, pos=pos: _bert_mlm(c, f"table1_bert_mlm_{pos}", pos))
        for pos in ("ape", "rope")},
-    "scopes_vit_fashion": lambda c: (_scopes(c, "fashion_mnist_deb",
-                                             ("all_attention", "first_layer", "full"),
-                                             every_factor=True), _data_methods(c)),
+    "scopes_vit_fashion": lambda c: _scopes(c, "fashion_mnist_deb",
+                                            ("all_attention", "first_layer", "full"),
+                                            every_factor=True),
     "scopes_vit_mnist_to_fashion_attention": lambda c: _scopes(
         c, "mnist5k", ("first_attention", "all_attention"), transfer_to="fashion_mnist_deb"),
     "scopes_vit_mnist_to_fashion_first_layer": lambda c: _scopes(
