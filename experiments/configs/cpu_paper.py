@@ -87,7 +87,8 @@ Settings:
     (``study.learn_factors``: the attention matrices, the head and FFN
     permutations and the residual basis), since every one was re-initialised,
     and the methods are the data sweep's: naive, full, activation and learned,
-    each with and without REPAIR (``DATA_METHODS``).
+    each with and without REPAIR (``DATA_METHODS``), the learned method
+    starting from activation matching's element (``_lm_full``).
   width_vit_fashion_{32,64,128}: the full-model scope of scopes_vit_fashion
     (every model trained from scratch on Fashion-MNIST, five seeds) at three
     widths, studied by the naive, full and learned methods. The head count
