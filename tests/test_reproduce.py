@@ -299,7 +299,7 @@ def test_scope_prose_quotes_the_committed_paired_differences():
   its results.json, to the printed digit."""
   with open(os.path.join(REPO, "results", "README.md")) as f:
     text = " ".join(f.read().replace("−", "-").split())
-  quoted = [(scope, "full - ortho", 2) for scope in ("first_layer", "all_attention", "full")]
+  quoted = [(scope, "activation - full", 2) for scope in ("first_layer", "all_attention", "full")]
   quoted += [(scope, "learned - full", 1) for scope in ("first_layer", "all_attention", "full")]
   for scope, key, digits in quoted:
     with open(os.path.join(REPO, "results", "scopes_vit_fashion", scope, "results.json")) as f:

@@ -56,7 +56,8 @@ Settings:
     method trains every factor that a scope has (study.learn_factors): the
     attention matrices and head permutations in all attention, the FFN
     permutations too in the first layer, and the residual permutation too
-    in the full model.
+    in the full model. Studied by the methods from data: naive, full,
+    activation and learned, each with and without REPAIR (``DATA_METHODS``).
   scopes_vit_mnist_to_fashion_attention (first attention, all attention)
     and scopes_vit_mnist_to_fashion_first_layer: the MNIST base re-initialised
     and fine-tuned on Fashion-MNIST, split in two to keep each setting under
@@ -281,9 +282,9 @@ SETTINGS = {
        for d in ("mnist", "fashion") for pos in ("ape", "rope")},
     **{f"table1_bert_mlm_{pos}": (lambda c, pos=pos: _bert_mlm(c, f"table1_bert_mlm_{pos}", pos))
        for pos in ("ape", "rope")},
-    "scopes_vit_fashion": lambda c: _scopes(c, "fashion_mnist_deb",
-                                            ("all_attention", "first_layer", "full"),
-                                            every_factor=True),
+    "scopes_vit_fashion": lambda c: (_scopes(c, "fashion_mnist_deb",
+                                             ("all_attention", "first_layer", "full"),
+                                             every_factor=True), _data_methods(c)),
     "scopes_vit_mnist_to_fashion_attention": lambda c: _scopes(
         c, "mnist5k", ("first_attention", "all_attention"), transfer_to="fashion_mnist_deb"),
     "scopes_vit_mnist_to_fashion_first_layer": lambda c: _scopes(
@@ -375,9 +376,9 @@ SETTINGS.update({name: (lambda c, w=w: _depth6_check(c, w))
                  for w, name in DEPTH6_WIDTHS.items() if name not in SETTINGS})
 
 
-# The methods from data: the data-size sweep and the full-model language models (lm_*_full,
-# depth6_gpt2_wiki_32), started after activation matching and REPAIR existed (the width sweeps'
-# points, started before, have naive, full and learned).
+# The methods from data: the data-size sweep, the full-model language models (lm_*_full,
+# depth6_gpt2_wiki_32) and scopes_vit_fashion, run after activation matching and REPAIR existed
+# (the width sweeps' points, run before, have naive, full and learned).
 DATA_METHODS = ("naive", "full", "activation", "learned")
 
 
