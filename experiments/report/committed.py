@@ -51,13 +51,17 @@ class Run(NamedTuple):
     """The re-initialisation scopes it studied, in its config's order (``reinit.scopes``)."""
     return list(self.config()["reinit"]["scopes"])
 
+  def results_path(self, scope: str) -> str:
+    """Where ``scope``'s ``results.json`` lies."""
+    return os.path.join(self.folder, scope, "results.json")
+
   def has(self, scope: str) -> bool:
     """Whether it holds ``scope``'s ``results.json``."""
-    return os.path.isfile(os.path.join(self.folder, scope, "results.json"))
+    return os.path.isfile(self.results_path(scope))
 
   def results(self, scope: str) -> dict[str, Any]:
     """``scope``'s ``results.json``: "pairs", "methods", "differences", "lambdas", ..."""
-    return _read(os.path.join(self.folder, scope, "results.json"))
+    return _read(self.results_path(scope))
 
 
 def _is_run(folder: str) -> bool:

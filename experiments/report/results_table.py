@@ -165,7 +165,7 @@ def restate(run: committed.Run) -> list[str]:
   title = report.study_title(config)
   results, changed = {}, []
   for scope in run.scopes():
-    path = os.path.join(run.folder, scope, "results.json")
+    path = run.results_path(scope)
     stored = run.results(scope)
     derived = report.pair_statistics(stored["pairs"])
     kept = [k for k in stored if k not in derived]

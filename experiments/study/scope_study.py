@@ -291,8 +291,9 @@ class ScopeStudy:
                      ) -> dict[str, Any]:
     """``_path`` with each interior point REPAIRed (``repair.repair`` at its lambda, on
     ``_activation_batches``, the endpoints' statistics measured once); the endpoints are the
-    seeds' own models, as REPAIR at lambda 0 and 1 computes them. Adds "repair": per lambda, the channels REPAIR corrected and those it
-    left as they were (degenerate), summed over the points."""
+    seeds' own models, as REPAIR at lambda 0 and 1 computes them. Adds "repair": per lambda,
+    the channels REPAIR corrected and those it left as they were (degenerate), summed over the
+    points."""
     points, counts = set(), []
 
     def repaired_points(lams: np.ndarray) -> dict[str, list[float]]:
