@@ -238,7 +238,7 @@ def _learned(a, b, **options):
   model = _model("gpt2")
   return matching.align_model(model.spec, a, b, method="learned", loss_fn=_lm_loss,
                               batches=[_inputs(model, s) for s in (10, 11)],
-                              holdout_batches=[_inputs(model, 12)], steps=2, **options)
+                              holdout_batches=[_inputs(model, 12)], learn_steps=2, **options)
 
 
 def test_learned_defaults_are_the_full_start_with_fixed_lambda(x64):
@@ -270,7 +270,8 @@ def test_learned_from_activations_on_a_planted_pair(x64):
 @pytest.mark.parametrize("options,message", [
     (dict(learn_lam_band=10), "lam_band > 0 draws lambda at random: pass key"),
     (dict(learn_lam_band=50, key=jax.random.key(0)), r"must lie in \(0, 1\]"),
-    (dict(learn_lam_band=10, lam="uniform", key=jax.random.key(0)), "pass one of them"),
+    (dict(learn_lam_band=10, learn_uniform_lambda=True, key=jax.random.key(0)),
+     "pass one of them"),
     (dict(lam_band=0.1), "is the matching option learn_lam_band"),
     (dict(learn_init="activation"), "method 'activation' needs activations"),
 ])

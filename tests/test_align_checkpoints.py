@@ -793,7 +793,7 @@ def test_learned_method_trains_on_the_first_half(tmp_path):
   b = _plant("vit", a, str(tmp_path / "b"), seed=3)
   lines = []
   result = align.align_checkpoints(a, b, method="learned", eval_images=_images(tmp_path / "images"),
-                                   batch_size=2, num_lambdas=3, steps=4, init="best",
+                                   batch_size=2, num_lambdas=3, learn_steps=4, init="best",
                                    progress=lines.append)
   report = result.report
   assert report["learned"]["steps"] == 4

@@ -218,9 +218,9 @@ def test_bad_match_images_are_refused_in_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (("--method", "activation"),
-     "--method activation matches the models' activations on data: give --match-data FILE"),
+     "--method activation reads the models' activations on data: give --match-data FILE"),
     (("--method", "learned", "--learn-init", "activation", "--eval-text", "T"),
-     "--learn-init activation starts --method learned from the models' activations on data: "
+     "--method learned with --learn-init activation reads the models' activations on data: "
      "give --match-data FILE"),
     (("--repair", "--match-data", "T"),
      "--repair repairs the merged model: give --merge LAMBDA"),

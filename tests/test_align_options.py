@@ -134,9 +134,9 @@ def test_good_options_pass_without_reading_a_file(changes, no_file_access):
     (dict(method="activation", match_data=NOWHERE, match_batches=0),
      r"--match-batches must be an integer >= 1, got 0"),
     (dict(method="activation"),
-     r"--method activation matches the models' activations on data: give --match-data FILE"),
+     r"--method activation reads the models' activations on data: give --match-data FILE"),
     (dict(method="learned", matching=dict(learn_init="activation")),
-     r"--learn-init activation starts --method learned from the models' activations on data: "
+     r"--method learned with --learn-init activation reads the models' activations on data: "
      r"give --match-data FILE"),
     (dict(repair=True, match_data=NOWHERE), r"--repair repairs the merged model: give --merge "
                                             r"LAMBDA"),
@@ -195,7 +195,7 @@ def test_missing_evaluation_packages_are_named(monkeypatch):
 def test_learned_method_splits_the_batches_in_order(count):
   """Training on the first half, held out on the next quarter, the curve on the rest: each part
   non-empty, together every batch once, in order."""
-  curve, train, holdout = _check.split_for_learning(list(range(count)))
+  curve, train, holdout = _check.split_for_learning(list(range(count)), "learned")
   assert train + holdout + curve == list(range(count))
   assert len(train) == count // 2 and len(holdout) == (count - count // 2) // 2
   assert min(len(curve), len(train), len(holdout)) >= 1
@@ -205,7 +205,7 @@ def test_learned_method_needs_three_batches():
   with pytest.raises(align.InputError, match=r"^--method learned needs at least 3 evaluation "
                                              r"batches \(training, held out, curve\); the data "
                                              r"gives 2$"):
-    _check.split_for_learning([0, 1])
+    _check.split_for_learning([0, 1], "learned")
 
 
 def test_clock_says_and_times_each_stage(monkeypatch):

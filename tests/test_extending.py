@@ -121,9 +121,9 @@ def test_the_setting_trains_and_is_studied_with_the_new_method(extended):
   model = inputs.create_model(config)
   checkpoints = saved_runs.load_checkpoints(config, workdir)
   a, b = (checkpoints[f"reinit/first_layer/seed_{s}"] for s in (1, 2))
-  element, _ = scope_study.align(model.spec, a, b, scope=model.scope_paths("first_layer"),
-                                 method="full_attention_only",
-                                 options=scope_study.matching_kwargs(config, "full_attention_only"))
+  element, _ = matching.align_model(
+      model.spec, a, b, scope=model.scope_paths("first_layer"), method="full_attention_only",
+      **scope_study.matching_kwargs(config, "full_attention_only"))
   np.testing.assert_array_equal(element["layers_0/mlp"], np.arange(model.config.mlp_dim))
   heads = element["layers_0/attention"]
   assert not (np.array_equal(heads.perm, np.arange(model.config.num_heads))

@@ -116,8 +116,12 @@ def _uniform():
 
 
 def _learned(spec, a, b, rms, **options):
+  """``align_model``'s "learned" on the test's batches: 24 steps at 1e-2 (``lam="uniform"``,
+  ``learn_alignment``'s spelling, is the option ``learn_uniform_lambda``)."""
+  if options.pop("lam", None) == "uniform":
+    options["learn_uniform_lambda"] = True
   options = dict(dict(batches=_batches(TRAIN, rms), holdout_batches=_batches(HOLDOUT, rms),
-                      steps=24, learning_rate=1e-2, eval_every=6), **options)
+                      learn_steps=24, learn_learning_rate=1e-2, eval_every=6), **options)
   return matching.align_model(spec, a, b, method="learned", loss_fn=LOSS[rms], **options)
 
 
@@ -319,17 +323,17 @@ def test_scope_without_a_symmetry_returns_the_full_element():
     (dict(loss_fn=None), "needs loss_fn"),
     (dict(batches=None), "needs batches"),
     (dict(holdout_batches=[]), "needs holdout_batches"),
-    (dict(steps=-1), "steps must be"),
-    (dict(learning_rate=0.0), "learning_rate must be"),
-    (dict(lam=1.5), "lam must be"),
-    (dict(lam="uniform"), "pass key"),
+    (dict(learn_steps=-1), "learn_steps must be"),
+    (dict(learn_learning_rate=0.0), "learn_learning_rate must be"),
+    (dict(learn_uniform_lambda="yes"), "learn_uniform_lambda must be true or false"),
+    (dict(learn_uniform_lambda=True), "pass key"),
     (dict(eval_every=0), "eval_every must be"),
     (dict(lamda=0.5), r"unknown options \['lamda'\] of method 'learned'"),
 ])
 def test_bad_options_name_the_argument(options, message):
   spec, a, b = _pair(False, dtype=jnp.float32)
-  options = dict(dict(loss_fn=_loss_gl, batches=[{}], holdout_batches=[{}], steps=1,
-                      learning_rate=1e-2), **options)
+  options = dict(dict(loss_fn=_loss_gl, batches=[{}], holdout_batches=[{}], learn_steps=1),
+                 **options)
   with pytest.raises(ValueError, match=message):
     matching.align_model(spec, a, b, method="learned", **options)
 

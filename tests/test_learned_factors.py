@@ -132,8 +132,8 @@ def test_loss_of_the_parameters_not_the_function_is_refused():
   with pytest.raises(ValueError, match=r"changes model B's function: .*difference"):
     matching.align_model(spec, a, b, method="learned", factors=["ffn"], loss_fn=reads_a_weight,
                          batches=learned_tests._batches(learned_tests.TRAIN),
-                         holdout_batches=learned_tests._batches(learned_tests.HOLDOUT), steps=2,
-                         learning_rate=1e-2)
+                         holdout_batches=learned_tests._batches(learned_tests.HOLDOUT),
+                         learn_steps=2, learn_learning_rate=1e-2)
 
 
 # ----------------------------------------------------------------------------- options
@@ -150,7 +150,7 @@ def test_factor_options_are_checked_before_any_work(scope, factors, message):
   with pytest.raises(ValueError, match=message):
     matching.align_model(spec, a, b, method="learned", scope=scope, factors=factors,
                          loss_fn=learned_tests._loss_gl, batches=[{}], holdout_batches=[{}],
-                         steps=1, learning_rate=1e-2)
+                         learn_steps=1, learn_learning_rate=1e-2)
 
 
 def test_residual_factor_follows_the_model():

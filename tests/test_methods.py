@@ -19,7 +19,8 @@ def test_every_method_is_a_registered_function():
                                         "activation"]
   for name, method in matching.METHODS.items():
     assert method.name == name and callable(method.align)
-  assert matching.METHODS["activation"].arguments == ("activations", "match_batches")
+  assert matching.METHODS["activation"].inputs == (matching.ACTIVATIONS,)
+  assert matching.METHODS["activation"].every_argument == ("activations", "match_batches")
   learned = matching.METHODS["learned"]
   assert "activations" not in learned.reads_arguments(matching.MatchOptions())
   assert "activations" in learned.reads_arguments(matching.MatchOptions(learn_init="activation"))

@@ -205,7 +205,7 @@ EVERY_PATH_STAGE = {*METHODS, "ablation_permutations", "ablation_distance_froben
 
 
 @pytest.mark.parametrize("path, reader, stages_that_miss_it", [
-    ("train.batch_size", config_schema.LEARNED, {"learned", "robustness"}),
+    ("dataset.validation_split", config_schema.LOSS, {"learned", "robustness"}),
     ("study.noise_levels", config_schema.ROBUSTNESS, {"robustness"}),
     ("study.num_lambdas", config_schema.EVERY_STAGE, EVERY_PATH_STAGE),
 ])

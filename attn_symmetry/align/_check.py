@@ -34,8 +34,9 @@ def check_options(options: Options) -> None:
   if options.method not in matching.METHODS:
     raise InputError(f"--method must be one of {', '.join(matching.METHODS)}, got "
                      f"{options.method!r}")
-  if options.method == "learned" and not options.evaluated:
-    raise InputError("--method learned trains on the task loss: give --eval-text or --eval-images")
+  if matching.LOSS in options.needs and not options.evaluated:
+    raise InputError(f"--method {options.method} trains on the task loss: give --eval-text or "
+                     "--eval-images")
   unknown = sorted(set(options.matching) - set(MATCHING_OPTIONS))
   if unknown:
     raise InputError(f"unknown matching options {unknown}; known: {', '.join(MATCHING_OPTIONS)}")
@@ -59,29 +60,42 @@ def check_options(options: Options) -> None:
   if options.eval_text is not None and options.eval_images is not None:
     raise InputError("give --eval-text or --eval-images, not both")
   for name, least in (("num_lambdas", 3), ("batch_size", 1), ("seq_len", 1),
-                      ("eval_batches", 1), ("match_batches", 1)):
+                      ("eval_batches", 1), ("match_batches", 1), ("seed", 0)):
     value = getattr(options, name)
     if int(value) != value or value < least:
       raise InputError(f"{Options.flag(name)} must be an integer >= {least}, got {value}")
 
 
+def _activation_readers() -> list[str]:
+  """Who reads ``--match-data`` for its activations: "--method activation", "--learn-init
+  activation" (the methods that need ``matching.ACTIVATIONS``, or the option value under
+  which one does)."""
+  return ([f"--method {m.name}" for m in matching.METHODS.values()
+           if matching.ACTIVATIONS in m.inputs]
+          + [f"{flag(w.option)} {w.value}" for m in matching.METHODS.values() for w in m.when
+             if matching.ACTIVATIONS in w.inputs])
+
+
 def _check_match_data(options: Options) -> None:
-  """``--match-data`` is given exactly where something reads it: the activation method, the
-  learned method from it (``Options.reads_activations``), ``--repair`` (which needs
+  """``--match-data`` is given exactly where something reads it: a method that needs the
+  models' activations with its options (``Options.needs``), ``--repair`` (which needs
   ``--merge`` too)."""
-  if options.reads_activations and options.match_data is None:
-    what = ("--method activation matches" if options.method == "activation" else
-            "--learn-init activation starts --method learned from")
-    raise InputError(f"{what} the models' activations on data: give --match-data FILE")
+  reads = matching.ACTIVATIONS in options.needs
+  if reads and options.match_data is None:
+    method = matching.METHODS[options.method]
+    why = "".join(f" with {flag(w.option)} {w.value}" for w in method.when
+                  if matching.ACTIVATIONS in w.inputs and matching.ACTIVATIONS not in method.inputs)
+    raise InputError(f"--method {options.method}{why} reads the models' activations on data: "
+                     "give --match-data FILE")
   if options.repair:
     if options.merge is None:
       raise InputError("--repair repairs the merged model: give --merge LAMBDA")
     if options.match_data is None:
       raise InputError("--repair resets the merged model's channel statistics measured on "
                        "data: give --match-data FILE")
-  elif options.match_data is not None and not options.reads_activations:
-    raise InputError(f"--match-data is read by --method activation, --learn-init activation "
-                     f"and --repair only; --method is {options.method!r} without --repair")
+  elif options.match_data is not None and not reads:
+    raise InputError(f"--match-data is read by {', '.join(_activation_readers())} and --repair "
+                     f"only; --method is {options.method!r} without --repair")
 
 
 def flag(option: str) -> str:
@@ -130,8 +144,9 @@ def _check_factors(options: Options) -> None:
   if "factors" not in options.matching:
     return
   if "factors" not in matching.METHODS[options.method].options:
-    raise InputError(f"--factors chooses what --method learned trains; --method is "
-                     f"{options.method!r}")
+    readers = " or ".join(f"--method {m.name}" for m in matching.METHODS.values()
+                          if "factors" in m.options)
+    raise InputError(f"--factors chooses what {readers} trains; --method is {options.method!r}")
 
 
 def _scope_prefixes(scope: str | Sequence[str]) -> list[str] | None:
@@ -310,16 +325,18 @@ def _check_repair(model: Model) -> None:
   repair_lib.check_model(model)
 
 
-def split_for_learning(batches: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
-  """Method "learned"'s split of the evaluation batches: (curve, training, held out), the first
-  half for training, the next quarter held out to choose the iterate, the rest for the curve.
+def split_for_learning(batches: list[Any], method: str
+                       ) -> tuple[list[Any], list[Any], list[Any]]:
+  """The split of the evaluation batches for ``method``, which needs a loss: (curve, training,
+  held out), the first half for training, the next quarter held out to choose the iterate,
+  the rest for the curve.
 
   Raises:
     InputError: fewer than 3 batches.
   """
   if len(batches) < 3:
-    raise InputError(f"--method learned needs at least 3 evaluation batches (training, held out, "
-                     f"curve); the data gives {len(batches)}")
+    raise InputError(f"--method {method} needs at least 3 evaluation batches (training, held "
+                     f"out, curve); the data gives {len(batches)}")
   train, holdout = len(batches) // 2, (len(batches) - len(batches) // 2) // 2
   return batches[train + holdout:], batches[:train], batches[train:train + holdout]
 
@@ -351,9 +368,9 @@ def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Opti
     raise
   except ValueError as e:
     raise InputError(str(e)) from None
-  if options.method != "learned":
+  if matching.LOSS not in options.needs:
     return Inputs(a, b, model, prefixes, batches, match=match)
-  return Inputs(a, b, model, prefixes, *split_for_learning(batches), match=match)
+  return Inputs(a, b, model, prefixes, *split_for_learning(batches, options.method), match=match)
 
 
 def check(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Options) -> Inputs:

@@ -1,11 +1,12 @@
 """The memory policy: what an alignment holds, and whether it may.
 
-Every method of ``STREAMED`` (``matching.STREAMED_METHODS`` and "activation") without an evaluation
-or ``--repair`` streams (``streams``): both models are read a group of tensors at a time
-(``_sources.Streamed``), and memory holds two groups of each model in float32, as read and aligned;
-"activation", which runs both models a layer at a time on the match data, holds besides both
-models' hidden states on every match batch and its sums (``activation_bytes``). "learned", an
-evaluation and ``--repair`` hold both whole models twice in float32 (``_sources.Whole``). A', B' and the models they come from
+Every method that ``matching.Method.streamed`` says can be streamed (``streamed_methods``),
+without an evaluation or ``--repair``, streams (``streams``): both models are read a group of
+tensors at a time (``_sources.Streamed``), and memory holds two groups of each model in float32,
+as read and aligned; a method streamed by its activations (``matching.ACTIVATIONS``), which runs
+both models a layer at a time on the match data, holds besides both models' hidden states on
+every match batch and its sums (``activation_bytes``). Any other method, an evaluation and
+``--repair`` hold both whole models twice in float32 (``_sources.Whole``). A', B' and the models they come from
 are kept whole, for the function check and ``Alignment.params``, only where four float32 models fit
 the budget (``keeps_models``). An alignment whose working set does not fit is refused before any
 work (``check_memory``). The budget is ``--memory-budget``, else the machine's memory.
@@ -25,21 +26,25 @@ from attn_symmetry.models import Model
 from attn_symmetry.models import safetensors_io
 
 
-STREAMED = (*matching.STREAMED_METHODS, "activation")  # the methods that read group by group
+def streamed_methods() -> list[str]:
+  """The methods registered now that can read the models group by group
+  (``matching.Method.streamed``)."""
+  return [m.name for m in matching.METHODS.values() if m.streamed is not None]
 
 
 def streams(options: Options) -> bool:
-  """Whether the models are read group by group: every method of ``STREAMED`` without an
-  evaluation or ``repair``. "learned", an evaluation and REPAIR hold both whole models
+  """Whether the models are read group by group: a method of ``streamed_methods`` without an
+  evaluation or ``repair``. Any other method, an evaluation and REPAIR hold both whole models
   (``whole_because``)."""
-  return options.method in STREAMED and not options.evaluated and not options.repair
+  return (options.method in streamed_methods() and not options.evaluated
+          and not options.repair)
 
 
 def whole_because(options: Options) -> str:
   """What holds both whole models where the alignment does not stream: the method (not
-  streamed: "learned" trains on the interpolated model), ``--repair`` (which runs the merged
+  streamed: it trains on the interpolated model, say), ``--repair`` (which runs the merged
   model) or the evaluation."""
-  if options.method not in STREAMED:
+  if options.method not in streamed_methods():
     return f"--method {options.method} (not streamed)"
   return "--repair" if options.repair else "the evaluation"
 
@@ -69,7 +74,7 @@ def group_bytes(model: Model) -> tuple[int, tuple[str, ...]]:
 
 def activation_bytes(model: Model, options: Options) -> tuple[int, int]:
   """(bytes of both models' hidden states [B, T, D] on every match batch, bytes of the sums)
-  that the streamed "activation" method holds besides two groups of each model, in float32:
+  that a method streamed by its activations holds besides two groups of each model, in float32:
   ``--match-batches`` batches of ``--batch-size`` examples of ``--seq-len`` tokens (at most the
   model's length; a ViT's patches), and ``matching.activation_statistics_bytes``."""
   config = model.config
@@ -102,7 +107,8 @@ def check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, mod
                  options: Options) -> None:
   """Refuses, before any work, an alignment that needs more than the budget: the streamed one
   holds two groups of leaves of each model in float32 (as read and aligned: ``group_bytes``),
-  and for "activation" the hidden states and sums (``activation_bytes``); the whole models
+  and for a method streamed by its activations the hidden states and sums
+  (``activation_bytes``); the whole models
   (``whole_because``) are held twice in float32.
 
   Raises:
@@ -117,10 +123,10 @@ def check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, mod
     largest = (f"the checkpoints ({sizes}) are read a group of tensors at a time, and the "
                f"largest ({', '.join(top)}: {gb(group)} per model in float32) needs "
                f"{gb(4 * group)} as read and aligned")
-    if options.method == "activation":
+    if matching.METHODS[options.method].streamed == matching.ACTIVATIONS:
       hidden, sums = activation_bytes(model, options)
       if 4 * group + hidden + sums > most:
-        raise InputError(f"{largest}; --method activation adds both models' hidden states on "
+        raise InputError(f"{largest}; --method {options.method} adds both models' hidden states on "
                          f"{options.match_batches} match batches ({gb(hidden)}) and its sums "
                          f"({gb(sums)}): {gb(4 * group + hidden + sums)}, above {says}")
     elif 4 * group > most:
@@ -129,4 +135,4 @@ def check_memory(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint, mod
     raise InputError(f"{whole_because(options)} holds both whole models in float32, read and "
                      f"aligned: {gb(4 * whole_bytes(model))} for the checkpoints ({sizes}), "
                      f"above {says}; without an evaluation or --repair, methods "
-                     f"{', '.join(STREAMED)} read one layer at a time")
+                     f"{', '.join(streamed_methods())} read one layer at a time")

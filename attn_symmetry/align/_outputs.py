@@ -125,7 +125,7 @@ def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str,
       "model_type": a.hf_config.get("model_type"), "config": dataclasses.asdict(model.config),
       "parameters": inputs.parameters, "stored_dtypes": {"a": a.dtypes, "b": b.dtypes},
       "dtype": options.dtype, "checkpoint_bytes": {"a": a.nbytes, "b": b.nbytes},
-      "method": options.method,
+      "method": options.method, "seed": options.seed,
       "scope": options.scope if isinstance(options.scope, str) else list(options.scope),
       "scope_paths": inputs.scope, "merge": options.merge, "repair": options.repair,
       "options": runtime.jsonable(_check.options_used(options.method, dict(options.matching))),
@@ -133,8 +133,8 @@ def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str,
       "rounds": int(info["rounds"]) if "rounds" in info else 0,
       "distance": aligned.distance, "function_check": aligned.function,
   }
-  if "learned" in info:
-    report["learned"] = runtime.jsonable(info["learned"])
+  if options.method in info:  # the method's own diagnostics, by its name
+    report[options.method] = runtime.jsonable(info[options.method])
   if "devices" in info:  # the streamed alignment: the devices each group was split over
     report["devices"] = info["devices"]
   if inputs.match is not None:
@@ -150,7 +150,7 @@ def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str,
     report["eval"] = {"text": options.eval_text or None, "images": options.eval_images or None,
                       "batches": len(inputs.batches), "batch_size": options.batch_size,
                       "predictions": float(sum(np.sum(x["weights"]) for x in inputs.batches))}
-    if options.method == "learned":
+    if inputs.train is not None:  # a method that needs a loss trained on the first batches
       report["eval"] |= {"training_batches": len(inputs.train),
                          "holdout_batches": len(inputs.holdout)}
   report["time_s"] = seconds

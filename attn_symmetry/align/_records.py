@@ -86,10 +86,10 @@ class Options:
   out: str | None = option(None, "--out", "output folder", metavar="DIR", required=True)
   method: str = option(
       "full", "--method",
-      "full (default), ortho, perm, naive, activation (from the models' activations on "
-      "--match-data), or learned (with an evaluation file: trained on its first half, chosen on "
-      "the next quarter, the curve on the last quarter), or a method that an --import module "
-      "registers")
+      "; ".join(f"{m.name}: {m.doc}" for m in matching.METHODS.values())
+      + "; or a method that an --import module registers (default full). A method that "
+      "trains on a loss trains on the first half of the evaluation batches and picks its "
+      "iterate on the next quarter; the curve is drawn on the last quarter")
   scope: str | tuple[str, ...] = option(
       "full", "--scope", f"{', '.join(SCOPES)} (default full), or comma-separated parameter "
       "path prefixes such as layers_0/attention")
@@ -130,6 +130,9 @@ class Options:
   match_batches: int = option(8, "--match-batches",
                               "most batches of --match-data (default 8; --batch-size examples of "
                               "--seq-len tokens each)", type=int)
+  seed: int = option(0, "--seed",
+                     "seed of what the method draws at random (default 0; the lambda band of "
+                     "--learn-lam-band); recorded in report.json", type=int)
   matching: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   memory_budget: float | None = option(
       None, "--memory-budget",
@@ -164,11 +167,10 @@ class Options:
     return self.eval_text is not None or self.eval_images is not None
 
   @property
-  def reads_activations(self) -> bool:
-    """Whether the method matches the models' activations on the match data: "activation", or
-    "learned" from it (``learn_init``)."""
-    return self.method == "activation" or (self.method == "learned" and
-                                           self.matching.get("learn_init") == "activation")
+  def needs(self) -> tuple[str, ...]:
+    """The inputs beyond the weights (``matching.INPUTS``) that the method needs with its
+    matching options (``Method.needs``)."""
+    return matching.METHODS[self.method].needs(self.matching)
 
 
 @dataclasses.dataclass
@@ -179,8 +181,8 @@ class Inputs:
   model: Model
   scope: list[str]
   batches: list[dict[str, np.ndarray]] | None  # the curve's
-  train: list[dict[str, np.ndarray]] | None = None  # method "learned": its training batches
-  holdout: list[dict[str, np.ndarray]] | None = None  # and those it chooses its iterate on
+  train: list[dict[str, np.ndarray]] | None = None  # a method that needs a loss: its training
+  holdout: list[dict[str, np.ndarray]] | None = None  # and held-out batches
   match: list[dict[str, np.ndarray]] | None = None  # --match-data's (_eval_files.match_batches)
 
   @property

@@ -1,6 +1,8 @@
-"""Where the alignment reads A and B from: the whole models, loaded (``Whole``: "learned", an
-evaluation, ``--repair``), or the checkpoints, read a group of tensors at a time (``Streamed``:
-every other method, "activation" running both models a layer at a time; ``_memory.streams``). Both give the same four things: the element
+"""Where the alignment reads A and B from: the whole models, loaded (``Whole``: a method that is
+not streamed, an evaluation, ``--repair``), or the checkpoints, read a group of tensors at a
+time (``Streamed``: the methods that ``matching.Method.streamed`` says can be, by their weights
+or by running both models a layer at a time; ``_memory.streams``). Both give the same four
+things: the element
 g (``match``), the function check's reference logits (``reference``), a group of leaves of each
 model (``read``) for the one pass that computes B' (``_apply.apply``), and the release of a group
 once that pass is done with it (``release``)."""
@@ -73,16 +75,13 @@ class Whole:
       raise InputError(str(e)) from None
 
   def match(self, options: Options, stage: Stage) -> Match:
-    """(g, info) of ``matching.align_model`` of B to A on the scope (for "learned", on the
-    evaluation's batches: ``_learned_options``; for "activation" and "learned" from it, the
-    models' activations on the match data: ``Model.batch_activations``), timed as the stage's
-    part "align_model", with the C heap's free pages released between compiling a program and
-    running it."""
+    """(g, info) of ``matching.align_model`` of B to A on the scope, with the inputs the
+    method needs (``provide``), timed as the stage's part "align_model", with the C heap's free
+    pages released between compiling a program and running it."""
     inputs = self.inputs
-    extra = (_learned_options(inputs.model, inputs, stage.say) if options.method == "learned"
-             else {})
-    if options.reads_activations:
-      extra |= dict(activations=inputs.model.batch_activations, match_batches=inputs.match)
+    extra = matching.provided_arguments(
+        options.method, options.matching, lambda needed: provide(inputs, options, needed,
+                                                                 stage.say))
     with stage.part("align_model", "matching"), runtime.release_memory_after_compiles():
       element, info = matching.align_model(inputs.model.spec, self.a, self.b, scope=inputs.scope,
                                            method=options.method, **options.matching, **extra)
@@ -116,22 +115,29 @@ class Whole:
     return a, b
 
 
-def _learned_options(model: Model, inputs: Inputs, say: Callable[[str], None]) -> dict[str, Any]:
-  """``align_model``'s loss, batches and progress for method "learned": the mean loss of the
-  evaluation file's first half, the iterate chosen on the next quarter
-  (``_check.split_for_learning``)."""
-  metrics = _eval_files.metric_fn(model)
+def provide(inputs: Inputs, options: Options, needed: str, say: Callable[[str], None]
+            ) -> dict[str, Any]:
+  """The arguments of input ``needed`` (``matching.INPUTS``) from the command's data.
+
+  ``ACTIVATIONS``: ``Model.batch_activations`` on the match batches (``--match-data``).
+  ``LOSS``: the mean loss on the evaluation file's first half (``_check.split_for_learning``),
+  the held-out batches of its next quarter, the key of ``--seed`` and a progress line to the
+  stage.
+  """
+  if needed == matching.ACTIVATIONS:
+    return dict(activations=inputs.model.batch_activations, match_batches=inputs.match)
+  metrics = _eval_files.metric_fn(inputs.model)
 
   def loss_fn(params, batch):
     sums = metrics(params, batch)
     return sums["loss"] / sums["count"]
 
   def progress(line):
-    say(f"learned: step {line['step']}/{line['steps']}, held-out barrier "
+    say(f"{options.method}: step {line['step']}/{line['steps']}, held-out barrier "
         f"{line['holdout_barrier']:.4g} (best {line['best_holdout_barrier']:.4g})")
 
   return dict(loss_fn=loss_fn, batches=inputs.train, holdout_batches=inputs.holdout,
-              progress=progress)
+              key=jax.random.key(options.seed), progress=progress)
 
 
 class Streamed:
@@ -145,7 +151,8 @@ class Streamed:
     """(g, info) of ``matching.align_model_streamed`` of B to A on the scope, the models read a
     group of leaves at a time (``read``), each group split over this process's devices where it
     has several (``_local_mesh``; info["devices"] says how many); each pass over the groups
-    says one line to the stage. Method "activation": ``_match_activations``.
+    says one line to the stage. A method streamed by its activations
+    (``matching.ACTIVATIONS``): ``_match_activations``.
 
     Raises:
       InputError: a tied tensor differs from what it ties, or a tensor holds NaN or Inf.
@@ -156,7 +163,7 @@ class Streamed:
         safetensors_io.check_tied(ckpt, inputs.model)
     except ValueError as e:
       raise InputError(str(e)) from None
-    if options.method == "activation":
+    if matching.METHODS[options.method].streamed == matching.ACTIVATIONS:
       return self._match_activations(options, stage)
     shapes = {p: (s, np.dtype(np.float32)) for p, s in inputs.model.param_shapes.items()}
     mesh = _local_mesh()

@@ -15,8 +15,11 @@ method "activation", every factor and site from the two models' activations.
                               (``activation_statistics_bytes``: the sums it holds at once).
   learn_alignment             an element's factors fitted to a task loss.
   register_method             a whole-model method of one's own, next to the built-in ones.
+  INPUTS                      what a method may need beyond the weights (``ACTIVATIONS``,
+                              ``LOSS``): ``Method.needs`` says which, and a caller supplies
+                              them through one provider (``provided_arguments``).
   MatchOptions                align_model's matching options, one field each: default, doc,
-                              range (``AtLeast``, ``Positive``, ``OneOf``, ``SomeOf``) and which
+                              range (``AtLeast``, ``Positive``, ``OneOf``, ``SomeOf``, ``Flag``) and which
                               methods read it; ``OPTIONS`` its rows (``Option``). The align
                               command's flags and the study's config fields are generated from it.
   ACTIVATION_KEYS             the contract of the "activation" method's activations(params, batch):
@@ -81,15 +84,21 @@ from attn_symmetry.matching._features import head_distances
 from attn_symmetry.matching._correction import FACTORS as LEARNED_FACTORS
 from attn_symmetry.matching._correction import resolve as learned_factors
 from attn_symmetry.matching._learned import learn_alignment
+from attn_symmetry.matching._methods import ACTIVATIONS
 from attn_symmetry.matching._methods import ALIGN_OPTIONS
+from attn_symmetry.matching._methods import INPUTS
+from attn_symmetry.matching._methods import LOSS
 from attn_symmetry.matching._methods import METHODS
+from attn_symmetry.matching._methods import WEIGHTS
 from attn_symmetry.matching._methods import Method
+from attn_symmetry.matching._methods import provided_arguments
 from attn_symmetry.matching._methods import register_method
 from attn_symmetry.matching._options import DEFAULT_MAX_ROUNDS
 from attn_symmetry.matching._options import LEARN_INITS
 from attn_symmetry.matching._options import OPTIONS
 from attn_symmetry.matching._options import REFINES
 from attn_symmetry.matching._options import AtLeast
+from attn_symmetry.matching._options import Flag
 from attn_symmetry.matching._options import MatchOptions
 from attn_symmetry.matching._options import OneOf
 from attn_symmetry.matching._options import Option

@@ -621,4 +621,6 @@ def statistics_bytes(spec: spec_lib.SymmetrySpec) -> int:
               max((site(s) for s in spec.attention.values()), default=0))
 
 
-_methods.register_built_in("activation", align, arguments=("activations", "match_batches"))
+_methods.register_built_in(
+    "activation", align, inputs=(_methods.ACTIVATIONS,), streamed=_methods.ACTIVATIONS,
+    doc="every factor from the models' activations on match data")

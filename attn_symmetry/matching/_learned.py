@@ -81,7 +81,7 @@ logging, for progress).
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -498,38 +498,43 @@ def _distances(distance: dict[str, Any], data: _Data, moved: Params) -> dict[str
 
 def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
           scope: str | Sequence[str] | None, loss_fn: LossFn | None = None,
-          batches: Iterable[Any] | None = None, holdout_batches: Sequence[Any] | None = None,
+          batches: Iterable[Any] | None = None, holdout_batches: Iterable[Any] | None = None,
           activations: Any = None, match_batches: Sequence[Any] | None = None,
-          lam: float | str = OPTIONS["lam"], key: jax.Array | None = None,
-          eval_every: int | None = None,
+          key: jax.Array | None = None, eval_every: int | None = None,
           progress: Callable[[dict[str, Any]], None] | None = None,
           **matching) -> tuple[dict[str, Any], dict[str, Any]]:
   """Method "learned" (``align_model(method="learned")``): checks every option, then runs
-  its start, the method that ``learn_init`` names ("full" or "activation", at the default
-  ``steps`` and ``learning_rate``, with ``activations`` and ``match_batches`` for
-  "activation"), and ``learn_alignment`` from it.
+  its start, the method that ``learn_init`` names ("full" or "activation", with every option
+  as given, and ``activations`` and ``match_batches`` for "activation"), and
+  ``learn_alignment`` from it: ``learn_steps`` steps at ``learn_learning_rate``, lambda 1/2
+  (from U(0, 1) with ``learn_uniform_lambda``; a band of ``learn_lam_band`` hundredths around
+  1/2), the best iterate chosen on the first ``learn_holdout_batches`` of
+  ``holdout_batches``.
 
-  ``matching``: every matching option (``MatchOptions``; ``steps`` and ``learning_rate``
-  those of the training, ``learn_lam_band`` in hundredths); the rest as ``learn_alignment``.
+  ``matching``: every matching option (``MatchOptions``); the rest as ``learn_alignment``.
   """
   o = _options.MatchOptions(**matching)
-  options = dict(loss_fn=loss_fn, batches=batches, holdout_batches=holdout_batches,
-                 steps=o.steps, learning_rate=o.learning_rate, lam=lam,
+  holdout, most = holdout_batches, o.learn_holdout_batches
+  if isinstance(holdout, Sequence):
+    holdout = holdout if len(holdout) <= most else holdout[:most]
+  elif isinstance(holdout, Iterable):
+    holdout = list(itertools.islice(holdout, most))
+  options = dict(loss_fn=loss_fn, batches=batches, holdout_batches=holdout,
+                 steps=o.learn_steps, learning_rate=o.learn_learning_rate,
+                 lam=UNIFORM if o.learn_uniform_lambda else OPTIONS["lam"],
                  lam_band=o.learn_lam_band / 100, key=key, eval_every=eval_every,
                  progress=progress)
   check_options(**options)
   names = _model.active_names(spec, scope)
   _correction.resolve(spec, names, o.factors)
-  start = dataclasses.replace(o, steps=_options.DEFAULTS["steps"],
-                              learning_rate=_options.DEFAULTS["learning_rate"])
   element = _methods.METHODS[o.learn_init].call(
-      spec, params_a, params_b, scope=scope, options=start,
+      spec, params_a, params_b, scope=scope, options=o,
       arguments=dict(activations=activations, match_batches=match_batches))
   return learn_alignment(spec, params_a, params_b, element, names=names, factors=o.factors,
                          **options)
 
 
 _methods.register_built_in(
-    "learned", align, arguments=("loss_fn", "batches", "holdout_batches", "lam", "key",
-                                 "eval_every", "progress"),
-    when=(_methods.When("learn_init", "activation", ("activations", "match_batches")),))
+    "learned", align, inputs=(_methods.LOSS,), arguments=("eval_every",),
+    when=(_methods.When("learn_init", "activation", (_methods.ACTIVATIONS,)),),
+    doc="its start's element trained on the loss of the interpolated model")

@@ -636,9 +636,14 @@ def _descent(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
                           method=method, **options)
 
 
-_methods.register_built_in("naive", _identity)
+_STAGE_DOCS = {"perm": "Stage 1 head permutations and Weight Matching",
+               "ortho": "perm, then orthogonal Procrustes within each head",
+               "full": "ortho, then the refinement within each head (the default)"}
+_methods.register_built_in("naive", _identity, doc="the identity: plain averaging",
+                           streamed=_methods.WEIGHTS)
 for _stage in _attention.STAGES:
-  _methods.register_built_in(_stage, functools.partial(_descent, method=_stage))
+  _methods.register_built_in(_stage, functools.partial(_descent, method=_stage),
+                             doc=_STAGE_DOCS[_stage], streamed=_methods.WEIGHTS)
 
 
 def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,

@@ -113,7 +113,27 @@ class SomeOf:
     return f"list some of {', '.join(self.values)}"
 
 
-Range = AtLeast | Positive | OneOf | SomeOf
+@dataclasses.dataclass(frozen=True)
+class Flag:
+  """True or False; on the command line, "true" or "false"."""
+  metavar = "true|false"
+
+  @staticmethod
+  def parse(text: str) -> bool:
+    words = {"true": True, "false": False}
+    if text.lower() not in words:
+      raise ValueError(f"not true or false: {text!r}")
+    return words[text.lower()]
+
+  def __contains__(self, value: Any) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+  @property
+  def says(self) -> str:
+    return "be true or false"
+
+
+Range = AtLeast | Positive | OneOf | SomeOf | Flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +222,18 @@ class MatchOptions:
       "the factors that 'learned' trains, those of them the scope has (align_model's "
       "default: all of them)",
       SomeOf("learned factor", "attn_symmetry.matching.LEARNED_FACTORS", _correction.FACTORS),
-      methods=("learned",))
+      methods=_LEARNED)
+  learn_steps: int = option(
+      300, "training steps of 'learned' (its start runs with steps and learning_rate)",
+      AtLeast(0), methods=_LEARNED)
+  learn_learning_rate: float = option(
+      1e-2, "step size of the training of 'learned'", Positive(), methods=_LEARNED)
+  learn_uniform_lambda: bool = option(
+      False, "'learned' draws lambda from U(0, 1) at every step instead of 1/2 (needs key)",
+      Flag(), methods=_LEARNED)
+  learn_holdout_batches: int = option(
+      4, "held-out batches on which 'learned' picks its best iterate (the first that many)",
+      AtLeast(1), methods=_LEARNED)
 
 
 @dataclasses.dataclass(frozen=True)

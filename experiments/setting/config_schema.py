@@ -223,7 +223,7 @@ _DATASET = _one_of("data set", "attn_symmetry.data.DATASETS")
 
 
 def option_rule(range_: matching.AtLeast | matching.Positive | matching.OneOf | matching.SomeOf
-                ) -> Rule:
+                | matching.Flag) -> Rule:
   """The rule of a matching option's range (``matching.OPTIONS``)."""
   if isinstance(range_, matching.AtLeast):
     return _integer(range_.minimum)
@@ -233,6 +233,8 @@ def option_rule(range_: matching.AtLeast | matching.Positive | matching.OneOf | 
     return _one_of(range_.noun, range_.owner)
   if isinstance(range_, matching.SomeOf):
     return _distinct(_one_of(range_.noun, range_.owner))
+  if isinstance(range_, matching.Flag):
+    return _BOOLEAN
   raise TypeError(f"no rule for the range {range_!r}")
 
 
@@ -256,19 +258,22 @@ class Role(enum.Enum):
 
 
 # What a field's ``study`` may name: the study stages (``experiments/study/scope_study.py``) that
-# read it, each of which keys it by its value; or ``DATA``, read through the data readers.
+# read it, each of which keys it by its value; or ``DATA``, read through the data readers. The
+# inputs of ``matching.INPUTS`` stand for the stages of every method that needs that input
+# (``matching.Method.needs``): the study's provider reads these fields to supply it.
 EVERY_STAGE = "every stage"
-LEARNED = "learned"
+LOSS = matching.LOSS
 ROBUSTNESS = "robustness"
 REPAIR = "repair"
-ACTIVATION = "activation"
+ACTIVATIONS = matching.ACTIVATIONS
 DATA = "data"
 STUDY_READERS = {
     EVERY_STAGE: "every study stage",
-    LEARNED: "the study stages of the 'learned' method (its path and the robustness check)",
+    LOSS: "the study stages of the methods that train on a loss (their paths and the "
+          "robustness check)",
     ROBUSTNESS: "the study's robustness check",
     REPAIR: "the study stages of each method's path with REPAIR (study.repair)",
-    ACTIVATION: "the study stages of the 'activation' method",
+    ACTIVATIONS: "the study stages of the methods that read activations",
     DATA: "the study through its data readers (keyed by the examples' content, not by value)",
 }
 
@@ -343,32 +348,40 @@ SECTIONS = {
              "check.",
 }
 
-# The study's field of a matching option where it is not ``study.match_<option>`` at the
-# option's default (``match_fields``).
+# The study's field of a matching option where it is not ``study_path``'s at the option's
+# default (``match_fields``).
 _STUDY_OPTIONS = {
     "distance": dict(path="study.distance"),
     "factors": dict(path="study.learn_factors", default=("attention",),
                     unkeyed_default=("attention",)),
     # added after results were stored, at the values those results ran with
-    "learn_init": dict(path="study.learn_init", unkeyed_default="full"),
-    "learn_lam_band": dict(path="study.learn_lam_band", unkeyed_default=0),
+    "learn_init": dict(unkeyed_default="full"),
+    "learn_lam_band": dict(unkeyed_default=0),
 }
+
+
+def study_path(option: str) -> str:
+  """The study's field of matching option ``option``: ``study.<option>`` for the options of
+  "learned" alone (``learn_*``), ``study.match_<option>`` for the others, but where
+  ``_STUDY_OPTIONS`` names another."""
+  if "path" in _STUDY_OPTIONS.get(option, {}):
+    return _STUDY_OPTIONS[option]["path"]
+  return f"study.{option}" if option.startswith("learn_") else f"study.match_{option}"
 
 
 def match_fields() -> tuple[Field, ...]:
   """One ``Role.STUDY`` field per matching option that a method may name
-  (``matching.ALIGN_OPTIONS``), generated from ``matching.MatchOptions``: its doc, its rule
-  (``option_rule``) and, but where ``_STUDY_OPTIONS`` says otherwise, its default and the path
-  ``study.match_<option>``; ``option`` names it. The descent's own options (``max_rounds``)
-  stay at their default in the study."""
+  (``matching.ALIGN_OPTIONS``), generated from ``matching.MatchOptions``: its path
+  (``study_path``), its doc, its rule (``option_rule``) and, but where ``_STUDY_OPTIONS``
+  says otherwise, its default; ``option`` names it. The descent's own options
+  (``max_rounds``) stay at their default in the study."""
   fields = []
   for option in matching.OPTIONS:
     if option.name not in matching.ALIGN_OPTIONS:
       continue
     study = _STUDY_OPTIONS.get(option.name, {})
-    fields.append(Field(study.get("path", f"study.match_{option.name}"),
-                        study.get("default", option.default), option_rule(option.range),
-                        Role.STUDY, option.doc,
+    fields.append(Field(study_path(option.name), study.get("default", option.default),
+                        option_rule(option.range), Role.STUDY, option.doc,
                         unkeyed_default=study.get("unkeyed_default", ALWAYS),
                         option=option.name))
   return tuple(fields)
@@ -395,29 +408,29 @@ FIELDS: tuple[Field, ...] = (
     Field("dataset.image_size", 0, _AT_LEAST_0, Role.TRAINING,
           "crop side of variable-size images (0: the reader's default)", study=(DATA,)),
     Field("dataset.augment", False, _BOOLEAN, Role.TRAINING,
-          "random crop and flip of the training images", study=(LEARNED,)),
+          "random crop and flip of the training images", study=(LOSS,)),
     Field("dataset.num_workers", 0, _AT_LEAST_0, Role.NOT_KEYED,
           "reader processes on top of threads (0 reads in-process); batch k holds the "
           "same examples", study=(DATA,)),
     Field("dataset.train_split", "train", _split(), Role.TRAINING,
           "the split, or one slice of it ('train[:90%]'), that every run trains on",
-          study=(LEARNED, REPAIR, ACTIVATION)),
+          study=(LOSS, REPAIR, ACTIVATIONS)),
     Field("dataset.validation_split", "", _split(optional=True), Role.STOPPING,
           "the held-out split or slice ('train[90%:]', or a real 'validation' split) of the "
-          "stopping rule and the 'learned' method; \"\" for none", study=(LEARNED,)),
+          "stopping rule and the 'learned' method; \"\" for none", study=(LOSS,)),
     Field("dataset.validation_examples", 0, _AT_LEAST_0, Role.STOPPING,
           "the first that many examples of validation_split are read (0: all of them)",
-          unkeyed_default=0, study=(LEARNED,)),
+          unkeyed_default=0, study=(LOSS,)),
 
     Field("train.num_steps", 1000, _AT_LEAST_1, Role.TRAIN_SCHEDULE,
           "steps of the base run (and of the 'full' scope)"),
     Field("train.batch_size", 128, _AT_LEAST_1, Role.TRAINING,
           "training batch size of every run, a multiple of the devices",
-          study=(LEARNED, REPAIR, ACTIVATION)),
+          study=(LOSS, REPAIR, ACTIVATIONS)),
     Field("train.eval_batch_size", 256, _AT_LEAST_1, Role.STUDY,
           "evaluation batch size, a multiple of the devices (splits the same sums otherwise; "
           "'learned' picks its iterate on study.learn_holdout_batches batches of it)",
-          study=(LEARNED,)),
+          study=(LOSS,)),
     Field("train.param_sharding", "replicated",
           _one_of("parameter sharding", "experiments.train.inputs.PARAM_SHARDINGS"), Role.NOT_KEYED,
           "'replicated' (a copy of the parameters and optimiser state on every device) or "
@@ -478,14 +491,6 @@ FIELDS: tuple[Field, ...] = (
           "interpolation points evaluated in one call (benchmarks/bench_interpolation.py: "
           "1 beats 5 and 25 on CPU)"),
     *match_fields(),
-    Field("study.learn_steps", 300, _AT_LEAST_0, Role.STUDY,
-          "training steps of the 'learned' method", study=(LEARNED,)),
-    Field("study.learn_learning_rate", 1e-2, _POSITIVE, Role.STUDY,
-          "learning rate of the 'learned' method", study=(LEARNED,)),
-    Field("study.learn_uniform_lambda", False, _BOOLEAN, Role.STUDY,
-          "'learned' draws lambda from U(0, 1) at every step instead of 1/2", study=(LEARNED,)),
-    Field("study.learn_holdout_batches", 4, _AT_LEAST_1, Role.STUDY,
-          "held-out batches on which 'learned' picks its best iterate", study=(LEARNED,)),
     Field("study.repair", False, _BOOLEAN, Role.NOT_KEYED,
           "also measure each method's path with REPAIR at every interior point "
           "(attn_symmetry.repair; reported as the method '<method>+repair')"),
@@ -493,7 +498,7 @@ FIELDS: tuple[Field, ...] = (
           "training batches (dataset.train_split, not augmented) on which the methods that "
           "read activations measure them: REPAIR's statistics and activation matching "
           "(the 'activation' method, and 'learned' from it)",
-          study=(REPAIR, ACTIVATION, LEARNED), unkeyed_default=8),
+          study=(REPAIR, ACTIVATIONS), unkeyed_default=8),
     Field("study.eval_examples", 0, _AT_LEAST_0, Role.STUDY,
           "the first that many examples of eval_split evaluate every path (0: all of them)",
           study=(EVERY_STAGE,)),

@@ -2,7 +2,7 @@
 
 ``ScopeStudy`` aligns every pair (A, B) of the scope's re-initialised seeds with
 each matching method (``matching.align_model`` restricted to the scope's
-parameter prefixes; "learned" through ``matching.learn_alignment``), keeps each
+parameter prefixes, with the inputs the method needs: ``ScopeStudy._provide``), keeps each
 alignment for the rest of the run, and measures, per pair and stage, each
 result kept by ``result_cache.cached`` under ``workdir/study/<scope>/pairs/``:
 
@@ -67,13 +67,12 @@ log.setLevel(logging.INFO)
 def method_keys(method: str, options: Iterable[str] | None = None) -> tuple[str, ...]:
   """The config fields that a stage computing ``method`` keys: those of the ``align_model``
   ``options`` it is run with (``matching.METHODS[method].options`` by default) and those
-  whose ``study`` names it (the "learned" method's own options and the data it learns
-  from)."""
-  if options is None:
-    options = matching.METHODS[method].options
+  that the study reads to supply every input it may need (``Method.every_input``: the data
+  it learns from, the batches whose activations it reads)."""
+  m = matching.METHODS[method]
   fields = config_schema.option_fields()
-  readers = config_schema.study_keyed(method) if method in config_schema.STUDY_READERS else ()
-  return (*(fields[option] for option in options), *readers)
+  readers = (f for needed in m.every_input for f in config_schema.study_keyed(needed))
+  return tuple(dict.fromkeys((*(fields[option] for option in (options or m.options)), *readers)))
 
 
 def option_values(config: ml_collections.ConfigDict, options: Iterable[str],
@@ -89,15 +88,17 @@ def option_values(config: ml_collections.ConfigDict, options: Iterable[str],
 
 
 def learned_overlap(config: ml_collections.ConfigDict, dataset: str) -> dict[str, str]:
-  """{field: split} of the slices of ``dataset`` that the "learned" method reads
-  (``dataset.train_split``, which it trains on, and ``dataset.validation_split``, on which
-  it picks its best iterate) and that share records with ``study.eval_split``: on those
-  records its barrier is not held out. Empty when "learned" is not compared.
+  """{field: split} of the slices of ``dataset`` that the methods that train on a loss read
+  (``matching.LOSS``: ``dataset.train_split``, which they train on, and
+  ``dataset.validation_split``, on which they pick their best iterate) and that share records
+  with ``study.eval_split``: on those records their barrier is not held out. Empty when no
+  compared method trains on a loss.
 
   Raises:
     ValueError: naming the config field of a split that ``dataset`` lacks.
   """
-  if "learned" not in config.study.methods:
+  if not any(matching.LOSS in matching.METHODS[m].needs(matching_kwargs(config, m))
+             for m in config.study.methods):
     return {}
   evaluated = inputs.split_range(config, "study.eval_split", dataset)
   out = {}
@@ -141,15 +142,6 @@ def repaired(method: str) -> str:
 # How a path's endpoints are measured (``ScopeStudy._path``): a stage result computed
 # otherwise (every lambda evaluated on its own path) is recomputed.
 _ENDPOINTS = "each seed's own model, evaluated once"
-
-
-def align(spec, params_a: Params, params_b: Params, *, scope: list[str], method: str,
-          options: Mapping[str, Any], **data) -> tuple[dict, dict]:
-  """(element, info) of a method that trains nothing (all but "learned"), built-in or
-  registered alike (``matching.align_model`` calls the method's own ``align``); ``data``:
-  the "activation" method's ``activations`` and ``match_batches``."""
-  return matching.align_model(spec, params_a, params_b, scope=scope, method=method, **options,
-                              **data)
 
 
 def identity_closeness(element: Mapping[str, Any], identity: Mapping[str, Any]
@@ -314,7 +306,21 @@ class ScopeStudy:
     return dict(path, repair={"points": sorted(points), "per_lambda": counts})
 
   def _matching_options(self, method: str, **overrides) -> dict[str, Any]:
-    return matching_kwargs(self.config, method, **overrides)
+    """``matching_kwargs`` of ``method``, a study-wide ``factors`` list narrowed to the factors
+    that this scope has (``factors_in_scope``: the first attention layer has no FFN factor).
+
+    Raises:
+      ValueError: the scope has none of them, naming ``study.learn_factors``.
+    """
+    options = matching_kwargs(self.config, method, **overrides)
+    if "factors" in options:
+      names = matching.active_names(self.model.spec, self.scope_paths)
+      options["factors"] = factors_in_scope(self.model.spec, names, options["factors"])
+      if not options["factors"]:
+        raise ValueError(f"scope {self.scope!r} has none of the factors of "
+                         f"study.learn_factors {list(self.config.study.learn_factors)}, which "
+                         f"method {method!r} trains")
+    return options
 
   def align(self, a: int, b: int, method: str, **overrides) -> tuple[Params, Params, dict]:
     """(theta_A, g.theta_B, matching info): B aligned to A in this scope.
@@ -343,66 +349,50 @@ class ScopeStudy:
     return pa, self._apply(pb, element), info
 
   def _element(self, a: int, b: int, method: str, options: dict[str, Any]):
-    """(element, info) of ``method`` for pair (a, b), kept for the rest of the run ("learned"
-    starts from the element of its ``learn_init``, "full" or "activation", with the same
-    options)."""
+    """(element, info) of ``method`` for pair (a, b): ``matching.align_model``, built-in and
+    registered methods alike, with the inputs the method needs (``_provide``), kept for the
+    rest of the run."""
     key = (a, b, method, json.dumps(options, sort_keys=True))
     if key not in self._elements:
       start = time.perf_counter()
-      if method == "learned":
-        init = options.get("learn_init", "full")
-        kept = {k: v for k, v in options.items() if k in matching.METHODS[init].options}
-        element, info = self._learn(a, b, self._element(a, b, init, kept),
-                                    lam_band=options.get("learn_lam_band", 0) / 100)
-      else:
-        if method in matching.STAGES:  # with "full"'s options too: one program for the three
-          options = {**self._program_options, **options}
-        data = {}
-        if method == "activation":  # the one method that reads activations
-          data = dict(activations=self.model.batch_activations,
-                      match_batches=self._activation_batches())
-        element, info = align(self.model.spec, self.params[a], self.params[b],
-                              scope=self.scope_paths, method=method, options=options, **data)
+      if method in matching.STAGES:  # with "full"'s options too: one program for the three
+        options = {**self._program_options, **options}
+      data = matching.provided_arguments(method, options,
+                                         lambda needed: self._provide(a, b, method, needed))
+      element, info = matching.align_model(self.model.spec, self.params[a], self.params[b],
+                                           scope=self.scope_paths, method=method, **options,
+                                           **data)
       jax.block_until_ready(element)  # dispatch is asynchronous: time the computation
       self._elements[key] = element, dict(info, seconds=time.perf_counter() - start)
     return self._elements[key]
 
-  def _learn(self, a: int, b: int, start: tuple[dict, dict], lam_band: float = 0.0
-             ) -> tuple[dict, dict]:
-    """The "learned" method: the factors ``study.learn_factors`` names (the attention matrices
-    by default) that the scope has (``factors_in_scope``; with none of them, ``start`` itself)
-    of ``start``, trained on the loss of the path's point at lambda
-    (``matching.learn_alignment``), on batches of the training
-    slice (``dataset.train_split``) of the data set the scope was fine-tuned on, the best
-    iterate chosen on ``study.learn_holdout_batches`` batches of the validation slice. The
-    evaluation examples are not read, unless ``study.eval_split`` shares records with these
-    slices (``learned_overlap``, which the result records and summary.md reports). With
-    ``lam_band`` > 0 the lambda of each step is drawn from [1/2 - lam_band, 1/2 + lam_band]
-    (``study.learn_lam_band``, in hundredths)."""
-    s = self.config.study
-    names = matching.active_names(self.model.spec, self.scope_paths)
-    factors = factors_in_scope(self.model.spec, names, s.learn_factors)
-    if not factors:
-      return start[0], dict(start[1], learned={
-          "factors": [], "sites": [], "steps": 0,
-          "note": f"the scope has none of study.learn_factors {list(s.learn_factors)}: its "
-                  "start's element is returned"})
-    holdout = list(itertools.islice(inputs.validation_batches(self.config, self.dataset,
-                                                              whole=True),
-                                    s.learn_holdout_batches))
-    batches = inputs.train_batches(self.config, self.dataset, seed=1000 * a + b, whole=True)
+  def _provide(self, a: int, b: int, method: str, needed: str) -> dict[str, Any]:
+    """The arguments of input ``needed`` (``matching.INPUTS``) that ``method`` needs for pair
+    (a, b).
+
+    ``ACTIVATIONS``: ``Model.batch_activations`` on ``_activation_batches``. ``LOSS``: the
+    loss of a path's point (``path_evaluation.mean_loss``) on batches of the training slice
+    (``dataset.train_split``) of the data set the scope was fine-tuned on, in an order of the
+    pair's own; the held-out batches of its validation slice; a key of the pair's own; a
+    progress line in the log. The evaluation examples are not read, unless
+    ``study.eval_split`` shares records with these slices (``learned_overlap``, which the
+    result records and summary.md reports).
+    """
+    if needed == matching.ACTIVATIONS:
+      return dict(activations=self.model.batch_activations,
+                  match_batches=self._activation_batches())
+
     def progress(line):
-      log.info("%s seed %d-%d learned: step %d/%d, train loss %.4f, held-out barrier %.4f "
-               "(best %.4f), %.0f s", self.scope, a, b, line["step"], line["steps"],
+      log.info("%s seed %d-%d %s: step %d/%d, train loss %.4f, held-out barrier %.4f "
+               "(best %.4f), %.0f s", self.scope, a, b, method, line["step"], line["steps"],
                line["train_loss"], line["holdout_barrier"], line["best_holdout_barrier"],
                line["seconds"])
-    return matching.learn_alignment(
-        self.model.spec, self.params[a], self.params[b], start,
-        names=names, factors=factors,
-        loss_fn=path_evaluation.mean_loss(self.model), batches=batches, holdout_batches=holdout, steps=s.learn_steps,
-        learning_rate=s.learn_learning_rate, lam="uniform" if s.learn_uniform_lambda else 0.5,
-        key=jax.random.key(1000 * a + b), progress=progress,
-        **({"lam_band": lam_band} if lam_band else {}))
+
+    return dict(loss_fn=path_evaluation.mean_loss(self.model),
+                batches=inputs.train_batches(self.config, self.dataset, seed=1000 * a + b,
+                                             whole=True),
+                holdout_batches=inputs.validation_batches(self.config, self.dataset, whole=True),
+                key=jax.random.key(1000 * a + b), progress=progress)
 
   def pair(self, a: int, b: int) -> dict[str, Any]:
     """Every method's path of pair (a, b), and with ``study.repair`` every method's REPAIRed
