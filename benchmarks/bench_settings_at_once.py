@@ -1,6 +1,6 @@
 r"""Settings per hour when ``experiments/reproduce.py`` runs one setting at a time or two.
 
-    python benchmarks/bench_settings_at_once.py [--setting=table1_vit_fashion_ape] [--full]
+    python -m benchmarks.bench_settings_at_once [--setting=table1_vit_fashion_ape] [--full]
 
 Runs ``--setting`` (its reduced form, unless ``--full``) by the committed
 command, each run in a fresh workdir and all of them on one warm JAX
@@ -21,12 +21,13 @@ equal it, and "every core" (a pool of one thread per core) need not.
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+
+from experiments.report import committed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,17 +57,15 @@ def run(setting, root, cache, runs, *, reduced) -> float:
   return time.perf_counter() - t0
 
 
-def numbers(root: str, tag: str, setting: str, reduced: bool):
+def numbers(root: str, tag: str, setting: str, *, reduced: bool, one_core: bool = True):
   """The run's results.json (first scope) without the seconds an alignment took."""
-  folder = os.path.join(root, tag, "results", setting, *(["reduced"] if reduced else []))
-  with open(os.path.join(folder, "config.json")) as f:
-    scope = json.load(f)["reinit"]["scopes"][0]
+  run = committed.Run(setting, committed.folder(os.path.join(root, tag, "results"), setting,
+                                                reduced=reduced, one_core=one_core))
   def strip(x):
     if isinstance(x, dict):
       return {k: strip(v) for k, v in x.items() if k != "seconds"}
     return [strip(v) for v in x] if isinstance(x, list) else x
-  with open(os.path.join(folder, scope, "results.json")) as f:
-    return strip(json.load(f))
+  return strip(run.results(run.scopes()[0]))
 
 
 def main():
@@ -82,7 +81,7 @@ def main():
   cache = os.path.join(root, "jax_cache")
   print(f"{args.setting}{' --reduced' if reduced else ''}, {len(cores)} cores; runs under {root}")
   run(args.setting, root, cache, {"warmup": {}}, reduced=reduced)
-  every = run(args.setting, root, cache, {"every_core": {"one_core": False}}, reduced=reduced)
+  every = run(args.setting, root, cache, {"all_cores": {"one_core": False}}, reduced=reduced)
   one = run(args.setting, root, cache, {"one_core": {}}, reduced=reduced)
   two = run(args.setting, root, cache, {"two_a": {"core": cores[0]}, "two_b": {"core": cores[1]}},
             reduced=reduced)
@@ -90,9 +89,9 @@ def main():
                                   ("two at once", two, 2)):
     print(f"{name:12s} {seconds:7.1f} s  {settings * 3600 / seconds:6.1f} settings/h")
   print(f"two at once / every core: {2 * every / two:.2f}x the settings per hour")
-  reference = numbers(root, "one_core", args.setting, reduced)
-  for tag in ("two_a", "two_b", "every_core"):
-    same = numbers(root, tag, args.setting, reduced) == reference
+  reference = numbers(root, "one_core", args.setting, reduced=reduced)
+  for tag, one_core in (("two_a", True), ("two_b", True), ("all_cores", False)):
+    same = numbers(root, tag, args.setting, reduced=reduced, one_core=one_core) == reference
     print(f"{tag}: results {'equal to' if same else 'differ from'} the one-core run's")
 
 

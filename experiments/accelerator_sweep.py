@@ -21,9 +21,10 @@ theus_gpt2_wiki; its docstring describes them). The sweep
    on the same machine resumes, compiled programs loaded from ``--workdir_root``'s
    cache);
 5. writes into ``--results`` each finished point's reports, as reproduce.py does
-   (``results/<setting>/``: summary.md, full/results.json and figures,
-   config.json and run.json, which names the GPU: ``device``, and records the
-   plan's prediction beside the wall time: ``accelerator``), and into ``--out``
+   (``committed.write_run`` into ``results/<setting>/``: summary.md, full/results.json and
+   figures, config.json and run.json, whose record, ``committed.run_record`` as
+   reproduce.py's, also names the GPU: ``device``, and records the plan's prediction
+   beside the wall time: ``accelerator``), and into ``--out``
    ``accelerator_sweep.tar.gz`` (``results/<setting>/`` of every finished point, and
    ``logs/<setting>.log``), rewritten as each point finishes, and ``sweep.json``
    (the plan, each point's state and wall time, what is left).
@@ -72,11 +73,9 @@ import time
 
 START = time.perf_counter()  # --budget_s counts from here, before the imports
 
-import datetime
 import importlib.metadata
 import importlib.util
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -125,8 +124,9 @@ def _finished(results_root: str, setting: str) -> bool:
 def run_point(setting: str, *, toy: bool, workdir: str, results_dir: str, budget_s: float,
               predicted_s: float, jobs: int) -> dict:
   """Trains and studies ``setting`` (its ``runlocal`` form with ``toy``) in ``workdir`` on
-  this process's default device, and writes its reports and ``run.json`` into
-  ``results_dir``; returns the record.
+  this process's default device, and writes the run into ``results_dir``
+  (``committed.write_run``: its reports, ``config.json`` and ``run.json``, whose record,
+  ``committed.run_record``, adds "device" and "accelerator"); returns the record.
 
   Raises:
     ValueError: a bad config, or (without ``toy``) no GPU.
@@ -140,32 +140,19 @@ def run_point(setting: str, *, toy: bool, workdir: str, results_dir: str, budget
                      "(--toy runs it at toy size on a CPU)")
   config = _config(setting, toy)
   config_checks.validate(config)
-  started, start = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
-  code = runner._git_state()  # pylint: disable=protected-access
-  with runtime.CompileClock() as clock:
+  with committed.recording() as recorded:
     trained = trainer.train_and_evaluate(config, workdir)
     study.run_study(config, workdir)
-  seconds = time.perf_counter() - start
-  copied = runner._copy_reports(config, os.path.join(workdir, "study"), results_dir)  # pylint: disable=protected-access
-  atomic_io.write_text(os.path.join(results_dir, "config.json"), config.to_json(indent=1))
-  record = {
-      "setting": setting, "reduced": False,
-      "command": "python experiments/accelerator_sweep.py" + (" --toy" if toy else ""),
-      **code, "started": started.isoformat(timespec="seconds"),
-      "wall_seconds": round(seconds, 1), "jobs": jobs,
-      "compile_seconds": {k: round(v, 1) for k, v in clock.seconds.items()},
-      "device": {"kind": device.device_kind, "platform": device.platform,
-                 "count": jax.device_count()},
-      "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                  "cpu": runner._cpu_model(),  # pylint: disable=protected-access
-                  "devices": [str(d) for d in jax.devices()], "jax": jax.__version__},
-      "accelerator": {"toy": toy, "predicted_s": predicted_s, "budget_s": budget_s,
-                      "matmul_precision": jax.config.jax_default_matmul_precision,
-                      "assumptions": sweep_plan.Assumptions().__dict__},
-      "training": {name: dict(m) for name, m in trained.items()},
-      "files": sorted(copied + ["config.json", "run.json"])}
-  atomic_io.write_json(os.path.join(results_dir, "run.json"), record, indent=1)
-  return record
+  record = committed.run_record(
+      recorded, setting=setting, reduced=False,
+      command="python experiments/accelerator_sweep.py" + (" --toy" if toy else ""), jobs=jobs,
+      trained=trained,
+      device={"kind": device.device_kind, "platform": device.platform,
+              "count": jax.device_count()},
+      accelerator={"toy": toy, "predicted_s": predicted_s, "budget_s": budget_s,
+                   "matmul_precision": jax.config.jax_default_matmul_precision,
+                   "assumptions": sweep_plan.Assumptions().__dict__})
+  return committed.write_run(results_dir, config, study.reports_folder(workdir), record)
 
 
 def _point_main(setting: str) -> None:
@@ -174,7 +161,7 @@ def _point_main(setting: str) -> None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # a rerun compiles nothing
   try:
     record = run_point(setting, toy=FLAGS.toy, workdir=os.path.join(FLAGS.workdir_root, setting),
-                       results_dir=os.path.join(FLAGS.results, setting),
+                       results_dir=committed.folder(FLAGS.results, setting),
                        budget_s=FLAGS.budget_s, predicted_s=FLAGS.predicted_s, jobs=FLAGS.jobs)
   except ValueError as e:
     sys.exit(f"FATAL {e}")
@@ -211,7 +198,7 @@ def _bundle(out: str, results_root: str, settings: list[str], log_dir: str) -> s
   path = os.path.join(out, BUNDLE)
   with tarfile.open(path + ".tmp", "w:gz") as tar:
     for setting in settings:
-      tar.add(os.path.join(results_root, setting), arcname=f"results/{setting}")
+      tar.add(committed.folder(results_root, setting), arcname=f"results/{setting}")
     for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else ():
       tar.add(os.path.join(log_dir, name), arcname=f"logs/{name}")
   os.replace(path + ".tmp", path)
@@ -387,7 +374,7 @@ def _define_flags() -> None:
                      "are stopped (they resume on a rerun on the same machine).")
   flags.DEFINE_integer("jobs", len(cpu_paper.ACCELERATOR_ONLY), "Points run side by side.")
   flags.DEFINE_string("out", None, "Where accelerator_sweep.tar.gz and sweep.json go.")
-  flags.DEFINE_string("results", os.path.join(runner.REPO, "results"),
+  flags.DEFINE_string("results", committed.RESULTS_ROOT,
                       "Where each point's reports go (results/<setting>/).")
   flags.DEFINE_string("workdir_root", os.path.join(tempfile.gettempdir(), "attn_symmetry",
                                                    "accelerator_sweep"),

@@ -14,7 +14,8 @@ describes each); this script trains and studies it exactly as
 would (same stages, same workdir reuse), then copies ``summary.md``, every
 scope's ``results.json`` and figures, the config and a ``run.json`` (the
 command, the git commit, wall time, the machine) into
-``results/<setting>/`` (``results/<setting>/reduced/`` with ``--reduced``).
+``results/<setting>/`` (``results/<setting>/reduced/`` with ``--reduced``;
+``report/committed.py`` spells the layout and writes it).
 Files already in the target folder are replaced only by this setting's new
 reports.
 
@@ -43,7 +44,8 @@ thread (``benchmarks/bench_settings_at_once.py``).
 
 The pieces: ``reproduction/runner.py`` runs one setting (``run_setting``,
 ``use_one_core``), ``reproduction/scheduler.py`` several at a time
-(``run_settings``), and ``report/results_table.py`` writes the table of
+(``run_settings``), ``report/committed.py`` writes each run into ``results/`` and
+reads it back, and ``report/results_table.py`` writes the table of
 ``results/README.md``; this script is their command line.
 """
 
@@ -66,6 +68,7 @@ if not __package__:  # run by path: import the package this file is in, from its
 
 # pylint: disable=g-import-not-at-top,wrong-import-position  (after the package above)
 from experiments.configs import cpu_paper
+from experiments.report import committed
 from experiments.report import results_table
 from experiments.reproduction import runner
 from experiments.reproduction import scheduler
@@ -107,8 +110,8 @@ def main(argv):
     print(f"running on core {core} of {os.cpu_count()} (to run on every core: --noone_core)",
           flush=True)
   for setting in settings:
-    out = runner.results_dir(FLAGS.results, setting, reduced=FLAGS.reduced,
-                             one_core=FLAGS.one_core)
+    out = committed.folder(FLAGS.results, setting, reduced=FLAGS.reduced,
+                           one_core=FLAGS.one_core)
     seeded = runner.seed_workdir(FLAGS.workdir_root, setting, reduced=FLAGS.reduced)
     if seeded:
       print(f"{setting}: its workdir starts as a copy of {seeded} (its base setting's trained "
@@ -175,7 +178,7 @@ def _define_flags() -> None:
   flags.DEFINE_string("workdir_root", os.path.join(tempfile.gettempdir(), "attn_symmetry",
                                                    "reproduce"),
                       "Where each setting's workdir (checkpoints, study stages) lives.")
-  flags.DEFINE_string("results", os.path.join(runner.REPO, "results"),
+  flags.DEFINE_string("results", committed.RESULTS_ROOT,
                       "Where the reports are copied.")
   flags.DEFINE_string("compilation_cache", runtime.COMPILATION_CACHE,
                       "JAX's persistent compilation cache ('' turns it off).")

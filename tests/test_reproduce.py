@@ -350,10 +350,10 @@ def test_committed_runs_are_the_settings_of_the_committed_config(setting):
 def test_a_run_on_every_core_reports_beside_the_one_core_run():
   """--noone_core follows another float32 trajectory: its reports go to every_core/, never over
   the committed one-core run's, and its command says how it ran."""
-  assert runner.results_dir("r", "s", reduced=False, one_core=True) == os.path.join("r", "s")
-  assert runner.results_dir("r", "s", reduced=False, one_core=False) == os.path.join(
+  assert committed.folder("r", "s", reduced=False, one_core=True) == os.path.join("r", "s")
+  assert committed.folder("r", "s", reduced=False, one_core=False) == os.path.join(
       "r", "s", "every_core")
-  assert runner.results_dir("r", "s", reduced=True, one_core=True) == os.path.join(
+  assert committed.folder("r", "s", reduced=True, one_core=True) == os.path.join(
       "r", "s", "reduced")
   assert runner.command("s", False, one_core=False) == (
       "python experiments/reproduce.py --setting=s --noone_core")

@@ -418,7 +418,7 @@ def _scopes(results_root: str) -> Iterator[tuple[_Scope, _Scope | None]]:
   for run in committed.runs(results_root):
     if run.setting in cpu_paper.LEARN_VARIANTS:
       continue
-    every_core = committed.find(results_root, run.setting, report.EVERY_CORE)
+    every_core = committed.find(results_root, run.setting, committed.EVERY_CORE)
     for scope in sorted(run.scopes()):
       if (found := _read_scope(run, scope)) is not None:
         yield found, _read_scope(every_core, scope)

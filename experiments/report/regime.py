@@ -358,7 +358,6 @@ def plot_sweep(results_root: str, path: str, sweep: Sweep = VIT_WIDTH) -> str | 
 
 
 if __name__ == "__main__":  # python -m experiments.report.regime: every committed sweep's figure
-  _results = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-      __file__)))), "results")
   for _sweep in SWEEPS:
-    print(plot_sweep(_results, os.path.join(_results, _sweep.figure), _sweep))
+    print(plot_sweep(committed.RESULTS_ROOT, os.path.join(committed.RESULTS_ROOT, _sweep.figure),
+                     _sweep))

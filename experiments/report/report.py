@@ -22,10 +22,6 @@ METHOD_LABELS = {"naive": "naive", "perm": "Variant 1 (Stage 1)", "ortho": "Vari
 # Below this mean naive loss barrier (nats, or bits per byte on text) a ratio to naive is
 # float32 noise divided by noise: reports print the barrier and no ratio.
 RATIO_FLOOR = 0.02
-# Folders a setting's results/ folder may hold beside its scopes: its reduced rerun's reports, and
-# those of its run on every core (another float32 trajectory than the one-core run; reproduce.py).
-REDUCED, EVERY_CORE = "reduced", "every_core"
-RERUN_FOLDERS = (REDUCED, EVERY_CORE)
 # The paired differences that reports show: (x, y) for x - y, in % of naive.
 DIFFERENCES = (("ortho", "perm"), ("full", "ortho"), ("learned", "full"),
                ("activation", "full"), ("learned", "activation"))

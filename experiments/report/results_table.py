@@ -173,8 +173,7 @@ def restate(run: committed.Run) -> list[str]:
     res = {**{k: stored[k] for k in kept[:at]}, **derived, **{k: stored[k] for k in kept[at:]}}
     results[scope] = res
     changed += _write_if_changed(path, json.dumps(res, indent=1))
-  summary = os.path.join(run.folder, "summary.md")
-  return changed + _write_if_changed(summary, report.markdown_summary(title, results))
+  return changed + _write_if_changed(run.summary_path(), report.markdown_summary(title, results))
 
 
 def _write_if_changed(path: str, text: str) -> list[str]:
@@ -202,7 +201,7 @@ def trajectory_table(results_root: str) -> str:
   runs = []
   for one_core in committed.runs(results_root):
     setting = one_core.setting
-    every_core = committed.find(results_root, setting, report.EVERY_CORE)
+    every_core = committed.find(results_root, setting, committed.EVERY_CORE)
     if every_core is None:
       continue
     records = [one_core.record(), every_core.record()]

@@ -29,7 +29,9 @@ logging once per scope and change which fields did. A stage file that does
 not parse is recomputed with a warning naming it. Reports, each rewritten
 only when the results it is drawn from changed
 (``study/report_fingerprints.json``): ``study/<scope>/results.json``,
-``study/<scope>/curves.png`` and ``study/summary.md``. Every file is written
+``study/<scope>/curves.png`` and ``study/summary.md``, in the layout of a run's folder under
+``results/`` (``committed.py`` names the files), into which the runner copies them. Every file
+is written
 atomically (``atomic_io.py``). The study runs on finished, verified
 checkpoints only (``saved_runs.load_checkpoints``).
 
@@ -66,6 +68,7 @@ import ml_collections
 from attn_symmetry import matching
 from attn_symmetry import runtime
 from attn_symmetry import tasks
+from experiments.report import committed
 from experiments.report import report
 from experiments.setting import config_checks
 from experiments.setting import fingerprints
@@ -90,6 +93,11 @@ def check_scopes(config: ml_collections.ConfigDict, model) -> None:
     if not matching.active_names(model.spec, paths):
       raise ValueError(f"config.reinit.scopes: scope {scope!r} re-initialises {paths}, which no "
                        "symmetry factor or attention site of the model acts on alone: nothing to align")
+
+
+def reports_folder(workdir: str) -> str:
+  """Where the study of ``workdir`` writes its reports: ``<workdir>/study``."""
+  return os.path.join(workdir, "study")
 
 
 def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
@@ -125,7 +133,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
   evaluator = path_evaluation.PathEvaluator(
       model, batches, chunk_size=config.study.lambda_chunk,
       bits_per_byte=model.task in (tasks.LM, tasks.MLM) and info.byte_level)
-  reports = result_cache.Reports(os.path.join(workdir, "study"))
+  reports = result_cache.Reports(reports_folder(workdir))
   paths, results = {}, {}
   for scope in config.reinit.scopes:
     study = scope_study.ScopeStudy(config, model, scope, checkpoints, evaluator, workdir, data_fp)
@@ -135,12 +143,14 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
     log.info("study of scope %s: %d stage(s) computed, %d reused, %.1fs", scope, study.computed,
              study.reused, time.perf_counter() - start)
     results[scope] = res
-    paths[f"{scope}/results.json"] = reports.write(
-        f"{scope}/results.json", res, lambda p, res=res: atomic_io.write_json(p, res, indent=1))
+    name = committed.scope_file(scope)
+    paths[name] = reports.write(name, res,
+                                lambda p, res=res: atomic_io.write_json(p, res, indent=1))
     title = f"{config.model.family} on {dataset}: re-initialised {scope}"
     loss_name = f"{res['eval_split']} loss ({res['loss_unit']})"
-    paths[f"{scope}/curves.png"] = reports.write(
-        f"{scope}/curves.png", [title, loss_name, res["lambdas"], res["pairs"]],
+    name = committed.scope_file(scope, committed.CURVES)
+    paths[name] = reports.write(
+        name, [title, loss_name, res["lambdas"], res["pairs"]],
         lambda p, res=res, title=title, loss_name=loss_name: report.plot_curves(
             p, title, res["lambdas"], res["pairs"], loss_name=loss_name))
     if "permutations" in res["ablation"]:
@@ -149,15 +159,15 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
       naive = [naive_of[q["a"], q["b"]] for q in per_pair]
       perm_title = (f"{title}: the path after each of the "
                     f"{per_pair[0]['num_permutations']} head permutations + Stage 2")
-      paths[f"{scope}/ablation_permutations.png"] = reports.write(
-          f"{scope}/ablation_permutations.png", [perm_title, loss_name, res["lambdas"], per_pair,
-                                                 naive],
+      name = committed.scope_file(scope, committed.PERMUTATION_CURVES)
+      paths[name] = reports.write(
+          name, [perm_title, loss_name, res["lambdas"], per_pair, naive],
           lambda p, per_pair=per_pair, naive=naive, perm_title=perm_title, loss_name=loss_name,
           res=res: report.plot_permutation_curves(p, perm_title, res["lambdas"], per_pair, naive,
                                                   loss_name=loss_name))
   title = report.study_title(config)
-  paths["summary.md"] = reports.write(
-      "summary.md", [title, results],
+  paths[committed.SUMMARY] = reports.write(
+      committed.SUMMARY, [title, results],
       lambda p: atomic_io.write_text(p, report.markdown_summary(title, results)))
   if reports.written:
     log.info("study reports written: %s", ", ".join(reports.written))
