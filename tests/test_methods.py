@@ -44,3 +44,22 @@ def test_a_registered_method_receives_the_arguments_it_declares_and_no_other_doe
       matching.align_model(spec, a, b, method="probe", anchor=[1])
     with pytest.raises(ValueError, match=r"arguments \['steps'\] are matching options"):
       matching.register_method("probe2", align, arguments=("steps",))
+
+
+def test_the_callers_name_no_built_in_method_that_needs_data():
+  """The align command (``attn_symmetry/align/``) and the study (``experiments/study/``) reach
+  every method through ``Method.needs`` and one provider each: neither names a method that
+  needs data, in code or in prose."""
+  import os  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  named = [name for name, m in matching.METHODS.items() if m.every_input]
+  assert set(named) >= {"learned", "activation"}
+  pattern = re.compile("|".join(f"[\"']{name}[\"']" for name in named))
+  found = []
+  for folder in ("attn_symmetry/align", "experiments/study"):
+    for file in sorted(os.listdir(os.path.join(root, folder))):
+      if file.endswith(".py"):
+        text = open(os.path.join(root, folder, file), encoding="utf-8").read()
+        found += [f"{folder}/{file}: {m.group()}" for m in pattern.finditer(text)]
+  assert not found, found

@@ -27,19 +27,19 @@ announced by one progress line and timed in the report (``_clock.Clock``):
    (config, tensor names, shapes and dtypes), their
    architectures against each other, the memory budget (``_memory``), the output folder, the
    evaluation file and the match data (``--match-data``: ``_eval_files.match_batches``, the
-   batches that "activation", "learned" from it and REPAIR run the models on). Every problem
+   batches that the methods that read activations and REPAIR run the models on). Every problem
    is refused here (or, for NaN weights, while loading) with a one-line ``InputError``, before
    anything is written;
-2. the source (``_sources``): where A and B are read from. Whole models ("learned", an
-   evaluation or ``repair``) are loaded in a stage "load" (``_sources.Whole``: both models'
-   float32 parameters, one stored tensor at a time); every other method streams the
+2. the source (``_sources``): where A and B are read from. Whole models (a method that is not
+   streamed, ``matching.Method.streamed``; an evaluation or ``repair``) are loaded in a stage "load" (``_sources.Whole``: both models'
+   float32 parameters, one stored tensor at a time); otherwise the method streams the
    checkpoints a group of tensors at a time (``_sources.Streamed``: a ``layers_i``, the
    embeddings, the final norm with the head, kept in their stored dtype and computed in
    float32);
 3. align: the element g, from the source (``matching.align_model`` on whole models,
    ``matching.align_model_streamed`` on streamed ones: a round of its descent is a pass over
    the layers plus the residual's reduction; ``matching.align_activations_streamed`` for
-   "activation": one or two passes of both models over the match batches, a layer at a time,
+   a method streamed by its activations: one or two passes of both models over the match batches, a layer at a time,
    ``Model.activations_streamed``), then one pass over the groups
    (``_apply.apply``; with whole models inside this stage, streamed as the stage "apply"):
    each unit of leaves (an attention site's, or one leaf) of A and B read, folded where g
@@ -82,8 +82,8 @@ budget (``memory_budget``, ``--memory-budget``; default the machine's memory), a
 check then runs on them, against the sources' logits computed before the pass. Otherwise the folders
 written into the staging folder are read back beside their sources a layer at a time
 (``Model.apply_streamed``) and checked so, before anything is moved into DIR; without ``out`` the
-check is skipped and the report's "function_check" says why. Whole models ("learned" trains on the
-interpolated model's loss; "activation", an evaluation and REPAIR run whole models) are refused
+check is skipped and the report's "function_check" says why. Whole models (a method that trains on the
+interpolated model's loss, an evaluation and REPAIR run whole models) are refused
 before any work where both do not fit the budget twice; so is a streamed alignment whose largest
 group does not. With whole models, peak memory stays within 3x the two checkpoints' size
 (``benchmarks/bench_align_checkpoints.py``, GPT-2 small in float32): the models are read one tensor

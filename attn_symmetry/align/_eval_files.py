@@ -256,7 +256,7 @@ def image_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, 
 def match_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, Any], *,
                   batch_size: int, seq_len: int, max_batches: int) -> list[Batch]:
   """The batches that the data-reading stages measure the models on (``--match-data``: the
-  "activation" method, "learned" from it, REPAIR): whole batches of ``batch_size`` examples,
+  methods that read activations, REPAIR): whole batches of ``batch_size`` examples,
   at most ``max_batches``, each {``model.input_key``: inputs} with a bool "mask" [B, T] for
   BERT, as ``Model.batch_activations`` and ``repair.repair`` read them.
 

@@ -95,7 +95,7 @@ def _align(source: _sources.Source, inputs: Inputs, options: Options,
       stage.summary = f"method {options.method}, {_done(aligned, options)}"
       return aligned
     groups = len(matching.stream_groups(inputs.model.spec))
-    if "passes" in info:  # "activation"
+    if "passes" in info:  # streamed by its activations
       stage.summary = (f"method {options.method}, {info['passes']} passes of both models over "
                        f"{info['batches']} match batches, a layer at a time")
     else:

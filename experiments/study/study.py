@@ -8,7 +8,7 @@ theta(lambda) = (1 - lambda) theta_A + lambda g.theta_B is evaluated at
 seeds' own models up to a symmetry, each evaluated once), on the first
 ``study.eval_examples`` examples of ``study.eval_split``: the test split by
 default, or the training slice for the barrier of the fitted objective (the
-"learned" method then trains on the data it is evaluated on, which
+methods that train on a loss then train on the data they are evaluated on, which
 ``summary.md`` says). Then:
 
 * barriers per pair and method, and their mean, std and ratio to naive;
