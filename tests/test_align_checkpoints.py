@@ -573,8 +573,9 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
       ([a, variant("nan", lambda f: _edit_tensors(f, lambda t: t["transformer.h.1.attn.c_proj.weight"]
                                                   .__setitem__((0, 3), np.nan)))],
        r"MODEL_B .*nan: tensor transformer.h.1.attn.c_proj.weight holds NaN or Inf$"),
-      ([a, b, "--method", "learned"], r"--method learned trains on the task loss: give "
-                                      r"--eval-text or --eval-images$"),
+      ([a, b, "--method", "learned"], r"--method learned trains on the task loss of a checkpoint "
+                                      r"with a task head, and is judged on an evaluation file: "
+                                      r"give --eval-text or --eval-images$"),
       ([a, b, "--method", "best"], r"--method must be one of"),
       ([a, b, "--method", "learned", "--eval-text", str(tmp_path / "valid.txt"), "--scope",
         "layers_0/attention", "--factors", "attention,ffn"],

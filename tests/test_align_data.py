@@ -228,7 +228,7 @@ def test_bad_match_images_are_refused_in_one_line(tmp_path, capsys):
      "--repair resets the merged model's channel statistics measured on data: give "
      "--match-data FILE"),
     (("--match-data", "T"),
-     "--match-data is read by --method activation, --learn-init activation and --repair only; "
+     "--match-data is read by --method learned, --method activation and --repair only; "
      "--method is 'full' without --repair"),
     (("--method", "activation", "--match-data", "T", "--match-batches", "0"),
      "--match-batches must be an integer >= 1, got 0"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import warnings
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ import numpy as np
 from attn_symmetry.align import _eval_files, _memory
 from attn_symmetry import matching
 from attn_symmetry import repair as repair_lib
+from attn_symmetry import tasks
 from attn_symmetry.align._records import (DTYPES, MATCHING_OPTIONS, AlignWarning, InputError,
                                           Inputs, Options)
 from attn_symmetry.models import SCOPES, Model
@@ -35,7 +37,8 @@ def check_options(options: Options) -> None:
     raise InputError(f"--method must be one of {', '.join(matching.METHODS)}, got "
                      f"{options.method!r}")
   if matching.LOSS in options.needs and not options.evaluated:
-    raise InputError(f"--method {options.method} trains on the task loss: give --eval-text or "
+    raise InputError(f"--method {options.method} trains on the task loss of a checkpoint with a "
+                     "task head, and is judged on an evaluation file: give --eval-text or "
                      "--eval-images")
   unknown = sorted(set(options.matching) - set(MATCHING_OPTIONS))
   if unknown:
@@ -66,22 +69,25 @@ def check_options(options: Options) -> None:
       raise InputError(f"{Options.flag(name)} must be an integer >= {least}, got {value}")
 
 
-def _activation_readers() -> list[str]:
-  """Who reads ``--match-data`` for its activations: "--method activation", "--learn-init
-  activation" (the methods that need ``matching.ACTIVATIONS``, or the option value under
-  which one does)."""
-  return ([f"--method {m.name}" for m in matching.METHODS.values()
-           if matching.ACTIVATIONS in m.inputs]
+_DATA = (matching.ACTIVATIONS, matching.LOSS)  # the inputs that --match-data supplies
+
+
+def _match_data_readers() -> list[str]:
+  """Who reads ``--match-data``: "--method activation", "--method learned" (the methods that
+  need ``matching.ACTIVATIONS`` or ``matching.LOSS``), then the option values under which
+  another method does."""
+  readers = [m for m in matching.METHODS.values() if set(_DATA) & set(m.inputs)]
+  return ([f"--method {m.name}" for m in readers]
           + [f"{flag(w.option)} {w.value}" for m in matching.METHODS.values() for w in m.when
-             if matching.ACTIVATIONS in w.inputs])
+             if m not in readers and set(_DATA) & set(w.inputs)])
 
 
 def _check_match_data(options: Options) -> None:
   """``--match-data`` is given exactly where something reads it: a method that needs the
-  models' activations with its options (``Options.needs``), ``--repair`` (which needs
-  ``--merge`` too)."""
-  reads = matching.ACTIVATIONS in options.needs
-  if reads and options.match_data is None:
+  models' activations with its options (``Options.needs``), one that trains on a loss (which
+  trains on it where it is given), ``--repair`` (which needs ``--merge`` too)."""
+  reads = bool(set(_DATA) & set(options.needs))
+  if matching.ACTIVATIONS in options.needs and options.match_data is None:
     method = matching.METHODS[options.method]
     why = "".join(f" with {flag(w.option)} {w.value}" for w in method.when
                   if matching.ACTIVATIONS in w.inputs and matching.ACTIVATIONS not in method.inputs)
@@ -94,7 +100,7 @@ def _check_match_data(options: Options) -> None:
       raise InputError("--repair resets the merged model's channel statistics measured on "
                        "data: give --match-data FILE")
   elif options.match_data is not None and not reads:
-    raise InputError(f"--match-data is read by {', '.join(_activation_readers())} and --repair "
+    raise InputError(f"--match-data is read by {', '.join(_match_data_readers())} and --repair "
                      f"only; --method is {options.method!r} without --repair")
 
 
@@ -266,12 +272,47 @@ def factors_in_scope(model: Model, prefixes: list[str], factors: Sequence[str]) 
                      f"{','.join(prefixes) or 'full'})") from None
 
 
+# The parts of a tokenizer.json that decide what it does, each by its keys there: two files
+# that agree on every part tokenize alike, however their bytes differ (indentation, key order,
+# merges written as "a b" or as ["a", "b"]; padding and truncation are settings of a call).
+TOKENIZER_PARTS = {"vocabulary": ("model", "vocab"), "merges": ("model", "merges"),
+                   "model type": ("model", "type"), "unknown token": ("model", "unk_token"),
+                   "special tokens": ("added_tokens",), "normalisation": ("normalizer",),
+                   "pre-tokenisation": ("pre_tokenizer",), "post-processing": ("post_processor",),
+                   "decoding": ("decoder",)}
+
+
+def _tokenizer_part(tokenizer: dict[str, Any], keys: tuple[str, ...]) -> Any:
+  """The part of a parsed tokenizer.json at ``keys`` (None where absent), in one form: merges
+  as pairs, added tokens in id order."""
+  node: Any = tokenizer
+  for key in keys:
+    node = node.get(key) if isinstance(node, dict) else None
+  if keys == ("model", "merges") and node is not None:
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in node]
+  if keys == ("added_tokens",) and node is not None:
+    return sorted(node, key=lambda token: token.get("id", -1))
+  return node
+
+
 def _same_tokenizer(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint) -> None:
+  """Refuses two folders whose tokenizer.json files tokenize differently, naming the part
+  (``TOKENIZER_PARTS``) in which they differ; their bytes are not compared."""
   files = [os.path.join(c.path, "tokenizer.json") for c in (a, b)]
-  if all(os.path.isfile(f) for f in files):
-    with open(files[0], "rb") as fa, open(files[1], "rb") as fb:
-      if fa.read() != fb.read():
-        raise InputError(f"{a.name} and {b.name} have different tokenizer.json files")
+  if not all(os.path.isfile(f) for f in files):
+    return
+  parsed = []
+  for checkpoint, file in zip((a, b), files):
+    try:
+      with open(file, encoding="utf-8") as f:
+        parsed.append(json.load(f))
+    except (OSError, ValueError) as e:
+      raise InputError(f"{checkpoint.name}: tokenizer.json does not parse ({e})") from None
+  differ = [name for name, keys in TOKENIZER_PARTS.items()
+            if _tokenizer_part(parsed[0], keys) != _tokenizer_part(parsed[1], keys)]
+  if differ:
+    raise InputError(f"{a.name} and {b.name} have tokenizers that differ in their "
+                     f"{', '.join(differ)} (tokenizer.json)")
 
 
 def _read_pair(path_a: str | os.PathLike, path_b: str | os.PathLike
@@ -319,6 +360,42 @@ def _match_batches(options: Options, a: safetensors_io.Checkpoint,
                                    max_batches=options.match_batches)
 
 
+def _check_task_loss(model: Model, method: str) -> None:
+  """Refuses a method that trains on a loss for a checkpoint that has none: a bare encoder,
+  whose output is its last hidden states."""
+  if model.task == tasks.FEATURES:
+    cfg = model.config
+    without = ", ".join(m.name for m in matching.METHODS.values()
+                        if matching.LOSS not in m.every_input)
+    raise InputError(f"--method {method} trains on a task loss, which this checkpoint "
+                     f"({cfg.family} without a task head, {cfg.head!r}) does not have: align "
+                     f"a checkpoint with a task head, or use a method that needs none ({without})")
+
+
+def _training_batches(options: Options, a: safetensors_io.Checkpoint, model: Model
+                      ) -> tuple[list[Any], list[Any]]:
+  """(training, held-out) batches of ``--match-data`` for a method that trains on a loss, read
+  as an evaluation file is (labels and all) with ``--match-batches`` at most: the last quarter
+  (at least one batch) held out to choose the iterate, the rest to train on.
+
+  Raises:
+    InputError: fewer than 2 batches.
+  """
+  if model.input_key == "image":
+    batches = _eval_files.image_batches(options.match_data, a.path, model, a.hf_config,
+                                        batch_size=options.batch_size,
+                                        max_batches=options.match_batches, flag="--match-data")
+  else:
+    batches = _eval_files.text_batches(options.match_data, a.path, model, a.hf_config,
+                                       batch_size=options.batch_size, seq_len=options.seq_len,
+                                       max_batches=options.match_batches, flag="--match-data")
+  if len(batches) < 2:
+    raise InputError(f"--method {options.method} needs at least 2 batches of --match-data "
+                     f"(training, held out); {options.match_data} gives {len(batches)}")
+  held = max(1, len(batches) // 4)
+  return batches[:-held], batches[-held:]
+
+
 def _check_repair(model: Model) -> None:
   """Refuses ``--repair`` for a family with nothing to fold REPAIR's correction into (one line
   naming the family: ``repair.repair``'s own check, run before any work)."""
@@ -362,15 +439,21 @@ def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Opti
       factors_in_scope(model, prefixes, options.matching["factors"])
     if options.repair:
       _check_repair(model)
+    if matching.LOSS in options.needs:
+      _check_task_loss(model, options.method)
     batches = _evaluation_batches(options, a, b, model)
     match = _match_batches(options, a, b, model)
+    if matching.LOSS not in options.needs:
+      return Inputs(a, b, model, prefixes, batches, match=match)
+    if options.match_data is None:
+      return Inputs(a, b, model, prefixes, *split_for_learning(batches, options.method),
+                    match=match)
+    return Inputs(a, b, model, prefixes, batches, *_training_batches(options, a, model),
+                  match=match)
   except InputError:
     raise
   except ValueError as e:
     raise InputError(str(e)) from None
-  if matching.LOSS not in options.needs:
-    return Inputs(a, b, model, prefixes, batches, match=match)
-  return Inputs(a, b, model, prefixes, *split_for_learning(batches, options.method), match=match)
 
 
 def check(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Options) -> Inputs:

@@ -88,6 +88,10 @@ def _run(args: argparse.Namespace, prog: str) -> int:
     except InputError as e:
       print(f"{prog}: error: {e}", file=sys.stderr)
       return 2
+    except KeyboardInterrupt:  # the staging folder is gone: nothing half-written is left
+      where = f"to {args.out}" if args.out else "(no --out)"
+      print(f"{prog}: interrupted: nothing written {where}", file=sys.stderr)
+      return 130
   print("\n".join(summary(result.report, args.out)))
   return 0
 

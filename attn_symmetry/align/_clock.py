@@ -54,7 +54,7 @@ class Stage(contextlib.AbstractContextManager):
     if exc_type is None:
       self.stop()
       runtime.release_free_memory()
-      parts = "".join(f", of which {label} {self.clock.seconds[key]:.1f} s"
+      parts = "".join(f", {label} {self.clock.seconds[key]:.1f} s"
                       for label, key in self._parts)
       self.clock.say(f"{self.name}: {self.summary} ({self.clock.seconds[self.name]:.1f} s{parts})")
 
@@ -77,7 +77,7 @@ class Stage(contextlib.AbstractContextManager):
   def part(self, key: str, label: str) -> Iterator[None]:
     """Times a step of the stage as ``clock.seconds[key]`` (a step in several blocks: their
     sum), releases the heap's free pages after it, and names it in the stage's line ("(12.0 s,
-    of which LABEL 9.5 s)")."""
+    LABEL 9.5 s)")."""
     start = time.perf_counter()
     yield
     self.clock.seconds[key] = self.clock.seconds.get(key, 0.0) + time.perf_counter() - start

@@ -191,10 +191,12 @@ def _read_images(files: list[str], folder: str, cfg: Any, flag: str) -> np.ndarr
 
 
 def text_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, Any], *,
-                 batch_size: int, seq_len: int, max_batches: int) -> list[Batch]:
+                 batch_size: int, seq_len: int, max_batches: int,
+                 flag: str = "--eval-text") -> list[Batch]:
   """Batches of the text file ``path`` for ``model`` (module docstring), at most
-  ``max_batches``, tokenised with ``folder``'s tokenizer.json."""
-  cfg, flag, where = model.config, "--eval-text", f"--eval-text {path}"
+  ``max_batches``, tokenised with ``folder``'s tokenizer.json; ``flag`` names the file in the
+  errors."""
+  cfg, where = model.config, f"{flag} {path}"
   if model.input_key != "tokens":
     raise ValueError(f"--eval-text needs a text model; this checkpoint ({cfg.family}) reads "
                      f"{model.input_key!r} (use --eval-images)")
@@ -240,9 +242,11 @@ def text_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, A
 
 
 def image_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, Any], *,
-                  batch_size: int, max_batches: int) -> list[Batch]:
-  """Batches of the image folder ``path`` (``path/LABEL/*.png``) for a ViT ``model``."""
-  cfg, flag = model.config, "--eval-images"
+                  batch_size: int, max_batches: int, flag: str = "--eval-images"
+                  ) -> list[Batch]:
+  """Batches of the image folder ``path`` (``path/LABEL/*.png``) for a ViT ``model``; ``flag``
+  names the folder in the errors."""
+  cfg = model.config
   if model.input_key != "image":
     raise ValueError(f"--eval-images needs a model that reads images; this checkpoint "
                      f"({cfg.family}) reads {model.input_key!r} (use --eval-text)")

@@ -150,8 +150,10 @@ def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str,
     report["eval"] = {"text": options.eval_text or None, "images": options.eval_images or None,
                       "batches": len(inputs.batches), "batch_size": options.batch_size,
                       "predictions": float(sum(np.sum(x["weights"]) for x in inputs.batches))}
-    if inputs.train is not None:  # a method that needs a loss trained on the first batches
-      report["eval"] |= {"training_batches": len(inputs.train),
+    if inputs.train is not None:  # a method that trains on a loss: on what, judged on what
+      report["eval"] |= {"training_data": options.match_data or "the evaluation file's first "
+                                                               "half",
+                         "training_batches": len(inputs.train),
                          "holdout_batches": len(inputs.holdout)}
   report["time_s"] = seconds
   report["attn_symmetry"] = provenance()

@@ -117,7 +117,8 @@ def _done(aligned: Aligned, options: Options) -> str:
   if check is None:
     checked = f"function check skipped: {aligned.function['skipped']}"
   else:
-    checked = (f"aligned B's logits within {check['relative']:.2g} of B's" +
+    checked = (f"aligned B's {aligned.function.get('outputs', 'logits')} within "
+               f"{check['relative']:.2g} of B's" +
                (" (read back a layer at a time)" if aligned.function.get("streamed") else ""))
   return (f"distance {before['total']:.6g} -> {after['total']:.6g} (relative "
           f"{before['relative']:.4g} -> {after['relative']:.4g}), {checked}" +

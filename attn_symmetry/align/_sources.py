@@ -120,9 +120,10 @@ def provide(inputs: Inputs, options: Options, needed: str, say: Callable[[str], 
   """The arguments of input ``needed`` (``matching.INPUTS``) from the command's data.
 
   ``ACTIVATIONS``: ``Model.batch_activations`` on the match batches (``--match-data``).
-  ``LOSS``: the mean loss on the evaluation file's first half (``_check.split_for_learning``),
-  the held-out batches of its next quarter, the key of ``--seed`` and a progress line to the
-  stage.
+  ``LOSS``: the mean loss on the training batches (``--match-data``'s but its last quarter,
+  else the evaluation file's first half: ``_check.split_for_learning``), the held-out batches
+  (that last quarter, or the evaluation file's next quarter), the key of ``--seed`` and a
+  progress line to the stage.
   """
   if needed == matching.ACTIVATIONS:
     return dict(activations=inputs.model.batch_activations, match_batches=inputs.match)
