@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -232,18 +232,33 @@ def _dense(params: Params, x: jax.Array, spec: str) -> jax.Array:
   return y
 
 
+class HeadActivations(NamedTuple):
+  """One layer's per-head activations, the taps of an attention site (its field names are the
+  tap names, ``spec.SITE_TAPS``).
+
+  Attributes:
+    q: queries [B, T, N, H], after RoPE (as the logits read them).
+    k: keys [B, T, K, H], after RoPE.
+    v: values [B, T, K, H].
+    heads: the heads' outputs before the output projection
+      z_{m,n} = sum_t softmax_t(q_{m,n} k_{t,k(n)}^T / sqrt(H)) v_{t,k(n)}, [B, T, N, H].
+  """
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  heads: jax.Array
+
+
 def attention_heads(params: Params, x: jax.Array, *, pos_encoding: str = "none",
                     rope_pairing: str = "half", rope_base: float = 10000.0,
                     rotary_fraction: float = 1.0, causal: bool = False,
                     positions: jax.Array | None = None, mask: jax.Array | None = None
-                    ) -> dict[str, jax.Array]:
+                    ) -> HeadActivations:
   """Self-attention up to the output projection, per head (``multi_head_attention``'s
   arguments).
 
   Returns:
-    {"q": queries [B, T, N, H], "k": keys [B, T, K, H] (both after RoPE, as the logits read
-    them), "v": values [B, T, K, H], "heads": the heads' outputs before the output projection
-    z_{m,n} = sum_t softmax_t(q_{m,n} k_{t,k(n)}^T / sqrt(H)) v_{t,k(n)}, [B, T, N, H]}.
+    The queries, keys, values and heads' outputs (``HeadActivations``).
   """
   if pos_encoding not in POS_ENCODINGS:
     raise ValueError(f"pos_encoding must be one of {POS_ENCODINGS}, got {pos_encoding!r}")
@@ -272,7 +287,7 @@ def attention_heads(params: Params, x: jax.Array, *, pos_encoding: str = "none",
   logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
   weights = jax.nn.softmax(logits, axis=-1)
   heads = jnp.einsum("bkgts,bskh->btkgh", weights, v).reshape(b, t, n, h)
-  return {"q": q, "k": key, "v": v, "heads": heads}
+  return HeadActivations(q, key, v, heads)
 
 
 def output_projection(params: Params, heads: jax.Array) -> jax.Array:
@@ -308,7 +323,7 @@ def multi_head_attention(params: Params, x: jax.Array, *, pos_encoding: str = "n
   taps = attention_heads(params, x, pos_encoding=pos_encoding, rope_pairing=rope_pairing,
                          rope_base=rope_base, rotary_fraction=rotary_fraction, causal=causal,
                          positions=positions, mask=mask)
-  return output_projection(params, taps["heads"])
+  return output_projection(params, taps.heads)
 
 
 def init_attention(key: jax.Array, *, width: int, num_heads: int, head_dim: int,

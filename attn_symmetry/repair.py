@@ -10,7 +10,8 @@ the interpolation of the endpoints' statistics,
 
 by the affine map h -> a h + c with a = sigma_t / sigma_lam and c = mu_t - a mu_lam. The map is
 folded into the weights that write the point, so the repaired model is a standard checkpoint
-of the same architecture. The points (``POINTS``), in each layer ``layers_i``:
+of the same architecture. The points (``POINTS``), in each layer ``layers_i``, and the
+projections that take their corrections, the model spec's ``writers``:
 
 * "attention": the attention output y [B, T, D] after W_O (``Model.apply``'s intermediate
   "layers_i/attention"). a scales W_O's output columns (``attention/out/kernel`` [N, H, D])
@@ -20,12 +21,13 @@ of the same architecture. The points (``POINTS``), in each layer ``layers_i``:
   added to its bias: (a h + c) W + b = h (a W) + (c W + b). The fold sits after the point, so
   ``Model.apply`` reports the uncorrected h there and the down projection reads a h + c.
 
-A shift folds only where the family has the bias that takes it (``Config.out_bias`` for
-"attention", ``Config.mlp_bias`` for "mlp"): ViT, BERT, GPT-2 and GPT-NeoX fold both parts of
-both points; Llama (no biases) folds the scales alone, c = 0, and the repaired mean is then
-a mu_lam instead of mu_t (the info's "mean_gap" measures it). The points are repaired in
-forward order, each measured with the earlier ones already repaired, as REPAIR re-estimates;
-a repair changes nothing upstream of its point, so the repaired model meets every target.
+A shift folds only where the family has the bias that takes it (a writer with a bias:
+``Config.out_bias`` for "attention", ``Config.mlp_bias`` for "mlp"): ViT, BERT, GPT-2 and
+GPT-NeoX fold both parts of both points; Llama (no biases) folds the scales alone, c = 0,
+and the repaired mean is then a mu_lam instead of mu_t (the info's "mean_gap" measures it).
+The points are repaired in forward order, each measured with the earlier ones already
+repaired, as REPAIR re-estimates; a repair changes nothing upstream of its point, so the
+repaired model meets every target.
 
 Statistics stream: one jitted pass per batch returns, per point, the batch's count, a shift
 (the first counted position's activation), the shifted mean and the centred sum of squares;
@@ -88,30 +90,26 @@ class _Point:
 def check_model(model: Any, points: Sequence[str] = POINTS) -> None:
   """Raises ValueError (one line) if ``repair`` cannot fold ``points`` into ``model``'s
   weights: an unknown point, or a family without the projection a point folds into. Reads the
-  model's config and shapes only, so a caller can check before any work."""
+  model's config and spec only, so a caller can check before any work."""
   _points(model, points)
 
 
 def _points(model: Any, points: Sequence[str]) -> list[_Point]:
-  """The repaired points in forward order; ValueError for an unknown point name or a family
-  that lacks what a point folds into."""
+  """The repaired points in forward order, read from ``model.spec.writers``: "attention" the
+  writers of attention sites (the output projection writes the point), "mlp" those of factors
+  (the down projection reads it). ValueError for an unknown point name or a family whose spec
+  has no writer for a point."""
   unknown = [p for p in points if p not in POINTS]
   if unknown or not points:
     raise ValueError(f"repair points must be a non-empty subset of {POINTS}, got {tuple(points)}")
-  cfg, shapes = model.config, model.param_shapes
-  found = []
-  for i in range(cfg.depth):
-    for kind in POINTS:
-      if kind not in points:
-        continue
-      leaf, writes = (("attention/out", True) if kind == "attention" else
-                      (f"mlp/{'down' if getattr(cfg, 'gated_mlp', False) else 'wo'}", False))
-      kernel, bias = f"layers_{i}/{leaf}/kernel", f"layers_{i}/{leaf}/bias"
-      if kernel not in shapes:
-        raise ValueError(f"REPAIR cannot fold into family {cfg.family!r}: it has no {kernel} "
-                         f"to take the {kind!r} point's correction")
-      found.append(_Point(f"layers_{i}/{kind}", writes, kernel, bias if bias in shapes else None))
-  return found
+  spec = model.spec
+  kinds = {name: "attention" if name in spec.attention else "mlp" for name in spec.writers}
+  for kind in points:
+    if kind not in kinds.values():
+      raise ValueError(f"REPAIR cannot fold into family {model.config.family!r}: its spec names "
+                       f"no projection to take the {kind!r} point's correction")
+  return [_Point(name, kind == "attention", *spec.writers[name])
+          for name, kind in kinds.items() if kind in points]
 
 
 def _batch_parts(model: Any, batch: Any) -> tuple[Any, Any, Any]:
@@ -275,7 +273,7 @@ def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: 
   """The REPAIRed interpolation (1 - lam) theta_A + lam theta_B (module docstring).
 
   Args:
-    model: a ``models.Model`` (its ``apply``, ``config`` and ``param_shapes`` are read).
+    model: a ``models.Model`` (its ``apply``, ``config`` and ``spec`` are read).
     params_a, params_b: the endpoints, B already aligned to A (e.g. ``group_action.apply_model``).
     lam: the point of the path, in [0, 1].
     batches: as ``statistics`` takes them; a sequence (it is read 2 + len(points) x depth

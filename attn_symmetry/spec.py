@@ -20,8 +20,16 @@ group element (git-re-basin's ``PermutationSpec``, generalised):
   stream, so that ``fold_norm_scales`` can move the scales into the readers
   (needed before an orthogonal residual map, which does not commute with an
   elementwise scale).
+* ``writers``: for each part of a layer that writes the residual stream (an
+  attention site, an FFN factor), the (kernel, bias or None) leaves of the dense
+  projection that writes it there (the attention's output projection, the FFN's
+  down projection), into which REPAIR folds its corrections (``repair.py``).
 
 Paths are "/"-joined keys of the nested parameter dict.
+
+A model's activations (``matching.ACTIVATION_KEYS``) are keyed by the spec's
+names: a factor or site ``name`` itself, or ``tap(name, tag)``, "name:tag";
+an attention site's tags are ``SITE_TAPS``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,20 @@ from attn_symmetry import attention
 
 FACTOR_KINDS = ("permutation", "orthogonal")
 ATTENTION_GROUPS = ("gl", "rope")
+TAP_SEPARATOR = ":"
+SITE_TAPS = attention.HeadActivations._fields  # ("q", "k", "v", "heads")
+
+
+def tap(name: str, tag: str) -> str:
+  """The activation key of factor or attention site ``name`` at ``tag``: "name:tag"
+  ("residual:layers_0", "layers_0/attention:q"); the one place the two are joined."""
+  return f"{name}{TAP_SEPARATOR}{tag}"
+
+
+def is_key_of(key: str, name: str) -> bool:
+  """Whether activation key ``key`` belongs to factor or site ``name``: it is ``name`` itself
+  or ``tap(name, tag)`` for some tag."""
+  return key == name or key.startswith(tap(name, ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +134,7 @@ class SymmetrySpec:
   axes: Mapping[str, tuple[str | None, ...]]
   attention: Mapping[str, AttentionSite] = dataclasses.field(default_factory=dict)
   norm_scales: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  writers: Mapping[str, tuple[str, str | None]] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     for path, axes in self.axes.items():
@@ -125,6 +148,12 @@ class SymmetrySpec:
       for p in (scale, *readers):
         if p not in self.axes:
           raise ValueError(f"norm_scales entry {scale!r} names {p!r}, which is not in the spec's axes")
+    for name, leaves in self.writers.items():
+      if name not in self.factors and name not in self.attention:
+        raise ValueError(f"writers entry {name!r} is neither a factor nor an attention site")
+      for p in leaves:
+        if p is not None and p not in self.axes:
+          raise ValueError(f"writers entry {name!r} names {p!r}, which is not in the spec's axes")
 
   def restrict(self, names) -> "SymmetrySpec":
     """The same spec with only the named factors and attention sites acting."""
@@ -135,12 +164,13 @@ class SymmetrySpec:
     factors = {k: v for k, v in self.factors.items() if k in names}
     axes = {p: tuple(f if f in factors else None for f in a) for p, a in self.axes.items()}
     sites = {k: v for k, v in self.attention.items() if k in names}
-    return SymmetrySpec(factors, axes, sites, dict(self.norm_scales))
+    writers = {k: v for k, v in self.writers.items() if k in factors or k in sites}
+    return SymmetrySpec(factors, axes, sites, dict(self.norm_scales), writers)
 
   def part(self, paths) -> "SymmetrySpec":
     """The spec of the leaves ``paths`` alone: their axes, the factors that act on them, the
-    attention sites with a leaf among them, and the norm scales among them (with their readers
-    among them)."""
+    attention sites with a leaf among them, the norm scales among them (with their readers
+    among them) and the writers of the part's factors and sites whose leaves are among them."""
     paths = set(paths)
     axes = {p: a for p, a in self.axes.items() if p in paths}
     used = {f for a in axes.values() for f in a if f is not None}
@@ -148,7 +178,9 @@ class SymmetrySpec:
                  if any(p.startswith(s + "/") for p in paths)}
     norm_scales = {s: tuple(r for r in readers if r in paths)
                    for s, readers in self.norm_scales.items() if s in paths}
-    return SymmetrySpec({f: self.factors[f] for f in used}, axes, attention, norm_scales)
+    writers = {n: leaves for n, leaves in self.writers.items()
+               if (n in used or n in attention) and all(p is None or p in paths for p in leaves)}
+    return SymmetrySpec({f: self.factors[f] for f in used}, axes, attention, norm_scales, writers)
 
   def check(self, params: Mapping[str, Any]) -> None:
     """Raises ValueError, naming the leaf, if ``params`` does not fit this spec."""

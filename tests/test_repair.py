@@ -190,7 +190,7 @@ class _Counting:
 
   def __init__(self, model):
     self.model, self.traces = model, []
-    self.config, self.param_shapes = model.config, model.param_shapes
+    self.config, self.spec = model.config, model.spec
     self.input_key, self.check_params = model.input_key, model.check_params
 
   def apply(self, params, inputs, **kwargs):
@@ -250,7 +250,9 @@ def test_refusals(x64):
   with pytest.raises(ValueError, match="activations at layers_1/mlp of model B are not finite"):
     repair_lib.repair(model, params_a, spec_lib.unflatten(broken), 0.5, batches)
   # A family whose layers have no output projection to fold into.
-  bare = types.SimpleNamespace(config=types.SimpleNamespace(family="meanpool", depth=1),
-                               param_shapes={"layers_0/mlp/wo/kernel": (4, 2)})
+  ffn = spec_lib.SymmetrySpec({"layers_0/mlp": spec_lib.Factor(4)},
+                             {"layers_0/mlp/wo/kernel": ("layers_0/mlp", None)},
+                             writers={"layers_0/mlp": ("layers_0/mlp/wo/kernel", None)})
+  bare = types.SimpleNamespace(config=types.SimpleNamespace(family="meanpool", depth=1), spec=ffn)
   with pytest.raises(ValueError, match="REPAIR cannot fold into family 'meanpool'.*attention"):
     repair_lib.repair(bare, params_a, params_b, 0.5, batches)

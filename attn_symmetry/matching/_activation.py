@@ -68,6 +68,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from attn_symmetry import attention
 from attn_symmetry import group_action
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.matching import _assignment
@@ -78,8 +79,6 @@ from attn_symmetry.matching import _model
 from attn_symmetry.matching import _stage2
 from attn_symmetry.matching import _streamed
 
-SEPARATOR = ":"
-SITE_TAPS = ("q", "k", "v", "heads")  # an attention site's keys: f"{site}:{tap}"
 ACTIVATION_KEYS = """\
 activations(params, batch) -> {key: array}, keyed by the spec's names:
   factor f: every key f or f + ':' + tag (tags free: 'residual:layers_0'), each [..., size]
@@ -96,7 +95,12 @@ Activations = Callable[[Any, Any], Mapping[str, jax.Array]]
 
 def factor_keys(keys: Sequence[str], factor: str) -> list[str]:
   """The keys that hold factor ``factor``'s units (``ACTIVATION_KEYS``), in sorted order."""
-  return sorted(k for k in keys if k == factor or k.startswith(factor + SEPARATOR))
+  return sorted(k for k in keys if spec_lib.is_key_of(k, factor))
+
+
+def _site_keys(site: str) -> list[str]:
+  """The keys of attention site ``site``'s taps, in the order of ``spec.SITE_TAPS``."""
+  return [spec_lib.tap(site, t) for t in spec_lib.SITE_TAPS]
 
 
 def check_shapes(spec: spec_lib.SymmetrySpec, names: Sequence[str],
@@ -108,7 +112,7 @@ def check_shapes(spec: spec_lib.SymmetrySpec, names: Sequence[str],
       keys = factor_keys(list(shapes), name)
       if not keys:
         raise ValueError(f"activations: no entry for factor {name!r} (a key {name!r} or "
-                         f"'{name}{SEPARATOR}...'); got keys {sorted(shapes)}")
+                         f"{spec_lib.tap(name, '...')!r}); got keys {sorted(shapes)}")
       for k in keys:
         shape = tuple(shapes[k].shape)
         if not shape or shape[-1] != spec.factors[name].size:
@@ -117,17 +121,17 @@ def check_shapes(spec: spec_lib.SymmetrySpec, names: Sequence[str],
       continue
     site = spec.attention[name]
     n, k, h = site.num_heads, site.kv_heads, site.head_dim
-    want = {"q": (n, h), "k": (k, h), "v": (k, h), "heads": (n, h)}
+    keys = _site_keys(name)
+    tails = attention.HeadActivations(q=(n, h), k=(k, h), v=(k, h), heads=(n, h))
     lead = None
-    for tap, tail in want.items():
-      key = f"{name}{SEPARATOR}{tap}"
+    for key, tail in zip(keys, tails):
       if key not in shapes:
         raise ValueError(f"activations: no entry {key!r} for attention site {name!r} (it needs "
-                         f"{[f'{name}{SEPARATOR}{t}' for t in SITE_TAPS]})")
+                         f"{keys})")
       shape = tuple(shapes[key].shape)
       if len(shape) < 3 or shape[-2:] != tail or (lead is not None and shape[:-2] != lead):
         raise ValueError(f"activations[{key!r}] has shape {shape}, expected [..., T, "
-                         f"{tail[0]}, {tail[1]}] with the leading axes of '{name}{SEPARATOR}q'")
+                         f"{tail[0]}, {tail[1]}] with the leading axes of {keys[0]!r}")
       lead = shape[:-2]
 
 
@@ -185,11 +189,12 @@ def _factor_stats(kind: str, a: jax.Array, b: jax.Array):
                           (b * b).sum(0), _dot(a, b, "ti,tj->ij"))
 
 
-def _site_stats(taps_a: dict[str, jax.Array], taps_b: dict[str, jax.Array]) -> SiteStats:
-  """One batch's statistics of one site from its taps [..., T, N|K, H]."""
+def _site_stats(taps_a: Sequence[jax.Array], taps_b: Sequence[jax.Array]) -> SiteStats:
+  """One batch's statistics of one site from its taps [..., T, N|K, H], in the order of
+  ``spec.SITE_TAPS`` (``_site_keys``)."""
   seq = lambda x: x.reshape(-1, *x.shape[-3:])  # [S, T, N|K, H]
-  qa, ka, va, za = (seq(taps_a[t]) for t in SITE_TAPS)
-  qb, kb, vb, zb = (seq(taps_b[t]) for t in SITE_TAPS)
+  qa, ka, va, za = map(seq, taps_a)
+  qb, kb, vb, zb = map(seq, taps_b)
   cross = lambda x, y: _dot(x, y, "stnh,stmi->nmhi")
   auto = lambda x: _dot(x, x, "stnh,stni->nhi")
   g = qa.shape[-2] // ka.shape[-2]
@@ -209,7 +214,7 @@ def _add_factor(total, a, b, *, kind):
 
 @jax.jit
 def _add_site(total, taps_a, taps_b):
-  new = _site_stats(dict(zip(SITE_TAPS, taps_a)), dict(zip(SITE_TAPS, taps_b)))
+  new = _site_stats(taps_a, taps_b)
   return new if total is None else jax.tree.map(jnp.add, total, new)
 
 
@@ -245,7 +250,7 @@ class Statistics:
       if name in self.spec.factors:
         keys = factor_keys(list(acts_a), name)
       else:  # a site's four taps come together
-        taps = [f"{name}{SEPARATOR}{t}" for t in SITE_TAPS]
+        taps = _site_keys(name)
         keys = taps if taps[0] in acts_a else []
       if not keys:
         continue

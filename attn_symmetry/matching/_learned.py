@@ -380,10 +380,7 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
                 learning_rate=learning_rate, lam=lam, key=key, eval_every=eval_every,
                 progress=progress, lam_band=lam_band)
   element, info = start
-  unknown = [n for n in names if n not in spec.factors and n not in spec.attention]
-  if unknown:
-    raise ValueError(f"names {unknown} are neither factors {sorted(spec.factors)} nor attention "
-                     f"sites {sorted(spec.attention)} of the spec")
+  _check_names(spec, names)
   trained = _correction.resolve(spec, names, factors)
   info = dict(info)
   if not trained:
@@ -392,13 +389,58 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
     return element, info
 
   begin = time.perf_counter()
-  params_a, params_b = _attention.upcast(params_a), _attention.upcast(params_b)
-  if info.get("folded_norm_scales"):
-    params_a, params_b = (group_action.fold_norm_scales(spec, p) for p in (params_a, params_b))
+  params_a, params_b = _upcast(spec, params_a, params_b, bool(info.get("folded_norm_scales")))
   plan = _correction.plan(spec, names, trained, spec_lib.flatten(params_a))
   data = _prepare(spec, params_a, params_b, element, plan)
   dtype = next(iter(data.a.values())).dtype
   params = _correction.init(plan, dtype)
+  tracker = _Tracker(params, data, holdout_batches,
+                     UNIFORM_HOLDOUT_LAMBDAS if lam == UNIFORM else (lam,), dtype, loss_fn, plan,
+                     steps, begin, progress)
+  taken, skipped = _train(params, data, plan, tracker, batches, dtype, steps=steps,
+                          learning_rate=learning_rate, lam=lam, lam_band=lam_band, key=key,
+                          eval_every=eval_every, loss_fn=loss_fn)
+  element = _correction.compose(tracker.best, plan, element)
+  moved = _apply_moving(spec, params_b, element)
+  check = _check_function(moved, params_b, holdout_batches[0], dtype, loss_fn=loss_fn)
+  info["distance"] = _distances(info.get("distance", {}), data, moved)
+  info["learned"] = _summary(names, trained, plan, tracker, taken, skipped, lam=lam,
+                             lam_band=lam_band, check=check, begin=begin)
+  return element, info
+
+
+def _check_names(spec: spec_lib.SymmetrySpec, names: Sequence[str]) -> None:
+  """ValueError listing the ``names`` that are neither factors nor attention sites of ``spec``."""
+  unknown = [n for n in names if n not in spec.factors and n not in spec.attention]
+  if unknown:
+    raise ValueError(f"names {unknown} are neither factors {sorted(spec.factors)} nor attention "
+                     f"sites {sorted(spec.attention)} of the spec")
+
+
+def _upcast(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, fold: bool
+            ) -> tuple[Params, Params]:
+  """Both models in the compute dtype (``_attention.upcast``), with their norm scales folded
+  (``group_action.fold_norm_scales``) when ``fold``."""
+  params_a, params_b = _attention.upcast(params_a), _attention.upcast(params_b)
+  if fold:
+    params_a, params_b = (group_action.fold_norm_scales(spec, p) for p in (params_a, params_b))
+  return params_a, params_b
+
+
+def _train(params: Params, data: _Data, plan: _correction.Plan, tracker: _Tracker,
+           batches: Iterable[Any], dtype: Any, *, steps: int, learning_rate: float,
+           lam: float | str, lam_band: float, key: jax.Array | None, eval_every: int | None,
+           loss_fn: LossFn) -> tuple[int, int]:
+  """The guarded Adam steps (``_step``) from the correction ``params`` on ``batches``
+  (``learn_alignment``'s arguments), ``tracker`` evaluating the iterate every ``eval_every``
+  steps and after the last.
+
+  Returns:
+    (the steps taken: ``steps``, or fewer if the batches run out; the steps skipped).
+
+  Raises:
+    ValueError: when a training batch's shapes or dtypes differ from the first's.
+  """
   opt_state = _correction.optimizer(jnp.asarray(learning_rate, dtype)).init(params)
   state = _State(params, opt_state, (params, opt_state), jnp.ones((), dtype))
   uniform = lam == UNIFORM
@@ -406,8 +448,6 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
                  lam=jnp.asarray(0.0 if uniform else lam, dtype),
                  limit=jnp.asarray(_stage2.max_condition(dtype), dtype))
   key = jax.random.key(0) if key is None else key  # unused for a fixed lambda
-  tracker = _Tracker(params, data, holdout_batches, UNIFORM_HOLDOUT_LAMBDAS if uniform else (lam,),
-                     dtype, loss_fn, plan, steps, begin, progress)
   eval_every = eval_every or max(1, -(-steps // EVALUATIONS))
   skipped, taken, signature = jnp.zeros((), jnp.int32), 0, None
   for i, batch in enumerate(_training_batches(batches, steps)):
@@ -426,22 +466,27 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
     log.warning("learned alignment: the batches ran out after %d of %d steps", taken, steps)
     if taken % eval_every:
       tracker.evaluate(state.params, taken, int(skipped))
+  return taken, int(skipped)
 
-  element = _correction.compose(tracker.best, plan, element)
-  moved = _apply_moving(spec, params_b, element)
-  check = _check_function(moved, params_b, holdout_batches[0], dtype, loss_fn=loss_fn)
-  info["distance"] = _distances(info.get("distance", {}), data, moved)
+
+def _summary(names: Sequence[str], trained: Sequence[str], plan: _correction.Plan,
+             tracker: _Tracker, taken: int, skipped: int, *, lam: float | str, lam_band: float,
+             check: dict[str, float], begin: float) -> dict[str, Any]:
+  """info["learned"] of a training (``learn_alignment``'s Returns): the ``trained`` factors,
+  the sites and ``names`` trained (``plan``'s), the steps ``taken`` and ``skipped``, the
+  ``tracker``'s held-out results, ``lam`` (and ``lam_band`` when not 0), the function
+  ``check`` and the seconds since ``begin``."""
   trained_names = [*plan.site_names, *(n for g in plan.factors for n in g.names)]
-  info["learned"] = {"factors": list(trained), "sites": list(plan.site_names),
-                     "names": [n for n in names if n in trained_names], "steps": taken,
-                     "skipped": int(skipped),
-                     "holdout": {"initial": tracker.initial, "final": tracker.final,
-                                 "best": tracker.best_value},
-                     "best_step": tracker.best_step, "lambda": lam, "function_check": check,
-                     "seconds": time.perf_counter() - begin}
+  learned = {"factors": list(trained), "sites": list(plan.site_names),
+             "names": [n for n in names if n in trained_names], "steps": taken,
+             "skipped": skipped,
+             "holdout": {"initial": tracker.initial, "final": tracker.final,
+                         "best": tracker.best_value},
+             "best_step": tracker.best_step, "lambda": lam, "function_check": check,
+             "seconds": time.perf_counter() - begin}
   if lam_band:
-    info["learned"]["lambda_band"] = lam_band
-  return element, info
+    learned["lambda_band"] = lam_band
+  return learned
 
 
 class _Tracker:

@@ -39,6 +39,11 @@ from attn_symmetry.models.config import Config
 
 Axes = dict[str, tuple[str | None, ...]]
 RESIDUAL = "residual"  # the name of the residual stream's factor in every family's spec
+EMBED = "embed"  # ``encode``'s intermediate: the stream entering the layers
+# A layer's two parts: its submodules, its intermediates "layers_i/attention" (the attention
+# output) and "layers_i/mlp" (the FFN hidden units), and the spec's attention site and FFN
+# factor of those names.
+ATTENTION, MLP = "attention", "mlp"
 
 ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -131,16 +136,15 @@ class Attention(nnx.Module):
     return self.with_taps(x, positions=positions, mask=mask)[0]
 
   def with_taps(self, x: jax.Array, *, positions: jax.Array | None, mask: jax.Array | None
-                ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(output [B, T, D], the per-head activations of ``attention.attention_heads``: "q",
-    "k" after RoPE, "v", "heads")."""
+                ) -> tuple[jax.Array, attention.HeadActivations]:
+    """(output [B, T, D], the per-head activations of ``attention.attention_heads``)."""
     cfg = self.cfg
     params = {name: getattr(self, name).tree() for name in ("query", "key", "value", "out")}
     taps = attention.attention_heads(
         params, x, pos_encoding="rope" if cfg.rotary else "none", rope_pairing=cfg.rope_pairing,
         rope_base=cfg.rope_base, rotary_fraction=cfg.rotary_fraction, causal=cfg.causal,
         positions=positions, mask=mask)
-    return attention.output_projection(params, taps["heads"]), taps
+    return attention.output_projection(params, taps.heads), taps
 
 
 class Mlp(nnx.Module):
@@ -176,10 +180,10 @@ class Block(nnx.Module):
     self.mlp = Mlp(cfg, rngs=rngs)
 
   def __call__(self, x, *, positions, mask, taps: bool = False):
-    """x [B, T, D] -> (x, parts): parts {"attention": the attention output [B, T, D],
-    "mlp": the FFN hidden units [B, T, F]}, and with ``taps`` the attention's per-head
-    activations as "attention:q", "attention:k", "attention:v", "attention:heads"
-    (``Attention.with_taps``)."""
+    """x [B, T, D] -> (x, parts): parts {ATTENTION: the attention output [B, T, D],
+    MLP: the FFN hidden units [B, T, F]}, and with ``taps`` the attention's per-head
+    activations (``Attention.with_taps``) under ``spec.tap(ATTENTION, t)`` for t in
+    ``spec.SITE_TAPS`` ("attention:q", ...)."""
     attend = lambda y: self.attention.with_taps(y, positions=positions, mask=mask)
     if self.post_norm:
       attn, heads = attend(x)
@@ -195,9 +199,9 @@ class Block(nnx.Module):
       x = x + attn
       out, hidden = self.mlp(self.mlp_norm(x))
       x = x + out
-    parts = {"attention": attn, "mlp": hidden}
+    parts = {ATTENTION: attn, MLP: hidden}
     if taps:
-      parts |= {f"attention:{k}": v for k, v in heads.items()}
+      parts |= {spec_lib.tap(ATTENTION, k): v for k, v in heads._asdict().items()}
     return x, parts
 
 
@@ -229,7 +233,7 @@ class TransformerCore(nnx.Module):
       "layers_i": layer output [B, T, D]}. Their last axes are the ones that
       the spec's factors "residual" and "layers_i/mlp" act on.
     """
-    inter = {"embed": x}
+    inter = {EMBED: x}
     if layers is not None:
       x = layers(x, positions=positions, mask=mask)
     else:
@@ -333,11 +337,18 @@ def norm_axes(prefix: str, cfg: Config, r: str | None) -> Axes:
   return axes
 
 
+def dense_leaves(prefix: str, use_bias: bool) -> tuple[str, str | None]:
+  """The (kernel, bias or None) leaf paths of the ``Dense`` at path ``prefix``."""
+  return f"{prefix}/kernel", f"{prefix}/bias" if use_bias else None
+
+
 def dense_axes(prefix: str, kernel: tuple[str | None, ...], bias: tuple[str | None, ...] | None,
                use_bias: bool) -> Axes:
-  axes = {f"{prefix}/kernel": kernel}
-  if use_bias:
-    axes[f"{prefix}/bias"] = bias
+  """Spec axes of the ``Dense`` at ``prefix``: ``kernel``'s, and ``bias``'s when it has one."""
+  kernel_path, bias_path = dense_leaves(prefix, use_bias)
+  axes = {kernel_path: kernel}
+  if bias_path is not None:
+    axes[bias_path] = bias
   return axes
 
 
@@ -356,6 +367,7 @@ class SpecBuilder:
     sites: the attention sites by parameter prefix.
     readers: each RMSNorm scale and the leaves that read its output (used for
       an orthogonal residual only).
+    writers: each layer part's projection into the stream (``spec.SymmetrySpec``).
   """
   cfg: Config
   r: str | None
@@ -363,6 +375,7 @@ class SpecBuilder:
   axes: Axes = dataclasses.field(default_factory=dict)
   sites: dict[str, spec_lib.AttentionSite] = dataclasses.field(default_factory=dict)
   readers: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  writers: dict[str, tuple[str, str | None]] = dataclasses.field(default_factory=dict)
 
   def build(self) -> spec_lib.SymmetrySpec:
     """The spec; norm scales are listed only for an orthogonal residual (RMSNorm)."""
@@ -370,7 +383,7 @@ class SpecBuilder:
     factors = self.factors if residual is None else {self.r: residual, **self.factors}
     orthogonal = residual is not None and residual.kind == "orthogonal"
     return spec_lib.SymmetrySpec(factors, self.axes, self.sites,
-                                 self.readers if orthogonal else {})
+                                 self.readers if orthogonal else {}, self.writers)
 
 
 def core_spec(cfg: Config) -> SpecBuilder:
@@ -379,7 +392,8 @@ def core_spec(cfg: Config) -> SpecBuilder:
   Holds: the FFN permutation "layers_i/mlp" per layer, every layer leaf's
   axes, the attention site "layers_i/attention" per layer (group "rope" with
   its layout for rotary models, "gl" otherwise), the final norm (pre-norm),
-  and each norm scale with the leaves that read its output.
+  each norm scale with the leaves that read its output, and the output and down
+  projections that write each layer's attention and FFN into the stream.
   """
   site = spec_lib.AttentionSite(cfg.num_heads, cfg.head_dim, num_kv_heads=cfg.num_kv_heads,
                                 group="rope" if cfg.rotary else "gl",
@@ -388,20 +402,23 @@ def core_spec(cfg: Config) -> SpecBuilder:
   spec = SpecBuilder(cfg, RESIDUAL if residual_factor(cfg) is not None else None)
   r, axes = spec.r, spec.axes
   for i in range(cfg.depth):
-    lp, f = f"layers_{i}", f"layers_{i}/mlp"
+    lp = f"layers_{i}"
+    a, f = f"{lp}/{ATTENTION}", f"{lp}/{MLP}"
     spec.factors[f] = spec_lib.Factor(cfg.mlp_dim)
-    spec.sites[f"{lp}/attention"] = site
+    spec.sites[a] = site
     axes |= norm_axes(f"{lp}/attention_norm", cfg, r) | norm_axes(f"{lp}/mlp_norm", cfg, r)
     for name in ("query", "key", "value"):
-      axes |= dense_axes(f"{lp}/attention/{name}", (r, None, None), (None, None), cfg.qkv_bias)
-    axes |= dense_axes(f"{lp}/attention/out", (None, None, r), (r,), cfg.out_bias)
+      axes |= dense_axes(f"{a}/{name}", (r, None, None), (None, None), cfg.qkv_bias)
+    axes |= dense_axes(f"{a}/out", (None, None, r), (r,), cfg.out_bias)
     mlp_in = ("gate", "up") if cfg.gated_mlp else ("wi",)
     mlp_out = "down" if cfg.gated_mlp else "wo"
     for name in mlp_in:
       axes |= dense_axes(f"{f}/{name}", (r, f), (f,), cfg.mlp_bias)
     axes |= dense_axes(f"{f}/{mlp_out}", (f, r), (r,), cfg.mlp_bias)
+    spec.writers[a] = dense_leaves(f"{a}/out", cfg.out_bias)
+    spec.writers[f] = dense_leaves(f"{f}/{mlp_out}", cfg.mlp_bias)
     spec.readers[f"{lp}/attention_norm/scale"] = tuple(
-        f"{lp}/attention/{n}/kernel" for n in ("query", "key", "value"))
+        f"{a}/{n}/kernel" for n in ("query", "key", "value"))
     spec.readers[f"{lp}/mlp_norm/scale"] = tuple(f"{f}/{n}/kernel" for n in mlp_in)
   if not cfg.post_norm:
     axes |= norm_axes("final_norm", cfg, r)

@@ -242,18 +242,18 @@ class Model:
   def _embed_entries(self, x: jax.Array) -> dict[str, jax.Array]:
     """The activations of the stream x entering the layers (``activations``' keys)."""
     r = self._residual
-    return {f"{r}:embed": x} if r else {}
+    return {spec_lib.tap(r, core.EMBED): x} if r else {}
 
   def _layer_entries(self, i: int, x: jax.Array, parts: Mapping[str, jax.Array]
                      ) -> dict[str, jax.Array]:
     """The activations of layer i (``activations``' keys) from its output x and its
     ``core.Block`` parts (with taps)."""
-    parts, r = dict(parts), self._residual
-    out = {f"layers_{i}/mlp": parts.pop("mlp")}
-    attention = parts.pop("attention")
-    out |= {f"layers_{i}/{k}": v for k, v in parts.items()}
+    parts, r, layer = dict(parts), self._residual, f"layers_{i}"
+    out = {f"{layer}/{core.MLP}": parts.pop(core.MLP)}
+    attention = parts.pop(core.ATTENTION)
+    out |= {f"{layer}/{k}": v for k, v in parts.items()}
     if r:
-      out |= {f"{r}:layers_{i}/attention": attention, f"{r}:layers_{i}": x}
+      out |= {spec_lib.tap(r, f"{layer}/{core.ATTENTION}"): attention, spec_lib.tap(r, layer): x}
     return out
 
   @functools.cached_property
