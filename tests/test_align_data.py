@@ -9,6 +9,7 @@ stream), written in A's layout; an independent pair is B drawn afresh (``Model.i
 
 import json
 import os
+import shutil
 import types
 
 import jax
@@ -289,3 +290,90 @@ def test_bert_classifier_match_data_drops_the_label_column(tmp_path):
                                           batch_size=2, seq_len=5, max_batches=1)[0])
   for key in (model.input_key, "mask"):
     np.testing.assert_array_equal(read[0][key], read[1][key])
+
+
+@pytest.mark.slow
+def test_learned_trains_on_match_data_and_is_judged_on_the_evaluation_file(gpt2, tmp_path,
+                                                                           capsys):
+  """--method learned with --match-data TRAIN --eval-text HELDOUT: its steps read TRAIN's
+  batches but the last, on which it picks its iterate; the curve is HELDOUT's. The lambda band
+  draws with the key of --seed; report.json names both files and the seed."""
+  out = str(tmp_path / "out")
+  heldout = _text(tmp_path / "heldout.txt", 192)
+  report, lines = _run(capsys, gpt2["a"], gpt2["independent"], "--out", out, "--method",
+                       "learned", "--match-data", gpt2["text"], "--eval-text", heldout,
+                       "--learn-lam-band", "10", "--seed", "3", "--learn-steps", "4")
+  assert report["seed"] == 3 and report["options"]["learn_lam_band"] == 10
+  assert report["learned"]["steps"] == 4 and report["learned"]["lambda_band"] == pytest.approx(0.1)
+  assert report["match_data"]["path"] == gpt2["text"] and report["eval"]["text"] == heldout
+  assert report["eval"]["training_data"] == gpt2["text"]
+  assert [report["eval"][k] for k in ("training_batches", "holdout_batches")] == [2, 1]
+  assert any(line.startswith("loss barrier:") for line in lines)
+
+
+def _tokenizer_variant(gpt2, tmp_path, name, change):
+  """A copy of the planted folder whose tokenizer.json is rewritten by ``change`` (of its
+  parsed JSON), indented otherwise than A's."""
+  folder = tmp_path / name
+  shutil.copytree(gpt2["planted"], folder)
+  path = folder / "tokenizer.json"
+  tokenizer = json.loads(path.read_text(encoding="utf-8"))
+  change(tokenizer)
+  path.write_text(json.dumps(tokenizer, indent=7, sort_keys=True), encoding="utf-8")
+  return str(folder)
+
+
+def test_tokenizers_are_compared_by_what_they_do(gpt2, tmp_path, capsys):
+  """A tokenizer.json re-indented, its keys re-ordered, its merges written as pairs: accepted.
+  A changed vocabulary: refused, naming the part that differs."""
+  def as_pairs(tokenizer):
+    if "merges" in tokenizer["model"]:  # a BPE model's; this word-level one has none
+      tokenizer["model"]["merges"] = [m.split(" ", 1) if isinstance(m, str) else m
+                                      for m in tokenizer["model"]["merges"]]
+
+  same = _tokenizer_variant(gpt2, tmp_path, "same", as_pairs)
+  _run(capsys, gpt2["a"], same, "--out", str(tmp_path / "out"), "--eval-text", gpt2["text"])
+
+  def new_word(tokenizer):
+    vocab = tokenizer["model"]["vocab"]
+    vocab[next(iter(vocab))] = max(vocab.values()) + 1
+
+  other = _tokenizer_variant(gpt2, tmp_path, "other", new_word)
+  line = _refusal(capsys, gpt2["a"], other, "--out", str(tmp_path / "out2"), "--eval-text",
+                  gpt2["text"])
+  assert line == (f"MODEL_A {gpt2['a']} and MODEL_B {other} have tokenizers that differ in "
+                  "their vocabulary (tokenizer.json)")
+
+
+def test_merges_in_either_form_are_one_tokenizer():
+  """BPE merges written as "a b" (older files) or as ["a", "b"] (newer ones) are the same
+  merges; absent and empty merges too."""
+  part = lambda merges: _check._tokenizer_part({"model": {"merges": merges}}, ("model", "merges"))
+  assert part(["a b", "ab c"]) == part([["a", "b"], ["ab", "c"]])
+  assert part(["a b"]) != part([["a", "c"]])
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_ends_in_one_line_and_leaves_nothing(gpt2, tmp_path):
+  """SIGINT (Ctrl-C) mid-run: one line saying nothing was written, exit status 130, no
+  traceback, and no folder left at --out."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "out"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "attn_symmetry.align", gpt2["a"], gpt2["independent"], "--out",
+       str(out), "--method", "learned", "--eval-text", gpt2["text"], "--learn-steps", "1000000",
+       "--compilation-cache", ""],
+      cwd=root, env=dict(os.environ, PYTHONPATH=root), stderr=subprocess.PIPE, text=True)
+  lines = []
+  for line in proc.stderr:  # the check stage's line: the run is under way
+    lines.append(line)
+    if line.startswith("[align] load:"):
+      break
+  proc.send_signal(signal.SIGINT)
+  lines += proc.stderr.readlines()
+  assert proc.wait(timeout=120) == 130, lines
+  assert lines[-1] == f"attn-symmetry align: interrupted: nothing written to {out}\n", lines
+  assert not any("Traceback" in line for line in lines) and not out.exists()

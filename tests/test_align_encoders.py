@@ -201,17 +201,30 @@ def _refused_before_any_work(capsys, root, *args):
 
 
 def test_an_evaluation_of_a_bare_encoder_is_refused_in_one_line(tmp_path, capsys):
-  """A bare encoder has no loss: --eval-text (and so --method learned) is refused before any
-  work, naming the option."""
+  """A bare encoder has no loss: --eval-text is refused before any work, naming the option."""
   pytest.importorskip("tokenizers")
   a, b = _pair(tmp_path)
   text = tmp_path / "valid.txt"
   text.write_text("the cat sat on the mat\n")
-  for method in ("full", "learned"):
-    line = _refused_before_any_work(capsys, tmp_path, a, b, "--eval-text", str(text), "--method",
-                                    method)
-    assert f"--eval-text {text}: this checkpoint (bert without a task head, 'encoder') outputs " \
-           "its last hidden state and has no loss to evaluate" in line, line
+  line = _refused_before_any_work(capsys, tmp_path, a, b, "--eval-text", str(text))
+  assert f"--eval-text {text}: this checkpoint (bert without a task head, 'encoder') outputs " \
+         "its last hidden state and has no loss to evaluate" in line, line
+
+
+def test_a_method_that_trains_on_a_loss_is_refused_for_a_bare_encoder_saying_why(tmp_path,
+                                                                                  capsys):
+  """One line, before any work, whatever data is given: what the method needs (a task head)
+  and which methods need no loss; never a request for a file it would then refuse."""
+  pytest.importorskip("tokenizers")
+  a, b = _pair(tmp_path)
+  text = tmp_path / "valid.txt"
+  text.write_text("the cat sat on the mat\n")
+  line = _refused_before_any_work(capsys, tmp_path, a, b, "--eval-text", str(text), "--method",
+                                  "learned")
+  assert line.endswith("--method learned trains on a task loss, which this checkpoint (bert "
+                       "without a task head, 'encoder') does not have: align a checkpoint with a "
+                       "task head, or use a method that needs none (naive, perm, ortho, full, "
+                       "activation)"), line
 
 
 def test_a_bert_head_that_is_not_read_is_named(tmp_path, capsys):
