@@ -192,7 +192,7 @@ def test_a_verdict_that_does_not_survive_holm_falls_back():
             claims.Judged("", "differs", 0.03, "undetermined"),
             claims.Judged("", "agrees", 0.005, "undetermined"),
             claims.Judged("n/a: why", "n/a", None, "n/a")]
-  assert claims._corrected(judged, claims.Rules()) == [
+  assert claims.corrected(judged, claims.Rules()) == [
       "agrees", "consistent", "undetermined", "agrees", "n/a"]
 
 
@@ -278,7 +278,7 @@ def test_a_row_across_the_settings_joins_its_claims_family(tmp_path):
   assert across.verdict == "agrees" and across.p > 0.05 / 5
   assert across.corrected == "consistent"
   # as a family of one, with its deciding test alone (the rule before), it stood
-  (alone,) = claims._corrected([claims.Judged("", "agrees", across.p, "consistent", None,
+  (alone,) = claims.corrected([claims.Judged("", "agrees", across.p, "consistent", None,
                                               (across.p,))], claims.Rules())
   assert alone == "agrees"
 
@@ -288,8 +288,8 @@ def test_every_test_of_a_row_counts_in_its_family():
   test, not with two (Holm: 2 x 0.03 > 0.05)."""
   one = claims.Judged("", "agrees", 0.03, "undetermined", None, (0.03,))
   two = claims.Judged("", "agrees", 0.03, "undetermined", None, (0.03, 0.9))
-  assert claims._corrected([one], claims.Rules()) == ["agrees"]
-  assert claims._corrected([two], claims.Rules()) == ["undetermined"]
+  assert claims.corrected([one], claims.Rules()) == ["agrees"]
+  assert claims.corrected([two], claims.Rules()) == ["undetermined"]
   decision = claims.range_verdict(claims.Estimate(10.0, 1.0, 9), 7.0, 12.0, claims.Rules())
   assert len(decision.tests) == 2 and decision.p == min(decision.tests)
   assert len(claims.ordering_verdict(claims.Estimate(-3.0, 1.0, 9), claims.Rules()).tests) == 3

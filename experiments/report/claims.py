@@ -543,16 +543,16 @@ class _Entry(NamedTuple):
   other: str
 
 
-def _row(entry: _Entry, corrected: str) -> Row:
+def _row(entry: _Entry, after: str) -> Row:
   where = entry.setting if entry.scope == FIRST else f"{entry.setting}-{entry.scope}"
   anchor = re.sub(r"[^a-z0-9]+", "-", f"{entry.key}-{where}".lower()).strip("-")
   judged = entry.judged
   tests = len(judged.tests or (judged.p,)) if judged.p is not None else 0
   return Row(entry.text, entry.setting, entry.scope, entry.domain, judged.estimate, judged.p,
-             judged.verdict, corrected, entry.other, anchor, judged.figure, tests, entry.family)
+             judged.verdict, after, entry.other, anchor, judged.figure, tests, entry.family)
 
 
-def _corrected(judged: Sequence[Judged], rules: Rules) -> list[str]:
+def corrected(judged: Sequence[Judged], rules: Rules) -> list[str]:
   """Each row's verdict after Holm over every test of ``judged`` (one claim's family; n/a rows
   stay n/a): a row with k tests enters k hypotheses, and its verdict stands when the test it
   rests on (``Judged.p``) survives."""
@@ -597,7 +597,7 @@ def verdict_rows(results_root: str, rules: Rules = Rules()) -> list[Row]:
   after: dict[int, str] = {}
   for family in dict.fromkeys(e.family for e in entries):
     members = [k for k, e in enumerate(entries) if e.family == family]
-    after.update(zip(members, _corrected([entries[k].judged for k in members], rules)))
+    after.update(zip(members, corrected([entries[k].judged for k in members], rules)))
   return [_row(e, after[k]) for k, e in enumerate(entries)]
 
 
@@ -613,7 +613,7 @@ def _trend(slope: regime.Slope | None, rules: Rules) -> Judged:
   return _judged(text, decision, (slope.estimate, slope.low, slope.high, unit))
 
 
-def _p(p: float | None) -> str:
+def show_p(p: float | None) -> str:
   return "" if p is None else "<0.001" if p < 0.001 else f"{p:.3f}"
 
 
@@ -634,7 +634,7 @@ def verdict_table(results_root: str, rules: Rules = Rules()) -> str:
            "|---|---|---|---|---|---|---|---|---|---|"]
   rows = verdict_rows(results_root, rules)
   lines += [f"| <a id=\"{r.anchor}\"></a>{r.claim} | {r.setting} | {r.scope} | {r.domain} | "
-            f"{r.estimate} | {_p(r.p)} | {r.tests or ''} | {r.verdict} | {r.corrected} | "
+            f"{r.estimate} | {show_p(r.p)} | {r.tests or ''} | {r.verdict} | {r.corrected} | "
             f"{r.other} |" for r in rows]
   lines += ["", f"Before the correction: {counts(rows, 'verdict')}. After Holm's correction "
                 f"within each claim's family, every test counted: {counts(rows, 'corrected')}."]
