@@ -335,3 +335,17 @@ def test_data_are_classed_by_size_and_a_kind_that_disagrees_is_an_extrapolation(
   assert counted.startswith("0 agrees, 0 consistent, 0 no gap, 1 differs, 0 undetermined, "
                             "0 n/a of 1 rows in the claims' domains")
   assert "extrapolations, not counted there: 1 agrees" in counted
+
+
+def test_trend_rows_on_the_barrier_itself_use_the_floor_as_their_margin():
+  slope = claims.regime.Slope(0.01, 0.005, 0.015, 0.002, 4, True)
+  assert claims._trend(slope, claims.Rules(), ratio=False).verdict == claims.NO_GAP
+  assert claims._trend(slope, claims.Rules(), ratio=True).verdict == claims.NO_GAP
+  rising = claims.regime.Slope(0.45, 0.3, 0.6, 0.056, 4, True)
+  judged = claims._trend(rising, claims.Rules(), ratio=False, loss_unit="bits",
+                         ended="32 (8): 5 budget")
+  assert judged.verdict == claims.AGREES and len(judged.tests) == 3
+  assert judged.estimate.startswith("+0.450 [+0.300, +0.600] bits/doubling (paired, df 4)")
+  assert judged.estimate.endswith("; runs ended: 32 (8): 5 budget")
+  assert claims.FAMILY["scale-precludes-lmc"] == claims.FAMILY["scale-raises-barrier"] == (
+      "full-model-lmc")

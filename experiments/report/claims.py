@@ -450,7 +450,9 @@ ACROSS: tuple[tuple[str, str, str, tuple[float, float]], ...] = (
 ACROSS_SETTING = "Table 1 settings"  # the setting cell of the rows across them
 # The family each row joins, by its key where that is not the family's own (docs/lmc.md,
 # 'Verdicts': family-wise correction): the ranges across settings join their ranges.
-FAMILY = {"full-range-across": "full-range", "variant2-range-across": "variant2-range"}
+# The sweeps' trends join the full-model claim they restate.
+FAMILY = {"full-range-across": "full-range", "variant2-range-across": "variant2-range",
+          "scale-precludes-lmc": "full-model-lmc", "scale-raises-barrier": "full-model-lmc"}
 
 # The paper's full-model claim as a trend: "as dataset scale and model capacity increase, the loss
 # landscape becomes sufficiently complex to preclude LMC", judged on each sweep's slope
@@ -459,6 +461,11 @@ FAMILY = {"full-range-across": "full-range", "variant2-range-across": "variant2-
 # is flat ("no gap") when inside [-delta_0, delta_0] per doubling.
 TREND = ("scale-precludes-lmc", "capacity and data scale preclude full-model LMC (the aligned "
          "barrier, % of naive, rises per doubling of width or data)")
+# The same on the aligned loss barrier itself (nats, or bits per byte), beside the ratio: flat
+# ("no gap") inside +-``FLOOR`` per doubling, the floor under which a barrier is evaluation noise.
+TREND_ABSOLUTE = ("scale-raises-barrier", "capacity and data scale preclude full-model LMC (the "
+                  "aligned loss barrier itself, nats or bits, rises per doubling of width or "
+                  "data)")
 
 
 class Row(NamedTuple):
@@ -583,9 +590,13 @@ def _entries(results_root: str, rules: Rules) -> list[_Entry]:
     out.append(_Entry(key, text, FAMILY.get(key, key), ACROSS_SETTING, FIRST, "Table 1", judged,
                       ""))
   for sweep in regime.SWEEPS:
-    for method, slope in regime.trends(results_root, sweep).items():
-      out.append(_Entry(TREND[0], TREND[1], FAMILY.get(TREND[0], TREND[0]), f"sweep {sweep.key}",
-                        method, "extrapolation", _trend(slope, rules), ""))
+    ended = regime.endpoints(results_root, sweep)
+    unit = regime.loss_unit(results_root, sweep)
+    for (key, text), ratio in ((TREND, True), (TREND_ABSOLUTE, False)):
+      for method, slope in regime.trends(results_root, sweep, ratio).items():
+        judged = _trend(slope, rules, ratio, unit, ended)
+        out.append(_Entry(key, text, FAMILY[key], f"sweep {sweep.key}", method, "extrapolation",
+                          judged, ""))
   return out
 
 
@@ -601,15 +612,26 @@ def verdict_rows(results_root: str, rules: Rules = Rules()) -> list[Row]:
   return [_row(e, after[k]) for k, e in enumerate(entries)]
 
 
-def _trend(slope: regime.Slope | None, rules: Rules) -> Judged:
-  """``TREND``'s verdict on one slope: the ordering rule on its negation, so that a rise
-  agrees."""
+def _trend(slope: regime.Slope | None, rules: Rules, ratio: bool = True, loss_unit: str = "nats",
+           ended: str = "") -> Judged:
+  """``TREND``'s verdict on one slope (``TREND_ABSOLUTE``'s unless ``ratio``): the ordering rule
+  on its negation, so that a rise agrees, with the margin delta_0 points per doubling on the
+  ratio and ``FLOOR`` on the barrier itself. The text adds the design (paired or not), the
+  curvature with three or more points, and how each point's runs ended (``ended``)."""
   if slope is None:
-    return _na("n/a: fewer than two points with a ratio")
-  unit = " points/doubling"
+    return _na("n/a: fewer than two points with a value")
+  unit, digits = (" points/doubling", 1) if ratio else (f" {loss_unit}/doubling", 3)
+  margin = rules if ratio else dataclasses.replace(rules, no_gap_margin=FLOOR)
   # -slope below 0 (the ordering rule's "agrees") is a rise
-  decision = ordering_verdict(Estimate(-slope.estimate, slope.se, slope.df), rules)
-  text = f"{slope.estimate:+.1f}{unit} [{slope.low:+.1f}, {slope.high:+.1f}] (df {slope.df})"
+  decision = ordering_verdict(Estimate(-slope.estimate, slope.se, slope.df), margin)
+  show = lambda v, lo, hi: f"{v:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+  text = (f"{show(slope.estimate, slope.low, slope.high)}{unit} "
+          f"({'paired' if slope.paired else 'unpaired'}, df {slope.df})")
+  if slope.curvature is not None:
+    c = slope.curvature
+    text += f"; curvature {show(c.estimate, c.low, c.high)}"
+  if ended:
+    text += f"; runs ended: {ended}"
   return _judged(text, decision, (slope.estimate, slope.low, slope.high, unit))
 
 
