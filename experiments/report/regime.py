@@ -1,4 +1,4 @@
-"""Where full-model LMC holds: the sweeps' tables and trends, from the committed runs.
+"""The sweeps of the full model (width, data size): their tables and trends, from the committed runs.
 
 A sweep (``Sweep``, ``SWEEPS``) is a set of settings of ``experiments/configs/cpu_paper.py``
 that differ in one quantity x and study the "full" scope (every model trained from scratch
