@@ -119,6 +119,8 @@ def test_ablation_and_full_model_claims_apply_only_where_they_were_measured(tmp_
       ("scratch", "differs", "small data"), ("text", "agrees", "extrapolation"),
       ("unknown", "n/a", "extrapolation")]
   assert lmc[2].estimate == "n/a: the paper gives no scale for data set None"
+  assert "wiki_bytes: large in kind, unclassified by size (5,480,771 training bytes)" in (
+      lmc[1].estimate)
   assert not _rows(tmp_path, "ours")  # no "learned" method in these results
 
 
@@ -149,7 +151,9 @@ def test_p_beyond_is_alpha_where_the_interval_touches_the_bound():
     (10.0, 1.0, 0.0, "consistent"),    # estimate in 7-12, interval past 12
     (13.5, 0.4, 2.5, "agrees"),        # [12.60, 14.40]: outside 7-12, inside the margin
     (13.0, 1.0, 2.5, "undetermined"),  # [10.74, 15.26]: past 14.5, touches 7-12
-    (16.0, 1.0, 2.5, "differs"),       # [13.74, 18.26] misses 7-12
+    (16.0, 1.0, 2.5, "undetermined"),  # [13.74, 18.26] misses 7-12 but reaches 14.5
+    (18.0, 1.0, 2.5, "differs"),       # [15.74, 20.26] leaves the widened range
+    (2.1, 1.15, 2.5, "undetermined"),  # [-0.5, 4.7]: below 7-12, reaches 4.5
     (10.0, 3.0, 2.5, "consistent"),    # [3.21, 16.79]
 ])
 def test_range_rule_on_hand_computed_intervals(value, se, margin, verdict):
@@ -188,7 +192,7 @@ def test_a_verdict_that_does_not_survive_holm_falls_back():
             claims.Judged("", "differs", 0.03, "undetermined"),
             claims.Judged("", "agrees", 0.005, "undetermined"),
             claims.Judged("n/a: why", "n/a", None, "n/a")]
-  assert claims._corrected(judged, claims.Rules()) == [
+  assert claims.corrected(judged, claims.Rules()) == [
       "agrees", "consistent", "undetermined", "agrees", "n/a"]
 
 
@@ -244,3 +248,104 @@ def test_the_scale_trend_agrees_on_a_rise_differs_on_a_fall_and_is_flat_inside_t
   assert judged.verdict == verdict
   assert judged.figure == (estimate, estimate - t, estimate + t, " points/doubling")
   assert claims._trend(None, claims.Rules()).verdict == claims.NA
+
+
+def test_differs_only_where_the_interval_leaves_the_widened_range(tmp_path):
+  """A planted row whose interval misses 7-12 % but reaches the widened range's edge (4.5 %)
+  does not differ; one that leaves it does."""
+  naive = [1.0] * 10
+  _write(tmp_path, "edge", "first_attention",
+         _methods(naive, full=[0, 4, 0, 4, 2, 2, 1, 5, 2, 5], ortho=[14] * 10, perm=[90] * 10))
+  _write(tmp_path, "far", "first_attention",
+         _methods(naive, full=[30 + 0.1 * k for k in range(10)], ortho=[14] * 10,
+                  perm=[90] * 10))
+  rows = {r.setting: r for r in _rows(tmp_path, "full method at 7-12")}
+  low, high = rows["edge"].figure[1:3]
+  assert low < 0.0 and 4.5 < high < 7.0  # 2.5 % [-0.3, 5.3]: it reaches the widened edge
+  assert rows["edge"].verdict == "undetermined" and rows["far"].verdict == "differs"
+  assert rows["far"].tests == 2
+
+
+def test_a_row_across_the_settings_joins_its_claims_family(tmp_path):
+  """The across-settings row is tested in the range's family: alone it would agree (p < 0.05),
+  among the settings' rows (eight tests) it falls back to consistent."""
+  for k, level in enumerate((8, 10, 11)):
+    _write(tmp_path, f"table1_{k}", "first_attention",
+           _methods([1.0] * 10, full=[level + 0.1 * j for j in range(10)], ortho=[14] * 10,
+                    perm=[90] * 10))
+  (across,) = _rows(tmp_path, "full method at 7-12", across=True)
+  assert across.family == "full-range" and across.tests == 2
+  assert across.verdict == "agrees" and across.p > 0.05 / 5
+  assert across.corrected == "consistent"
+  # as a family of one, with its deciding test alone (the rule before), it stood
+  (alone,) = claims.corrected([claims.Judged("", "agrees", across.p, "consistent", None,
+                                              (across.p,))], claims.Rules())
+  assert alone == "agrees"
+
+
+def test_every_test_of_a_row_counts_in_its_family():
+  """A row decided by the smaller of two tests counts twice: p = 0.03 alone stands with one
+  test, not with two (Holm: 2 x 0.03 > 0.05)."""
+  one = claims.Judged("", "agrees", 0.03, "undetermined", None, (0.03,))
+  two = claims.Judged("", "agrees", 0.03, "undetermined", None, (0.03, 0.9))
+  assert claims.corrected([one], claims.Rules()) == ["agrees"]
+  assert claims.corrected([two], claims.Rules()) == ["undetermined"]
+  decision = claims.range_verdict(claims.Estimate(10.0, 1.0, 9), 7.0, 12.0, claims.Rules())
+  assert len(decision.tests) == 2 and decision.p == min(decision.tests)
+  assert len(claims.ordering_verdict(claims.Estimate(-3.0, 1.0, 9), claims.Rules()).tests) == 3
+
+
+def test_rank_and_lhat_intervals_respect_their_bounds(tmp_path):
+  """A planted ablation whose untransformed intervals would reach below rank 1 and L-hat 0."""
+  naive = [1.0] * 10
+  ranks = [1, 1, 1, 1, 9, 1, 1, 1, 1, 2]
+  per_pair = [{"loss_rank": r, "loss_lhat": 4.0 * (r - 1) + 0.1} for r in ranks]
+  _write(tmp_path, "table1_x", "first_attention",
+         _methods(naive, full=[10] * 10, ortho=[12] * 10, perm=[90] * 10),
+         ablation={"permutations": {"per_pair": per_pair}})
+  pairs = [(a, b, r) for (a, b), r in zip(itertools.combinations(SEEDS, 2), ranks)]
+  raw = claims.ss.jackknife(pairs)
+  assert raw.low < 1.0  # what the untransformed interval would print
+  (rank,) = _rows(tmp_path, "Stage 1's rank low")
+  (lhat,) = _rows(tmp_path, "L̂ near 0")
+  assert 1.0 <= rank.figure[1] < rank.figure[0] < rank.figure[2] <= 24.0
+  assert 0.0 <= lhat.figure[1] < lhat.figure[0] < lhat.figure[2]
+  assert "clipped" not in rank.estimate
+  # a leave-one-seed-out mean on the bound (every pair without seed_5 at rank 1): clipped
+  on_bound = [(a, b, 3.0 if "seed_5" in (a, b) else 1.0)
+              for a, b in itertools.combinations(SEEDS, 2)]
+  bounded = claims.ss.bounded_jackknife(on_bound, claims.RANK_BOUNDS)
+  assert not bounded.transformed and bounded.interval.low == 1.0
+
+
+def test_data_are_classed_by_size_and_a_kind_that_disagrees_is_an_extrapolation(tmp_path):
+  assert claims.size_class("fashion_mnist_deb") == claims.SMALL
+  assert claims.size_class("mnist5k") == claims.SMALL
+  assert claims.size_class("wiki_bytes") == claims.UNCLASSIFIED  # 16 x smaller than enwik8
+  assert claims.size_class("unknown") == claims.UNCLASSIFIED
+  naive = [1.0] * 10
+  _write(tmp_path, "text", "full", _methods(naive, full=[60 + k for k in range(10)]),
+         dataset="wiki_bytes")
+  _write(tmp_path, "images", "full", _methods(naive, full=[60 + k for k in range(10)]),
+         dataset="fashion_mnist_deb")
+  rows = {r.setting: r for r in _rows(tmp_path, "full-model LMC")}
+  assert rows["text"].domain == "extrapolation" and rows["text"].verdict == "agrees"
+  assert rows["images"].domain == "small data" and rows["images"].verdict == "differs"
+  counted = claims.counts(list(rows.values()), "verdict")
+  assert counted.startswith("0 agrees, 0 consistent, 0 no gap, 1 differs, 0 undetermined, "
+                            "0 n/a of 1 rows in the claims' domains")
+  assert "extrapolations, not counted there: 1 agrees" in counted
+
+
+def test_trend_rows_on_the_barrier_itself_use_the_floor_as_their_margin():
+  slope = claims.regime.Slope(0.01, 0.005, 0.015, 0.002, 4, True)
+  assert claims._trend(slope, claims.Rules(), ratio=False).verdict == claims.NO_GAP
+  assert claims._trend(slope, claims.Rules(), ratio=True).verdict == claims.NO_GAP
+  rising = claims.regime.Slope(0.45, 0.3, 0.6, 0.056, 4, True)
+  judged = claims._trend(rising, claims.Rules(), ratio=False, loss_unit="bits",
+                         ended="32 (8): 5 budget")
+  assert judged.verdict == claims.AGREES and len(judged.tests) == 3
+  assert judged.estimate.startswith("+0.450 [+0.300, +0.600] bits/doubling (paired, df 4)")
+  assert judged.estimate.endswith("; runs ended: 32 (8): 5 budget")
+  assert claims.FAMILY["scale-precludes-lmc"] == claims.FAMILY["scale-raises-barrier"] == (
+      "full-model-lmc")

@@ -79,6 +79,9 @@ def test_width_table_has_a_row_per_committed_width_and_the_slopes(tmp_path):
   cells = {line.split(" | ")[0]: line.split(" | ")[1:] for line in table.splitlines()}
   assert cells["| naive: loss barrier"][0] == "-1.0600 nats"
   assert cells["| full: % of naive"][0] in ("+0.0 points", "-0.0 points")
+  assert cells["| full: % of naive"][2] == "paired"  # two widths: no curvature
+  assert cells["| full: % of naive"][3] == ""
+  assert "How the runs ended, per point: " in table and ": 5 plateau" in table
   assert cells["| learned: loss barrier"][0] == "-0.1060 nats"
   assert "patience 10" not in table
   # a point rerun under the more patient rule gets a row of its own, outside the slopes
@@ -140,8 +143,52 @@ def test_a_sweep_table_shows_every_method_its_points_have_and_judges_each_trend(
   header = table.splitlines()[0]
   assert header.index("full: loss") < header.index("activation: loss") < header.index(
       "learned: loss")
-  assert "| 0.25 | 5 | " in table and "| activation: % of naive | +0.0 points |" in table
+  assert "| 0.25 | 5 | " in table
+  assert ("| activation: % of naive | +0.0 points |" in table
+          or "| activation: % of naive | -0.0 points |" in table)
+  assert "| paired |" in table and "How the runs ended, per point: 0.25: n/a;" in table
   slopes = regime.trends(str(tmp_path), sweep)
   assert set(slopes) == {"full", "activation", "learned"}
   assert slopes["activation"].estimate == pytest.approx(0.0, abs=1e-9)
   assert "No point of the sweep" in regime.sweep_table(str(tmp_path), regime.VIT_DATA)
+
+
+def _seed_effect_pairs(xs, slope_per_doubling, curvature=0.0, seeds=5):
+  """Each point's pairs: value = slope * log2 x + curvature * (log2 x - mean)^2 + a + b (seed
+  effects shared across the points, as a shared data order would make them)."""
+  x = [math.log2(v) for v in xs]
+  mean = sum(x) / len(x)
+  out = []
+  for xi in x:
+    out.append([(f"seed_{a}", f"seed_{b}",
+                 slope_per_doubling * xi + curvature * (xi - mean) ** 2 + 3.0 * (a + b))
+                for a, b in itertools.combinations(range(1, seeds + 1), 2)])
+  return out
+
+
+def test_paired_slope_is_the_mean_of_per_pair_slopes_and_removes_shared_seed_effects():
+  xs = (32, 64, 128)
+  per_point = _seed_effect_pairs(xs, 2.0)
+  s = regime.paired_slope(xs, per_point)
+  assert s.paired and s.estimate == pytest.approx(2.0) and s.se == pytest.approx(0.0, abs=1e-9)
+  # the unpaired slope sees the seeds' spread at each point as noise
+  unpaired = regime.slope(xs, [ss.jackknife(p) for p in per_point])
+  assert unpaired.estimate == pytest.approx(2.0) and unpaired.se > 1.0
+  assert s.curvature.estimate == pytest.approx(0.0, abs=1e-9)
+
+
+def test_curvature_finds_points_off_the_line_and_needs_three_points():
+  xs = (32, 64, 128, 256)
+  s = regime.paired_slope(xs, _seed_effect_pairs(xs, 1.0, curvature=0.5))
+  assert s.curvature.estimate == pytest.approx(0.5)
+  two = regime.paired_slope((32, 128), _seed_effect_pairs((32, 128), 1.0))
+  assert two.curvature is None and two.estimate == pytest.approx(1.0)
+
+
+def test_endpoints_say_how_each_point_ended(tmp_path):
+  training = {f"reinit/full/seed_{s}": {"steps": 6000, "stopped": "budget" if s < 4 else
+                                        "plateau", "loss": 0.4} for s in range(1, 6)}
+  width = sorted(cpu_paper.WIDTH_SWEEP)[0]
+  _commit_point(str(tmp_path), width, _results(2.0, 1.0, 0.2), training)
+  assert regime.endpoints(str(tmp_path), regime.VIT_WIDTH) == (
+      f"{width} ({width // cpu_paper.SWEEP_HEADS}): 2 plateau, 3 budget")

@@ -20,10 +20,10 @@ doubled so that p_>(c) <= alpha exactly when the printed 95 % interval lies abov
 (p_<(c) likewise, below c). Then:
 
 * a range claim [L, H] *agrees* when the interval lies inside [L - delta, H + delta]
-  (two one-sided tests, TOST: p = max(p_>(L - delta), p_<(H + delta)) <= alpha);
-  it is *consistent* when the estimate lies in [L, H] without that; it *differs*
-  when the interval misses [L, H] (p = min(p_<(L), p_>(H)) <= alpha); otherwise it
-  is *undetermined*;
+  (two one-sided tests, TOST: p = max(p_>(L - delta), p_<(H + delta)) <= alpha); it
+  *differs* when the interval lies wholly outside that same widened range
+  (p = min(p_<(L - delta), p_>(H + delta)) <= alpha); it is *consistent* when the
+  estimate lies in [L, H] without either; otherwise it is *undetermined*;
 * an ordering claim ("full below Variant 2") is judged on the paired differences
   d = lower - higher: *no gap* when the interval lies inside [-delta_0, delta_0]
   (TOST), else *agrees* when it lies below 0 (p_<(0)), *differs* when above (p_>(0)),
@@ -32,10 +32,16 @@ doubled so that p_>(c) <= alpha exactly when the printed 95 % interval lies abov
   full-model LMC) *agrees* when the interval lies on the claimed side of its cut-off,
   *differs* when on the other, and is *undetermined* otherwise.
 
-Holm's step-down correction runs over the rows of each claim: each row enters with
-the p-value of the test its verdict rests on (the smaller of its tests' when none
-decides), and a decided verdict whose adjusted p-value exceeds alpha falls back to
-*consistent* (a range's estimate in the range) or *undetermined*.
+Holm's step-down correction runs over each claim's family (``Claim.family``: its rows,
+the range's row across the Table 1 settings, the sweeps' trend rows for the full-model
+claim), and every test a row ran counts in it: a row with k tests (``Decision.tests``)
+enters k hypotheses. A verdict stands when the test it rests on (the smallest of its
+tests when none decides) survives; a decided verdict that does not falls back to
+*consistent* (a range's estimate in the range) or *undetermined*. Rank and L-hat are
+bounded, so their intervals and tests run on a scale that keeps them inside their bounds
+(``seed_statistics.bounded_jackknife``). The full-model claim classes each data set by
+its size against the paper's sets (``size_class``); where size and kind disagree the row
+is an extrapolation, which ``counts`` leaves out of the in-domain counts.
 
 A ratio needs a barrier to divide by: where the mean naive loss barrier is under
 ``report.RATIO_FLOOR`` (nats, or bits per byte on text), no ratio claim is judged. That, a
@@ -78,10 +84,26 @@ RANDOM_RANK = 12.5                # the mean rank of a permutation drawn at rand
 LHAT_NEAR_ZERO = 10.0             # a tenth of the way from the best permutation to naive
 VARIANT1_HIGH = VARIANT2_RANGE[1]  # above all that Variant 2 leaves in the paper
 LMC_MAX = FULL_RANGE[1]           # the most the paper's matched layers leave
-# The scale the paper gives each data set that the settings train on (the re-initialised
-# runs' data set): its full-model claim predicts LMC on small data and none on large.
-DATA_SCALE = {"digits": "small", "mnist5k": "small", "fashion_mnist_deb": "small",
-              "wiki_bytes": "large"}  # wiki_bytes: this project's enwik8, large in the paper
+RANK_BOUNDS = ss.Bounds(1.0, 24.0)  # a rank among the 4! = 24 head permutations
+LHAT_BOUNDS = ss.Bounds(0.0, None)  # L-hat: Stage 1's barrier is never below the best one
+# The full-model claim predicts LMC on small data and none on large (docs/lmc.md, 'Verdicts':
+# data by size). Kind: the list the paper puts a data set's source in (wiki_bytes: enwik8's kind).
+DATA_KIND = {"digits": "small", "mnist5k": "small", "fashion_mnist_deb": "small",
+             "wiki_bytes": "large"}
+# Size: (modality, training examples: images, or bytes of byte-level text) of each data set the
+# settings train on (the re-initialised runs' data set), its whole training split.
+DATA_SIZE = {"digits": ("images", 1_797), "mnist5k": ("images", 5_000),
+             "fashion_mnist_deb": ("images", 60_000), "wiki_bytes": ("bytes", 5_480_771)}
+# The paper's sets as this project reads them: scale -> name -> (modality, training examples).
+PAPER_SETS = {
+    "small": {"MNIST": ("images", 60_000), "CIFAR-10": ("images", 50_000),
+              "CIFAR-100": ("images", 50_000)},
+    "large": {"ImageNet": ("images", 1_281_167), "enwik8": ("bytes", 90_000_000),
+              # about: both are word-level; only the smallest large set (enwik8) sets the bound
+              "WikiText-103": ("bytes", 540_000_000),
+              "One Billion Word": ("bytes", 4_000_000_000)},
+}
+SMALL, LARGE, UNCLASSIFIED = "small", "large", "unclassified"
 TABLE1 = "table1_"  # the settings named so are this project's versions of the paper's Table 1
 
 
@@ -149,54 +171,67 @@ def holm(p_values: Sequence[float]) -> list[float]:
   return adjusted
 
 
+class Decision(NamedTuple):
+  """A rule's outcome: the verdict, the p-value of the test it rests on (the smallest of
+  ``tests`` when none decides), the verdict when that test does not survive the correction,
+  and the p-values of every test the rule ran (each counts in the claim's family)."""
+  verdict: str
+  p: float
+  fallback: str
+  tests: tuple[float, ...]
+
+
 class Judged(NamedTuple):
   """A row's estimate as printed, its verdict, the p-value that verdict rests on (None for
-  n/a), the verdict when that p-value does not survive the correction, and the figure
-  (estimate, low, high, unit) the findings quote."""
+  n/a), the verdict when that p-value does not survive the correction, the figure
+  (estimate, low, high, unit) the findings quote, and every test the rule ran."""
   estimate: str
   verdict: str
   p: float | None = None
   fallback: str = UNDETERMINED
   figure: tuple[float, float, float, str] | None = None
+  tests: tuple[float, ...] = ()
+
+
+def _judged(text: str, decision: Decision,
+            figure: tuple[float, float, float, str] | None) -> Judged:
+  return Judged(text, decision.verdict, decision.p, decision.fallback, figure, decision.tests)
 
 
 def _na(why: str) -> Judged:
   return Judged(why, NA, None, NA)
 
 
-def range_verdict(est: Estimate, low: float, high: float, rules: Rules
-                  ) -> tuple[str, float, str]:
-  """(verdict, p, fallback) of "the mean lies in [low, high]" (module docstring)."""
+def _decide(tests: Sequence[tuple[str, float]], weak: str, rules: Rules) -> Decision:
+  """The first of ``tests`` ((outcome, p) in the rule's order) whose p is at most alpha decides;
+  else ``weak`` with the smallest p. Every test's p is kept for the family."""
+  ps = tuple(p for _, p in tests)
+  for outcome, p in tests:
+    if p <= rules.alpha:
+      return Decision(outcome, p, weak, ps)
+  return Decision(weak, min(ps), weak, ps)
+
+
+def range_verdict(est: Estimate, low: float, high: float, rules: Rules) -> Decision:
+  """"The mean lies in [low, high]" (module docstring): agrees inside the widened range
+  [low - delta, high + delta], differs wholly outside it; two tests."""
   weak = CONSISTENT if low <= est.value <= high else UNDETERMINED
-  p_in = p_inside(est, low - rules.range_margin, high + rules.range_margin)
-  p_out = p_outside(est, low, high)
-  if p_in <= rules.alpha:
-    return AGREES, p_in, weak
-  if p_out <= rules.alpha:
-    return DIFFERS, p_out, weak
-  return weak, min(p_in, p_out), weak
+  wide = (low - rules.range_margin, high + rules.range_margin)
+  return _decide(((AGREES, p_inside(est, *wide)), (DIFFERS, p_outside(est, *wide))), weak, rules)
 
 
-def side_verdict(est: Estimate, threshold: float, below: bool, rules: Rules
-                 ) -> tuple[str, float, str]:
-  """(verdict, p, fallback) of "the mean lies below (``below``) or above ``threshold``"."""
-  p_claim = p_beyond(est, threshold, above=not below)
-  p_other = p_beyond(est, threshold, above=below)
-  if p_claim <= rules.alpha:
-    return AGREES, p_claim, UNDETERMINED
-  if p_other <= rules.alpha:
-    return DIFFERS, p_other, UNDETERMINED
-  return UNDETERMINED, min(p_claim, p_other), UNDETERMINED
+def side_verdict(est: Estimate, threshold: float, below: bool, rules: Rules) -> Decision:
+  """"The mean lies below (``below``) or above ``threshold``"; two tests."""
+  return _decide(((AGREES, p_beyond(est, threshold, above=not below)),
+                  (DIFFERS, p_beyond(est, threshold, above=below))), UNDETERMINED, rules)
 
 
-def ordering_verdict(est: Estimate, rules: Rules) -> tuple[str, float, str]:
-  """(verdict, p, fallback) of "lower below higher" on d = lower - higher: no gap inside
-  [-delta_0, delta_0], else the side of 0."""
-  p_gap = p_inside(est, -rules.no_gap_margin, rules.no_gap_margin)
-  if p_gap <= rules.alpha:
-    return NO_GAP, p_gap, UNDETERMINED
-  verdict, p, fallback = side_verdict(est, 0.0, True, rules)
-  return verdict, (min(p, p_gap) if verdict == UNDETERMINED else p), fallback
+def ordering_verdict(est: Estimate, rules: Rules) -> Decision:
+  """"Lower below higher" on d = lower - higher: no gap inside [-delta_0, delta_0], else the
+  side of 0; three tests."""
+  return _decide(((NO_GAP, p_inside(est, -rules.no_gap_margin, rules.no_gap_margin)),
+                  (AGREES, p_beyond(est, 0.0, above=False)),
+                  (DIFFERS, p_beyond(est, 0.0, above=True))), UNDETERMINED, rules)
 
 
 def _show(interval: ss.Interval, unit: str = " %") -> str:
@@ -246,13 +281,15 @@ class _Scope:
     return ss.paired_difference(report.ratio_pairs(self.pairs, x),
                                 report.ratio_pairs(self.pairs, y))
 
-  def ablation(self, key: str) -> ss.Interval | None:
+  def ablation(self, key: str, bounds: ss.Bounds) -> ss.Bounded | None:
+    """The Stage 1 ablation's per-pair ``key`` (rank, L-hat), with an interval inside
+    ``bounds``."""
     per_pair = self.res.get("ablation", {}).get("permutations", {}).get("per_pair")
     if not per_pair:
       return None
     # Each entry names its pair (runs before the seed subset of the ablation: in pair order).
-    return ss.jackknife([(q.get("a", p["a"]), q.get("b", p["b"]), q.get(key))
-                         for p, q in zip(self.pairs, per_pair)])
+    return ss.bounded_jackknife([(q.get("a", p["a"]), q.get("b", p["b"]), q.get(key))
+                                 for p, q in zip(self.pairs, per_pair)], bounds)
 
 
 Judge = Callable[[_Scope, Rules], Judged | None]  # None: the claim does not apply
@@ -269,8 +306,8 @@ def _ratio_claim(methods: Sequence[str], judge: Judge) -> Judge:
 def _in_range(method: str, bounds: tuple[float, float]) -> Judge:
   def judge(scope, rules):
     interval = scope.ratio(method)
-    return Judged(_show(interval), *range_verdict(Estimate.of(interval), *bounds, rules),
-                  _figure(interval, " %"))
+    return _judged(_show(interval), range_verdict(Estimate.of(interval), *bounds, rules),
+                   _figure(interval, " %"))
   return _ratio_claim((method,), judge)
 
 
@@ -279,44 +316,72 @@ def _ordered(lower: str, higher: str) -> Judge:
   def judge(scope, rules):
     d = scope.difference(lower, higher)
     text = f"{_show(d.interval, ' points')}; {d.below} pairs below 0, {d.above} above"
-    return Judged(text, *ordering_verdict(Estimate.of(d.interval), rules),
-                  _figure(d.interval, " points"))
+    return _judged(text, ordering_verdict(Estimate.of(d.interval), rules),
+                   _figure(d.interval, " points"))
   return _ratio_claim((lower, higher), judge)
 
 
 def _above(method: str, threshold: float) -> Judge:
   def judge(scope, rules):
     interval = scope.ratio(method)
-    return Judged(_show(interval), *side_verdict(Estimate.of(interval), threshold, False, rules),
-                  _figure(interval, " %"))
+    return _judged(_show(interval),
+                   side_verdict(Estimate.of(interval), threshold, False, rules),
+                   _figure(interval, " %"))
   return _ratio_claim((method,), judge)
 
 
-def _ablation_claim(key: str, threshold: float, unit: str, *, ratio: bool) -> Judge:
-  """A claim on the Stage 1 ablation's per-pair ``key`` below ``threshold``; ``ratio``: it
-  divides by the naive barrier (L-hat), so it is not judged under the floor."""
+def _ablation_claim(key: str, threshold: float, unit: str, bounds: ss.Bounds, *,
+                    ratio: bool) -> Judge:
+  """A claim on the Stage 1 ablation's per-pair ``key`` below ``threshold``; its interval and
+  test on the scale that keeps it inside ``bounds`` (``seed_statistics.bounded_jackknife``);
+  ``ratio``: it divides by the naive barrier (L-hat), so it is not judged under the floor."""
   def run(scope: _Scope, rules: Rules) -> Judged | None:
     if "permutations" not in scope.res.get("ablation", {}):
       return None
     why = _missing(scope.res, ("naive",)) or (scope.below_floor() if ratio else None)
-    interval = None if why else scope.ablation(key)
-    if interval is None:
+    bounded = None if why else scope.ablation(key, bounds)
+    if bounded is None:
       return _na(why or "n/a: too few seeds with a finite value")
-    return Judged(_show(interval, unit),
-                  *side_verdict(Estimate.of(interval), threshold, True, rules),
-                  _figure(interval, unit))
+    interval = bounded.interval
+    est = Estimate(bounded.scaled(interval.estimate), interval.se, interval.num_seeds - 1)
+    note = "" if bounded.transformed else "; clipped to its bounds"
+    return _judged(_show(interval, unit) + note,
+                   side_verdict(est, bounded.scaled(threshold), True, rules),
+                   _figure(interval, unit))
   return run
 
 
+def size_class(dataset: str | None) -> str:
+  """``SMALL`` when ``dataset`` has at most as many training examples as the largest of the
+  paper's small sets of its modality (``PAPER_SETS``), ``LARGE`` when at least as many as the
+  smallest of its large sets, ``UNCLASSIFIED`` otherwise (between them, no paper set on that
+  side in its modality, or a data set of unknown size)."""
+  if dataset not in DATA_SIZE:
+    return UNCLASSIFIED
+  modality, size = DATA_SIZE[dataset]
+  of = lambda scale: [n for m, n in PAPER_SETS[scale].values() if m == modality]
+  if of(SMALL) and size <= max(of(SMALL)):
+    return SMALL
+  if of(LARGE) and size >= min(of(LARGE)):
+    return LARGE
+  return UNCLASSIFIED
+
+
 def _full_model_lmc(scope: _Scope, rules: Rules) -> Judged | None:
-  """LMC (full at most ``LMC_MAX``) on data the paper calls small, none on large."""
-  scale = DATA_SCALE.get(scope.dataset or "")
-  if scale is None:
+  """LMC (full at most ``LMC_MAX``) on small data, none on large: judged by the data set's kind
+  (``DATA_KIND``), its size class beside it (``size_class``; ``_lmc_domain`` marks a row whose
+  two disagree an extrapolation)."""
+  kind = DATA_KIND.get(scope.dataset or "")
+  if kind is None:
     return _na(f"n/a: the paper gives no scale for data set {scope.dataset!r}")
   interval = scope.ratio("full")
-  verdict = side_verdict(Estimate.of(interval), LMC_MAX, scale == "small", rules)
-  return Judged(f"{_show(interval)}; {scope.dataset}: {scale} data, so the paper expects "
-                f"{'LMC' if scale == 'small' else 'none'}", *verdict, _figure(interval, " %"))
+  size = size_class(scope.dataset)
+  modality, examples = DATA_SIZE.get(scope.dataset, ("examples", math.nan))
+  return _judged(f"{_show(interval)}; {scope.dataset}: {kind} in kind, {size} by size "
+                 f"({examples:,} training {modality}), so the paper expects "
+                 f"{'LMC' if kind == SMALL else 'none'}",
+                 side_verdict(Estimate.of(interval), LMC_MAX, kind == SMALL, rules),
+                 _figure(interval, " %"))
 
 
 def _only(scope_name: str, judge: Judge) -> Judge:
@@ -335,8 +400,11 @@ def _table1_domain(scope: _Scope) -> str:
 
 
 def _lmc_domain(scope: _Scope) -> str:
-  """Small data as the paper's; this project's large data (2M bytes) is large only in kind."""
-  return "small data" if DATA_SCALE.get(scope.dataset or "") == "small" else "extrapolation"
+  """"small data" or "large data" where the data set's kind and size class agree, else
+  "extrapolation" (this project's Wikipedia bytes: large in kind, unclassified by size)."""
+  kind = DATA_KIND.get(scope.dataset or "")
+  return f"{kind} data" if kind is not None and kind == size_class(scope.dataset) else (
+      "extrapolation")
 
 
 class Claim(NamedTuple):
@@ -358,9 +426,11 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("variant1-high", f"Variant 1 high (above {VARIANT1_HIGH:g} %)",
           _only(FIRST, _above("perm", VARIANT1_HIGH)), _table1_domain),
     Claim("rank-low", f"Stage 1's rank low (below {RANDOM_RANK:g} of 24, a random choice's mean)",
-          _ablation_claim("loss_rank", RANDOM_RANK, "", ratio=False), _table1_domain),
+          _ablation_claim("loss_rank", RANDOM_RANK, "", RANK_BOUNDS, ratio=False),
+          _table1_domain),
     Claim("lhat-near-0", f"L̂ near 0 (below {LHAT_NEAR_ZERO:g} %)",
-          _ablation_claim("loss_lhat", LHAT_NEAR_ZERO, " %", ratio=True), _table1_domain),
+          _ablation_claim("loss_lhat", LHAT_NEAR_ZERO, " %", LHAT_BOUNDS, ratio=True),
+          _table1_domain),
     Claim("full-model-lmc",
           f"full-model LMC on small data only (full at most {LMC_MAX:g} % of naive on small "
           "data, above it on large)",
@@ -378,6 +448,11 @@ ACROSS: tuple[tuple[str, str, str, tuple[float, float]], ...] = (
 
 
 ACROSS_SETTING = "Table 1 settings"  # the setting cell of the rows across them
+# The family each row joins, by its key where that is not the family's own (docs/lmc.md,
+# 'Verdicts': family-wise correction): the ranges across settings join their ranges.
+# The sweeps' trends join the full-model claim they restate.
+FAMILY = {"full-range-across": "full-range", "variant2-range-across": "variant2-range",
+          "scale-precludes-lmc": "full-model-lmc", "scale-raises-barrier": "full-model-lmc"}
 
 # The paper's full-model claim as a trend: "as dataset scale and model capacity increase, the loss
 # landscape becomes sufficiently complex to preclude LMC", judged on each sweep's slope
@@ -386,6 +461,11 @@ ACROSS_SETTING = "Table 1 settings"  # the setting cell of the rows across them
 # is flat ("no gap") when inside [-delta_0, delta_0] per doubling.
 TREND = ("scale-precludes-lmc", "capacity and data scale preclude full-model LMC (the aligned "
          "barrier, % of naive, rises per doubling of width or data)")
+# The same on the aligned loss barrier itself (nats, or bits per byte), beside the ratio: flat
+# ("no gap") inside +-``FLOOR`` per doubling, the floor under which a barrier is evaluation noise.
+TREND_ABSOLUTE = ("scale-raises-barrier", "capacity and data scale preclude full-model LMC (the "
+                  "aligned loss barrier itself, nats or bits, rises per doubling of width or "
+                  "data)")
 
 
 class Row(NamedTuple):
@@ -396,10 +476,12 @@ class Row(NamedTuple):
   estimate: str
   p: float | None
   verdict: str
-  corrected: str     # after Holm over the claim's rows
+  corrected: str     # after Holm over the claim's family
   other: str         # the verdict on a second trajectory: "holds", "-> <verdict>", or ""
   anchor: str
   figure: tuple[float, float, float, str] | None
+  tests: int = 0     # how many tests the row counts for in its family
+  family: str = ""   # the key of the claim whose family it joins
 
 
 def _read_scope(run: committed.Run | None, scope: str) -> _Scope | None:
@@ -451,83 +533,133 @@ def _across(scopes: Sequence[_Scope], method: str, bounds: tuple[float, float],
   text = (f"{est.value:.1f} % [{est.value - half:.1f}, {est.value + half:.1f}] (mean of {k} "
           f"settings); settings at {min(values):.1f}-{max(values):.1f} %, {inside} of {k} in "
           f"{bounds[0]:g}-{bounds[1]:g} %")
-  return Judged(text, *range_verdict(est, *bounds, rules),
-                (est.value, est.value - half, est.value + half, " %"))
+  return _judged(text, range_verdict(est, *bounds, rules),
+                 (est.value, est.value - half, est.value + half, " %"))
 
 
-def _row(claim_key: str, text: str, setting: str, scope: str, domain: str, judged: Judged,
-         corrected: str, other: str) -> Row:
-  where = setting if scope == FIRST else f"{setting}-{scope}"
-  anchor = re.sub(r"[^a-z0-9]+", "-", f"{claim_key}-{where}".lower()).strip("-")
-  return Row(text, setting, scope, domain, judged.estimate, judged.p, judged.verdict,
-             corrected, other, anchor, judged.figure)
+class _Entry(NamedTuple):
+  """A row before the correction: the claim's key and text, the family it joins, where it
+  lies, and its judgement."""
+  key: str
+  text: str
+  family: str
+  setting: str
+  scope: str
+  domain: str
+  judged: Judged
+  other: str
 
 
-def _corrected(judged: Sequence[Judged], rules: Rules) -> list[str]:
-  """Each row's verdict after Holm over ``judged`` (one claim's rows; n/a rows stay n/a)."""
-  tested = [k for k, j in enumerate(judged) if j.p is not None]
-  adjusted = dict(zip(tested, holm([judged[k].p for k in tested])))
-  return [j.verdict if k not in adjusted or adjusted[k] <= rules.alpha else j.fallback
+def _row(entry: _Entry, after: str) -> Row:
+  where = entry.setting if entry.scope == FIRST else f"{entry.setting}-{entry.scope}"
+  anchor = re.sub(r"[^a-z0-9]+", "-", f"{entry.key}-{where}".lower()).strip("-")
+  judged = entry.judged
+  tests = len(judged.tests or (judged.p,)) if judged.p is not None else 0
+  return Row(entry.text, entry.setting, entry.scope, entry.domain, judged.estimate, judged.p,
+             judged.verdict, after, entry.other, anchor, judged.figure, tests, entry.family)
+
+
+def corrected(judged: Sequence[Judged], rules: Rules) -> list[str]:
+  """Each row's verdict after Holm over every test of ``judged`` (one claim's family; n/a rows
+  stay n/a): a row with k tests enters k hypotheses, and its verdict stands when the test it
+  rests on (``Judged.p``) survives."""
+  flat, rests_on = [], {}
+  for k, j in enumerate(judged):
+    if j.p is not None:
+      tests = j.tests or (j.p,)
+      rests_on[k] = len(flat) + tests.index(j.p)
+      flat.extend(tests)
+  adjusted = holm(flat)
+  return [j.verdict if k not in rests_on or adjusted[rests_on[k]] <= rules.alpha else j.fallback
           for k, j in enumerate(judged)]
+
+
+def _entries(results_root: str, rules: Rules) -> list[_Entry]:
+  """Every row before the correction: claim by claim, then the ranges across the Table 1
+  settings, then the sweeps' trends."""
+  scopes = list(_scopes(results_root))
+  out = []
+  for claim in CLAIMS:
+    for scope, other in scopes:
+      if (judged := claim.judge(scope, rules)) is not None:
+        twin = None if other is None else claim.judge(other, rules)
+        out.append(_Entry(claim.key, claim.text, claim.key, scope.setting, scope.scope,
+                          claim.domain(scope), judged, _other(judged, twin)))
+  for key, text, method, bounds in ACROSS:
+    judged = _across([s for s, _ in scopes], method, bounds, rules)
+    out.append(_Entry(key, text, FAMILY.get(key, key), ACROSS_SETTING, FIRST, "Table 1", judged,
+                      ""))
+  for sweep in regime.SWEEPS:
+    ended = regime.endpoints(results_root, sweep)
+    unit = regime.loss_unit(results_root, sweep)
+    for (key, text), ratio in ((TREND, True), (TREND_ABSOLUTE, False)):
+      for method, slope in regime.trends(results_root, sweep, ratio).items():
+        judged = _trend(slope, rules, ratio, unit, ended)
+        out.append(_Entry(key, text, FAMILY[key], f"sweep {sweep.key}", method, "extrapolation",
+                          judged, ""))
+  return out
 
 
 def verdict_rows(results_root: str, rules: Rules = Rules()) -> list[Row]:
   """One row per claim and (setting, scope) that the claim applies to, claim by claim; then
-  the ranges across the Table 1 settings."""
-  scopes = list(_scopes(results_root))
-  rows = []
-  for claim in CLAIMS:
-    applies = [(s, other, j) for s, other in scopes if (j := claim.judge(s, rules)) is not None]
-    corrected = _corrected([j for _, _, j in applies], rules)
-    for (scope, other, judged), after in zip(applies, corrected):
-      twin = None if other is None else claim.judge(other, rules)
-      rows.append(_row(claim.key, claim.text, scope.setting, scope.scope, claim.domain(scope),
-                       judged, after, _other(judged, twin)))
-  for key, text, method, bounds in ACROSS:
-    judged = _across([s for s, _ in scopes], method, bounds, rules)
-    (after,) = _corrected([judged], rules)
-    rows.append(_row(key, text, ACROSS_SETTING, FIRST, "Table 1", judged, after, ""))
-  trends = [(sweep, m, _trend(s, rules)) for sweep in regime.SWEEPS
-            for m, s in regime.trends(results_root, sweep).items()]
-  for (sweep, method, judged), after in zip(trends, _corrected([j for *_, j in trends], rules)):
-    rows.append(_row(TREND[0], TREND[1], f"sweep {sweep.key}", method, "extrapolation", judged,
-                     after, ""))
-  return rows
+  the ranges across the Table 1 settings and the sweeps' trends. Holm runs over each family
+  (``FAMILY``: a row joins its claim's), counting every test of every row."""
+  entries = _entries(results_root, rules)
+  after: dict[int, str] = {}
+  for family in dict.fromkeys(e.family for e in entries):
+    members = [k for k, e in enumerate(entries) if e.family == family]
+    after.update(zip(members, corrected([entries[k].judged for k in members], rules)))
+  return [_row(e, after[k]) for k, e in enumerate(entries)]
 
 
-def _trend(slope: regime.Slope | None, rules: Rules) -> Judged:
-  """``TREND``'s verdict on one slope: the ordering rule on its negation, so that a rise
-  agrees."""
+def _trend(slope: regime.Slope | None, rules: Rules, ratio: bool = True, loss_unit: str = "nats",
+           ended: str = "") -> Judged:
+  """``TREND``'s verdict on one slope (``TREND_ABSOLUTE``'s unless ``ratio``): the ordering rule
+  on its negation, so that a rise agrees, with the margin delta_0 points per doubling on the
+  ratio and ``FLOOR`` on the barrier itself. The text adds the design (paired or not), the
+  curvature with three or more points, and how each point's runs ended (``ended``)."""
   if slope is None:
-    return _na("n/a: fewer than two points with a ratio")
-  unit = " points/doubling"
+    return _na("n/a: fewer than two points with a value")
+  unit, digits = (" points/doubling", 1) if ratio else (f" {loss_unit}/doubling", 3)
+  margin = rules if ratio else dataclasses.replace(rules, no_gap_margin=FLOOR)
   # -slope below 0 (the ordering rule's "agrees") is a rise
-  verdict, p, fallback = ordering_verdict(Estimate(-slope.estimate, slope.se, slope.df), rules)
-  text = f"{slope.estimate:+.1f}{unit} [{slope.low:+.1f}, {slope.high:+.1f}] (df {slope.df})"
-  return Judged(text, verdict, p, fallback, (slope.estimate, slope.low, slope.high, unit))
+  decision = ordering_verdict(Estimate(-slope.estimate, slope.se, slope.df), margin)
+  show = lambda v, lo, hi: f"{v:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+  text = (f"{show(slope.estimate, slope.low, slope.high)}{unit} "
+          f"({'paired' if slope.paired else 'unpaired'}, df {slope.df})")
+  if slope.curvature is not None:
+    c = slope.curvature
+    text += f"; curvature {show(c.estimate, c.low, c.high)}"
+  if ended:
+    text += f"; runs ended: {ended}"
+  return _judged(text, decision, (slope.estimate, slope.low, slope.high, unit))
 
 
-def _p(p: float | None) -> str:
+def show_p(p: float | None) -> str:
   return "" if p is None else "<0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def counts(rows: Sequence[Row], field: str) -> str:
-  """"n agrees, n consistent, ... of N rows" for the verdicts in ``field``."""
-  found = [getattr(r, field) for r in rows]
-  return ", ".join(f"{found.count(v)} {v}" for v in OUTCOMES) + f" of {len(rows)} rows"
+  """"n agrees, n consistent, ... of N rows in the claims' domains" for the verdicts in
+  ``field``; the extrapolations are counted apart and left out of those counts."""
+  inside = [getattr(r, field) for r in rows if r.domain != "extrapolation"]
+  outside = [getattr(r, field) for r in rows if r.domain == "extrapolation"]
+  show = lambda found: ", ".join(f"{found.count(v)} {v}" for v in OUTCOMES)
+  return (f"{show(inside)} of {len(inside)} rows in the claims' domains (extrapolations, not "
+          f"counted there: {show(outside)} of {len(outside)})")
 
 
 def verdict_table(results_root: str, rules: Rules = Rules()) -> str:
   """The rows as a markdown table, then the count of each verdict before and after Holm."""
   lines = ["| claim | setting | scope | domain | our estimate [95 % seed-level interval] | p | "
-           "verdict | after Holm | on a second trajectory |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "tests | verdict | after Holm | on a second trajectory |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   rows = verdict_rows(results_root, rules)
   lines += [f"| <a id=\"{r.anchor}\"></a>{r.claim} | {r.setting} | {r.scope} | {r.domain} | "
-            f"{r.estimate} | {_p(r.p)} | {r.verdict} | {r.corrected} | {r.other} |"
-            for r in rows]
+            f"{r.estimate} | {show_p(r.p)} | {r.tests or ''} | {r.verdict} | {r.corrected} | "
+            f"{r.other} |" for r in rows]
   lines += ["", f"Before the correction: {counts(rows, 'verdict')}. After Holm's correction "
-                f"within each claim: {counts(rows, 'corrected')}."]
+                f"within each claim's family, every test counted: {counts(rows, 'corrected')}."]
   return "\n".join(lines) + "\n"
 
 
@@ -559,10 +691,14 @@ def findings(results_root: str, rules: Rules = Rules()) -> str:
   show, open_ = [], []
   for claim in claims:
     of = [r for r in rows if r.claim == claim]
-    decided = _by_outcome(of, (AGREES, NO_GAP, DIFFERS))
+    inside = [r for r in of if r.domain != "extrapolation"]
+    decided = _by_outcome(inside, (AGREES, NO_GAP, DIFFERS))
+    beyond = _by_outcome([r for r in of if r.domain == "extrapolation"], (AGREES, NO_GAP, DIFFERS))
     undecided = _by_outcome(of, (CONSISTENT, UNDETERMINED, NA))
     if decided:
       show.append(f"- **{claim}**: {decided}.")
+    if beyond:
+      show.append(f"- **{claim}**, extrapolations (outside the claim's domain): {beyond}.")
     if undecided:
       open_.append(f"- **{claim}**: {undecided}.")
   changed = [r for r in rows if r.other.startswith("→")]

@@ -1,4 +1,4 @@
-"""Where full-model LMC holds: the sweeps' tables and trends, from the committed runs.
+"""The sweeps of the full model (width, data size): their tables and trends, from the committed runs.
 
 A sweep (``Sweep``, ``SWEEPS``) is a set of settings of ``experiments/configs/cpu_paper.py``
 that differ in one quantity x and study the "full" scope (every model trained from scratch
@@ -9,18 +9,24 @@ pairs with its 95 % interval over seeds (``seed_statistics.jackknife``), each me
 barrier in % of naive, and how the runs ended (``report.training_cell``); ``width_table``
 is the ViT's width sweep with its points under a more patient rule.
 
-The trend is a slope against log2 x (below, "width" for x). With k widths x_i = log2 w_i, per-width
-estimates m_i (the mean over that width's pairs) and their seed-level standard errors
-SE_i, the least-squares slope is
+The trend is a slope against log2 x (below, "width" for x), in a paired design: a seed
+keeps its name, and its data order, at every point of a sweep, so the pair (a, b) is
+measured at every width. With k widths x_i = log2 w_i and y_{p,i} pair p's value at width i,
+each pair's least-squares slope is
 
-    b = sum_i c_i m_i,   c_i = (x_i - mean(x)) / sum_j (x_j - mean(x))^2,
+    b_p = sum_i c_i y_{p,i},   c_i = (x_i - mean(x)) / sum_j (x_j - mean(x))^2,
 
-the change per doubling of the width. The widths' models share no parameters, so the m_i
-are taken as independent (they share the seeds' data orders, a dependence this error leaves
-out) and SE_b^2 = sum_i c_i^2 SE_i^2; the interval is b +- t_{0.975, df} SE_b
-with df the fewest seeds at any width less one (conservative: each SE_i rests on that many
-seeds or more). The slope is fitted to the per-width means, not to the pairs, so that
-its error follows the seeds as every other interval here does.
+the change per doubling of the width, and the sweep's slope is the mean of b_p over the pairs
+measured at every point (``paired_slope``), with the leave-one-seed-out jackknife interval
+over them (``seed_statistics.jackknife``; t with n_seeds - 1 degrees of freedom): the seed is
+the unit, and whatever a seed's runs share across widths is inside its unit. With three or
+more points the same is done for the curvature, the pair's coefficient on the quadratic
+contrast q_i (x_i^2 less its least-squares fit on 1 and x_i), sum_i q_i y_{p,i} / sum_i q_i^2:
+an interval away from 0 says the points do not lie on a line. ``slope`` is the unpaired form,
+kept for points whose pairs do not match: per-width means m_i with seed-level errors SE_i
+taken as independent, SE_b^2 = sum_i c_i^2 SE_i^2, df the fewest seeds at any width less one.
+``endpoints`` says how each point's runs ended (plateau or step budget, ``run.json``'s
+"training"), beside every slope.
 
 ``control_table`` reports the positive control (``CONTROL``: children spawned from one
 checkpoint, the "spawn" scope of ``experiments/train/reinit.py``): each method's barrier, its paired
@@ -90,12 +96,60 @@ SWEEPS = (VIT_WIDTH, GPT2_WIDTH, VIT_DATA, GPT2_DATA, GPT2_DEPTH6)
 
 
 class Slope(NamedTuple):
-  """A least-squares slope against log2 width and its 95 % interval (module docstring)."""
+  """A least-squares slope against log2 width and its 95 % interval (module docstring):
+  ``paired`` when it is the mean of per-pair slopes with a seed-level interval, and then
+  ``curvature`` (per pair, its interval) with three or more points."""
   estimate: float
   low: float
   high: float
   se: float
   df: int
+  paired: bool = False
+  curvature: ss.Interval | None = None
+
+
+def _contrasts(x: Sequence[float]) -> tuple[list[float], list[float] | None]:
+  """(the slope's weights c_i, the curvature's weights q_i / sum q^2 or None under three
+  distinct points) on the points x_i (module docstring)."""
+  mean = sum(x) / len(x)
+  sxx = sum((v - mean) ** 2 for v in x)
+  c = [(v - mean) / sxx for v in x]
+  if len(set(x)) < 3:
+    return c, None
+  square = [v * v for v in x]
+  fit_slope = sum(ci * s for ci, s in zip(c, square))
+  fit_mean = sum(square) / len(x)
+  q = [s - fit_mean - fit_slope * (v - mean) for v, s in zip(x, square)]
+  qq = sum(v * v for v in q)
+  return c, [v / qq for v in q]
+
+
+def paired_slope(xs: Sequence[float], per_point: Sequence[Sequence[ss.Pair]]) -> Slope | None:
+  """The mean of the per-pair slopes against log2 x over the pairs with a finite value at every
+  point, with its leave-one-seed-out interval, and the curvature likewise (module docstring).
+
+  Args:
+    xs: the points' x, at least two distinct.
+    per_point: each point's pairs (seed a, seed b, value).
+
+  Returns:
+    ``Slope`` (paired), or None with fewer than two distinct points or too few seeds measured
+    at every point (``seed_statistics.why_no_interval``).
+  """
+  x = [math.log2(v) for v in xs]
+  if len(set(x)) < 2:
+    return None
+  values = [{(a, b): v for a, b, v in pairs if v is not None and math.isfinite(v)}
+            for pairs in per_point]
+  common = sorted(set.intersection(*(set(v) for v in values)))
+  c, q = _contrasts(x)
+  of = lambda w, key: sum(wi * v[key] for wi, v in zip(w, values))
+  slope_ = ss.jackknife([(a, b, of(c, (a, b))) for a, b in common])
+  if slope_ is None:
+    return None
+  curvature = None if q is None else ss.jackknife([(a, b, of(q, (a, b))) for a, b in common])
+  return Slope(slope_.estimate, slope_.low, slope_.high, slope_.se, slope_.num_seeds - 1, True,
+               curvature)
 
 
 def slope(widths: Sequence[int], intervals: Sequence[ss.Interval]) -> Slope | None:
@@ -172,57 +226,91 @@ def _header(sweep: Sweep, methods: Sequence[str]) -> list[str]:
           "|" + "---|" * (2 + 2 * len(methods) - 1 + 2)]
 
 
-def trends(results_root: str, sweep: Sweep) -> dict[str, Slope | None]:
-  """Each aligned method's slope of the barrier in % of naive per doubling of x (REPAIRed paths
-  too, but naive's), over the committed points of ``sweep`` that have it ({} when none is
-  committed)."""
+def _slope_of(points: Sequence[tuple[float, str, dict, dict]], method: str, ratio: bool
+              ) -> Slope | None:
+  """``method``'s slope over the ``points`` that have it: paired (``paired_slope``) where the
+  pairs measured at every point carry enough seeds, else unpaired (``slope``)."""
+  held = [(x, _pairs(res, method, ratio)) for x, *_, res in points]
+  held = [(x, pairs) for x, pairs in held if pairs]
+  if not held:
+    return None
+  paired = paired_slope([x for x, _ in held], [pairs for _, pairs in held])
+  if paired is not None:
+    return paired
+  kept = [(x, i) for x, pairs in held if (i := ss.jackknife(pairs)) is not None]
+  return slope([x for x, _ in kept], [i for _, i in kept]) if kept else None
+
+
+def trends(results_root: str, sweep: Sweep, ratio: bool = True) -> dict[str, Slope | None]:
+  """Each aligned method's slope per doubling of x (REPAIRed paths too, but naive's) of the
+  barrier in % of naive (``ratio``) or of the loss barrier itself, over the committed points of
+  ``sweep`` that have it ({} when none is committed)."""
   points = _committed(results_root, sweep.points)
   if not points:
     return {}
   methods = methods_of([res for *_, res in points])
-  out = {}
-  for m in (m for m in methods if m.removesuffix(report.REPAIRED) != "naive"):
-    kept = [(x, i) for x, *_, res in points
-            if (i := ss.jackknife(_pairs(res, m, ratio=True))) is not None]
-    out[m] = slope([x for x, _ in kept], [i for _, i in kept]) if kept else None
-  return out
+  return {m: _slope_of(points, m, ratio) for m in methods
+          if m.removesuffix(report.REPAIRED) != "naive"}
+
+
+def loss_unit(results_root: str, sweep: Sweep) -> str:
+  """"bits" when every committed point of ``sweep`` measures its loss in bits (per byte), else
+  "nats"."""
+  points = _committed(results_root, sweep.points)
+  return "bits" if points and all(res.get("loss_unit", "").startswith("bits")
+                                  for *_, res in points) else "nats"
+
+
+def endpoints(results_root: str, sweep: Sweep) -> str:
+  """How each committed point's runs of the "full" scope ended: "x: k plateau, j budget" per
+  point (``run.json``'s "training"; "n/a" for a point recorded without it)."""
+  cells = []
+  for x, _, run, _ in _committed(results_root, sweep.points):
+    runs = [m for name, m in run.get("training", {}).items() if name.startswith("reinit/full/")]
+    stops = [r.get("stopped") or "unfinished" for r in runs]
+    how = ", ".join(f"{stops.count(k)} {k}" for k in ("plateau", "budget", "unfinished")
+                    if stops.count(k)) or "n/a"
+    cells.append(f"{sweep.label(x)}: {how}")
+  return "; ".join(cells)
 
 
 def sweep_table(results_root: str, sweep: Sweep) -> str:
   """Markdown: the committed points of ``sweep``, one row per x, then the slope of each
-  method's barrier (nats, and % of naive) per doubling of x."""
+  method's barrier (nats or bits, and % of naive) per doubling of x, paired where the pairs
+  match (``paired_slope``), with its curvature, and how each point's runs ended."""
   points = _committed(results_root, sweep.points)
   if not points:
     return f"No point of the sweep '{sweep.title}' is committed yet."
   methods = methods_of([res for *_, res in points])
   lines = _header(sweep, methods)
-  barriers = {m: [] for m in methods}
-  ratios = {m: [] for m in methods[1:]}
-  for x, _, run, res in points:
-    line, b, r = _row(sweep, x, run, res, methods)
-    lines.append(line)
-    for m in methods:
-      barriers[m].append((x, b[m]))
-    for m in methods[1:]:
-      ratios[m].append((x, r[m]))
+  lines += [_row(sweep, x, run, res, methods)[0] for x, _, run, res in points]
   what = "the width" if sweep.axis == _width_axis else sweep.axis
   bits = all(res.get("loss_unit", "").startswith("bits") for *_, res in points)
-  lines += ["", f"Slope per doubling of {what} (least squares against log2 of it over the "
-                "committed points; 95 % interval from the per-point seed-level standard "
-                "errors):",
-            "", "| statistic | slope per doubling | 95 % interval | points |", "|---|---|---|---|"]
-  for label, table, unit, digits in (("loss barrier", barriers, " bits" if bits else " nats", 4),
-                                     ("% of naive", ratios, " points", 1)):
-    for m, points_m in table.items():
-      kept = [(x, i) for x, i in points_m if i is not None]
-      s = slope([x for x, _ in kept], [i for _, i in kept]) if kept else None
-      xs = ", ".join(sweep.label(x) for x, _ in kept)
-      if s is None:
-        lines.append(f"| {m}: {label} | n/a | n/a | {xs} |")
-      else:
-        lines.append(f"| {m}: {label} | {s.estimate:+.{digits}f}{unit} | "
-                     f"[{s.low:+.{digits}f}, {s.high:+.{digits}f}] | {xs} |")
+  lines += ["", f"Slope per doubling of {what} (module docstring of "
+                "`experiments/report/regime.py`: paired, each pair's least-squares slope against "
+                "log2 of it, then their mean with a 95 % interval over seeds; unpaired where the "
+                "pairs do not match), and the curvature per pair with three or more points:",
+            "", "| statistic | slope per doubling | 95 % interval | design | curvature "
+                "[95 % interval] | points |", "|---|---|---|---|---|---|"]
+  for label, ratio, unit, digits in (("loss barrier", False, " bits" if bits else " nats", 4),
+                                     ("% of naive", True, " points", 1)):
+    for m in (methods[1:] if ratio else methods):
+      s = _slope_of(points, m, ratio)
+      xs = ", ".join(sweep.label(x) for x, *_, res in points if _pairs(res, m, ratio))
+      lines.append(f"| {m}: {label} | " + _slope_cells(s, unit, digits) + f" | {xs} |")
+  lines += ["", f"How the runs ended, per point: {endpoints(results_root, sweep)}."]
   return "\n".join(lines)
+
+
+def _slope_cells(s: Slope | None, unit: str, digits: int) -> str:
+  """"slope | [low, high] | design | curvature [interval]" cells; n/a without a slope."""
+  if s is None:
+    return "n/a | n/a | | "
+  curvature = ("" if s.curvature is None else
+               f"{s.curvature.estimate:+.{digits}f} [{s.curvature.low:+.{digits}f}, "
+               f"{s.curvature.high:+.{digits}f}]")
+  return (f"{s.estimate:+.{digits}f}{unit} | [{s.low:+.{digits}f}, {s.high:+.{digits}f}] | "
+          f"{'paired' if s.paired else 'unpaired'} | {curvature}")
 
 
 def width_table(results_root: str) -> str:

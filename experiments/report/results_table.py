@@ -10,7 +10,8 @@ nothing is typed in. It also writes the verdict on each of the paper's claims
 (``claims.findings``), the width sweep and its positive control
 (``regime.py``), the learned method from other starts and lambda schemes
 (``learned_variants.py``), and every method with and without REPAIR in the full-model
-studies from data (``from_data.py``).
+studies from data (``from_data.py``), and the Table 1 settings over several base
+models (``bases.py``).
 Before that it restates each committed run (``restate``): what its reports derive
 from its measured pairs (the statistics, the seed-level intervals, summary.md)
 is rewritten as the current code derives it, so that runs stored before a
@@ -24,6 +25,7 @@ import json
 import os
 from typing import Any
 
+from experiments.report import bases
 from experiments.report import claims
 from experiments.report import committed
 from experiments.report import from_data
@@ -58,6 +60,9 @@ LEARNED_END = "<!-- end of learned variants -->"
 FROM_DATA_BEGIN = ("<!-- from data: written by experiments/reproduce.py --table from "
                    "experiments/report/from_data.py; do not edit -->")
 FROM_DATA_END = "<!-- end of from data -->"
+BASES_BEGIN = ("<!-- bases: written by experiments/reproduce.py --table from "
+               "experiments/report/bases.py; do not edit -->")
+BASES_END = "<!-- end of bases -->"
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -254,7 +259,8 @@ def write(results_root: str) -> str:
   ``SWEEPS_END``, ``CONTROL_BEGIN`` and ``CONTROL_END``), the learned method's variants
   against their bases (``learned_variants.table``, between ``LEARNED_BEGIN`` and
   ``LEARNED_END``), and the studies from data with and without REPAIR (``from_data.table``,
-  between ``FROM_DATA_BEGIN`` and ``FROM_DATA_END``)."""
+  between ``FROM_DATA_BEGIN`` and ``FROM_DATA_END``), and the Table 1 settings over several
+  base models (``bases.table``, between ``BASES_BEGIN`` and ``BASES_END``)."""
   for run in committed.runs(results_root, reruns=True):
     restate(run)
   path = os.path.join(results_root, "README.md")
@@ -276,5 +282,6 @@ def write(results_root: str) -> str:
                           path)
   text = _replace_between(text, FROM_DATA_BEGIN, FROM_DATA_END, from_data.table(results_root),
                           path)
+  text = _replace_between(text, BASES_BEGIN, BASES_END, bases.table(results_root), path)
   atomic_io.write_text(path, text)
   return path

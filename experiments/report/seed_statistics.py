@@ -85,6 +85,24 @@ def why_no_interval(pairs: Sequence[Pair]) -> str | None:
   return None
 
 
+def _leave_one_out(pairs: Sequence[Pair], statistic: Statistic
+                   ) -> tuple[float, np.ndarray, int] | None:
+  """(the statistic over every finite pair, the statistics without each seed in turn, the
+  number of finite pairs), or None when ``why_no_interval(pairs)`` gives a reason."""
+  if why_no_interval(pairs) is not None:
+    return None
+  finite = _finite_pairs(pairs)
+  over = lambda kept: float(statistic(np.asarray([v for _, _, v in kept], np.float64)))
+  left_out = np.asarray([over([p for p in finite if s not in p[:2]]) for s in _seeds(finite)])
+  return over(finite), left_out, len(finite)
+
+
+def _jackknife_se(left_out: np.ndarray) -> float:
+  """sqrt((n - 1) / n * sum_s (theta_(s) - theta_(.))^2)."""
+  n = len(left_out)
+  return math.sqrt((n - 1) / n * float(np.sum((left_out - left_out.mean()) ** 2)))
+
+
 def jackknife(pairs: Sequence[Pair], statistic: Statistic = np.mean) -> Interval | None:
   """The statistic of the pairs' finite values and its leave-one-seed-out interval.
 
@@ -96,17 +114,86 @@ def jackknife(pairs: Sequence[Pair], statistic: Statistic = np.mean) -> Interval
   Returns:
     ``Interval``, or None when ``why_no_interval(pairs)`` gives a reason.
   """
-  if why_no_interval(pairs) is not None:
+  found = _leave_one_out(pairs, statistic)
+  if found is None:
     return None
-  finite = _finite_pairs(pairs)
-  seeds = _seeds(finite)
-  n = len(seeds)
-  over = lambda kept: float(statistic(np.asarray([v for _, _, v in kept], np.float64)))
-  estimate = over(finite)
-  left_out = np.asarray([over([p for p in finite if s not in p[:2]]) for s in seeds])
-  se = math.sqrt((n - 1) / n * float(np.sum((left_out - left_out.mean()) ** 2)))
+  estimate, left_out, num_pairs = found
+  n = len(left_out)
+  se = _jackknife_se(left_out)
   half = t_quantile(0.975, n - 1) * se
-  return Interval(estimate, estimate - half, estimate + half, n, len(finite), se)
+  return Interval(estimate, estimate - half, estimate + half, n, num_pairs, se)
+
+
+class Bounds(NamedTuple):
+  """Where a statistic can lie: [low, high], either end open (None). ``to_scale`` maps the open
+  interval (low, high) onto the real line (logit with both ends, log with one); ``from_scale``
+  maps back."""
+  low: float | None = None
+  high: float | None = None
+
+  def to_scale(self, x: float) -> float:
+    """g(x): log((x - low) / (high - x)), log(x - low) or -log(high - x); +-inf on a bound."""
+    with np.errstate(divide="ignore"):
+      up = np.log(x - self.low) if self.low is not None else 0.0
+      down = np.log(self.high - x) if self.high is not None else 0.0
+    return float(up - down)
+
+  def from_scale(self, y: float) -> float:
+    """g^{-1}(y)."""
+    if self.low is not None and self.high is not None:
+      return self.low + (self.high - self.low) * float(scipy.special.expit(y))
+    if self.low is not None:
+      return self.low + math.exp(y)
+    return self.high - math.exp(-y)
+
+  def clip(self, x: float) -> float:
+    return min(max(x, -math.inf if self.low is None else self.low),
+               math.inf if self.high is None else self.high)
+
+
+class Bounded(NamedTuple):
+  """A bounded statistic's interval (``Interval``: the estimate, the endpoints mapped back from
+  the transformed scale, and ``se`` on that scale), and the estimate and threshold's scale for
+  its tests: ``transformed`` True when the interval was computed on g's scale, False when a value
+  lay on a bound and the untransformed interval was clipped to the bounds (``se`` is then the
+  untransformed one)."""
+  interval: Interval
+  bounds: Bounds
+  transformed: bool
+
+  def scaled(self, x: float) -> float:
+    """x on the scale the tests run on: g(x) when transformed, else x."""
+    return self.bounds.to_scale(x) if self.transformed else x
+
+
+def bounded_jackknife(pairs: Sequence[Pair], bounds: Bounds, statistic: Statistic = np.mean
+                      ) -> Bounded | None:
+  """A statistic that lies in ``bounds`` (a mean rank in [1, 24], L-hat >= 0), with an interval
+  whose endpoints lie in them too (docs/lmc.md, 'Verdicts': bounded quantities).
+
+  With g = ``bounds.to_scale``: the leave-one-seed-out jackknife of g(theta), SE_g^2 =
+  (n - 1) / n sum_s (g(theta_(s)) - mean_s g(theta_(s)))^2, gives the interval
+  g^{-1}(g(theta-hat) +- t_{0.975, n - 1} SE_g), which g^{-1} keeps inside the bounds. Where
+  theta-hat or a theta_(s) lies on a bound (g infinite), the untransformed jackknife interval is
+  clipped to the bounds instead: it covers the mean whenever the unclipped one does.
+
+  Returns:
+    ``Bounded``, or None when ``why_no_interval(pairs)`` gives a reason.
+  """
+  found = _leave_one_out(pairs, statistic)
+  if found is None:
+    return None
+  estimate, left_out, num_pairs = found
+  n = len(left_out)
+  t = t_quantile(0.975, n - 1)
+  scaled = np.asarray([bounds.to_scale(v) for v in (estimate, *left_out)])
+  if np.all(np.isfinite(scaled)):
+    se = _jackknife_se(scaled[1:])
+    low, high = (bounds.from_scale(scaled[0] + sign * t * se) for sign in (-1, 1))
+    return Bounded(Interval(estimate, low, high, n, num_pairs, se), bounds, True)
+  se = _jackknife_se(left_out)
+  low, high = bounds.clip(estimate - t * se), bounds.clip(estimate + t * se)
+  return Bounded(Interval(estimate, low, high, n, num_pairs, se), bounds, False)
 
 
 class Difference(NamedTuple):
