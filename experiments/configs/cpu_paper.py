@@ -323,9 +323,12 @@ def _table1_base(config: ml_collections.ConfigDict, setting: str, base: int) -> 
   config.study.permutation_ablation_seeds = ()
 
 
-SETTINGS.update({table1_base_setting(setting, base): (
-    lambda c, setting=setting, base=base: _table1_base(c, setting, base))
-    for setting in TABLE1 for base in TABLE1_BASES})
+# The settings of the other bases: name -> (the Table 1 setting, its base). Their runs are read
+# with their setting's (experiments/report/bases.py), not as settings of their own.
+TABLE1_BASE_VARIANTS = {table1_base_setting(setting, base): (setting, base)
+                        for setting in TABLE1 for base in TABLE1_BASES}
+SETTINGS.update({name: (lambda c, setting=setting, base=base: _table1_base(c, setting, base))
+                 for name, (setting, base) in TABLE1_BASE_VARIANTS.items()})
 
 
 def _scopes(config: ml_collections.ConfigDict, dataset: str, scopes: tuple[str, ...],
