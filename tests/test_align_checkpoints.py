@@ -344,12 +344,23 @@ def test_readme_command_runs_without_torch(tmp_path):
   assert merged == curves["merged"]
   assert merged == {"lambda": 0.5, "loss": curves["after"]["loss"][5],
                     "accuracy": curves["after"]["accuracy"][5],
+                    "naive": {"loss": curves["before"]["loss"][5],
+                              "accuracy": curves["before"]["accuracy"][5]},
                     "a": {"loss": curves["after"]["loss"][0],
                           "accuracy": curves["after"]["accuracy"][0]},
                     "b": {"loss": curves["after"]["loss"][-1],
-                          "accuracy": curves["after"]["accuracy"][-1]}}
-  assert re.search(r"merged model \(lambda 0\.5\): loss [\d.]+ \(A [\d.]+, B [\d.]+\), "
-                   r"accuracy", run.stderr)
+                          "accuracy": curves["after"]["accuracy"][-1]},
+                    "beats_naive": curves["after"]["loss"][5] < curves["before"]["loss"][5]}
+  assert re.search(r"merged model \(lambda 0\.5\): loss [\d.]+ \(naive merge [\d.]+, A [\d.]+, "
+                   r"B [\d.]+\), accuracy", run.stderr)
+  summary = run.stdout.splitlines()
+  assert f"merged model (lambda 0.5): loss {merged['loss']:.4g} (naive merge " \
+         f"{merged['naive']['loss']:.4g}, A {merged['a']['loss']:.4g}, B " \
+         f"{merged['b']['loss']:.4g})" in summary, summary
+  beat = "beat" if merged["beats_naive"] else "did not beat"  # random models: either way
+  assert f"the aligned merge {beat} the naive merge: loss {merged['loss']:.4g} against " \
+         f"{merged['naive']['loss']:.4g} (accuracy {merged['accuracy']:.4g} against " \
+         f"{merged['naive']['accuracy']:.4g})" in summary, summary
 
 
 def _interpolation(out: str) -> dict:

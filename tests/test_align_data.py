@@ -137,8 +137,12 @@ def test_repaired_merge_is_written_and_evaluated(gpt2, tmp_path, capsys):
     assert point["shift_folded"] and point["corrected"] == point["channels"]
   assert report["repair"] is True
   assert f"REPAIRed merged model (lambda 0.5): loss {merged['repaired']['loss']:.4g} (plain " \
-         f"merge {merged['loss']:.4g}, A {merged['a']['loss']:.4g}, B " \
-         f"{merged['b']['loss']:.4g})" in lines
+         f"merge {merged['loss']:.4g}, naive merge {merged['naive']['loss']:.4g}, A " \
+         f"{merged['a']['loss']:.4g}, B {merged['b']['loss']:.4g})" in lines
+  assert merged["naive"] == {k: merged[k] for k in ("loss", "accuracy")}  # naive: B' is B
+  beat = "beat" if merged["repaired"]["loss"] < merged["naive"]["loss"] else "did not beat"
+  assert any(line.startswith(f"the REPAIRed aligned merge {beat} the naive merge")
+             for line in lines)
   model, params = _load(os.path.join(out, "merged"))
   assert model.config == _load(gpt2["a"])[0].config
   _, a = _load(gpt2["a"])

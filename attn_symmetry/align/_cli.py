@@ -16,6 +16,7 @@ from attn_symmetry import matching
 from attn_symmetry import runtime
 from attn_symmetry._version import __version__
 from attn_symmetry.align import _check
+from attn_symmetry.align import _outputs
 from attn_symmetry.align import _pipeline
 from attn_symmetry.align._clock import ProgressBar
 from attn_symmetry.align._records import (MATCHING_OPTIONS, OUTPUTS, AlignWarning, InputError,
@@ -126,11 +127,13 @@ def summary(report: dict, out: str | None) -> list[str]:
   m = report.get("merged", {})
   if "repaired" in m:
     lines.append(f"REPAIRed merged model (lambda {m['lambda']:g}): loss "
-                 f"{m['repaired']['loss']:.4g} (plain merge {m['loss']:.4g}, A "
-                 f"{m['a']['loss']:.4g}, B {m['b']['loss']:.4g})")
+                 f"{m['repaired']['loss']:.4g} (plain merge {m['loss']:.4g}, naive merge "
+                 f"{m['naive']['loss']:.4g}, A {m['a']['loss']:.4g}, B {m['b']['loss']:.4g})")
   elif "loss" in m:
-    lines.append(f"merged model (lambda {m['lambda']:g}): loss {m['loss']:.4g} (A "
-                 f"{m['a']['loss']:.4g}, B {m['b']['loss']:.4g})")
+    lines.append(f"merged model (lambda {m['lambda']:g}): loss {m['loss']:.4g} (naive merge "
+                 f"{m['naive']['loss']:.4g}, A {m['a']['loss']:.4g}, B {m['b']['loss']:.4g})")
+  if "naive" in m:
+    lines.append(_outputs.verdict_line(m))
   elif "repair" in m:
     points = m["repair"].values()
     lines.append(f"REPAIRed merged model (lambda {m['lambda']:g}): "

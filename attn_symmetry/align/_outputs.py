@@ -50,7 +50,7 @@ def _curves(model: Model, batches, paths: dict[str, tuple[Params, Params]], num_
                  "barrier": {"loss": lmc.barrier(lams, loss),
                              "accuracy": lmc.barrier(lams, accuracy, higher_is_better=True)}}
   if merge is not None:
-    out["merged"] = _merged(out, merge, lambda lam: metrics("after", np.array([lam])))
+    out["merged"] = _merged(out, merge, lambda path, lam: metrics(path, np.array([lam])))
   if repaired is not None:  # the path from the model to itself at lambda 0: the model itself
     loss, accuracy = _path_metrics(evaluator, repaired, repaired, batches, np.zeros(1))
     out["merged"]["repaired"] = {"loss": float(loss[0]), "accuracy": float(accuracy[0])}
@@ -58,19 +58,31 @@ def _curves(model: Model, batches, paths: dict[str, tuple[Params, Params]], num_
 
 
 def merged_line(curves: dict[str, Any]) -> str:
-  """"; merged model (lambda 0.5): loss 2.31 (A 2.25, B 2.27), accuracy ...", with REPAIR
-  "; REPAIRed merged model (lambda 0.5): loss 2.28 (plain merge 2.31, A 2.25, B 2.27), ...",
-  or "" when nothing is merged."""
+  """"; merged model (lambda 0.5): loss 2.31 (naive merge 2.80, A 2.25, B 2.27), accuracy
+  ...", with REPAIR "; REPAIRed merged model (lambda 0.5): loss 2.28 (plain merge 2.31, naive
+  merge 2.80, A 2.25, B 2.27), ...", or "" when nothing is merged."""
   if "merged" not in curves:
     return ""
   m = curves["merged"]
   if "repaired" in m:
-    loss, accuracy = (f"{k} {m['repaired'][k]:.4g} (plain merge {m[k]:.4g}, A {m['a'][k]:.4g}, "
-                      f"B {m['b'][k]:.4g})" for k in ("loss", "accuracy"))
+    loss, accuracy = (f"{k} {m['repaired'][k]:.4g} (plain merge {m[k]:.4g}, naive merge "
+                      f"{m['naive'][k]:.4g}, A {m['a'][k]:.4g}, B {m['b'][k]:.4g})"
+                      for k in ("loss", "accuracy"))
     return f"; REPAIRed merged model (lambda {m['lambda']:g}): {loss}, {accuracy}"
-  loss, accuracy = (f"{k} {m[k]:.4g} (A {m['a'][k]:.4g}, B {m['b'][k]:.4g})"
-                    for k in ("loss", "accuracy"))
+  loss, accuracy = (f"{k} {m[k]:.4g} (naive merge {m['naive'][k]:.4g}, A {m['a'][k]:.4g}, "
+                    f"B {m['b'][k]:.4g})" for k in ("loss", "accuracy"))
   return f"; merged model (lambda {m['lambda']:g}): {loss}, {accuracy}"
+
+
+def verdict_line(merged: dict[str, Any]) -> str:
+  """Whether the aligned merge (the REPAIRed one where there is one) beat the naive merge, the
+  same average of A and B without alignment, on the evaluation's loss."""
+  best = merged.get("repaired", merged)
+  what = "the REPAIRed aligned merge" if "repaired" in merged else "the aligned merge"
+  ours, naive = best["loss"], merged["naive"]["loss"]
+  beat = "beat" if ours < naive else "did not beat"
+  return (f"{what} {beat} the naive merge: loss {ours:.4g} against {naive:.4g} (accuracy "
+          f"{best['accuracy']:.4g} against {merged['naive']['accuracy']:.4g})")
 
 
 def _path_metrics(evaluator, params_a: Params, params_b: Params, batches, lams: np.ndarray
@@ -81,17 +93,25 @@ def _path_metrics(evaluator, params_a: Params, params_b: Params, batches, lams: 
 
 
 def _merged(curves: dict[str, Any], merge: float,
-            evaluate: Callable[[float], tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
-  """The merged model (1 - merge) A' + merge B' (what out/merged holds) beside its endpoints:
-  {"lambda", "loss", "accuracy", "a": {"loss", "accuracy"}, "b": {...}} on the evaluation
-  batches. Read off the "after" curve when ``merge`` is one of its lambdas, else evaluated
-  (``evaluate(merge)``); the endpoints are the curve's ends (A' computes A's function, B' B's)."""
-  after, lams = curves["after"], np.asarray(curves["lambdas"])
-  at = lambda i: {"loss": after["loss"][i], "accuracy": after["accuracy"][i]}
+            evaluate: Callable[[str, float], tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+  """The merged model (1 - merge) A' + merge B' (what out/merged holds) beside the naive merge
+  (1 - merge) A + merge B and the endpoints: {"lambda", "loss", "accuracy", "naive": {"loss",
+  "accuracy"}, "a": {...}, "b": {...}, "beats_naive": the merge's loss below the naive one's}
+  on the evaluation batches. Each point is read off its curve ("after", "before") when
+  ``merge`` is one of its lambdas, else evaluated (``evaluate(path, merge)``); the endpoints are
+  the curve's ends (A' computes A's function, B' B's)."""
+  lams = np.asarray(curves["lambdas"])
   hit = np.flatnonzero(np.abs(lams - merge) <= 1e-12)
-  point = at(hit[0]) if hit.size else dict(zip(("loss", "accuracy"),
-                                               (float(x[0]) for x in evaluate(merge))))
-  return {"lambda": merge, **point, "a": at(0), "b": at(-1)}
+
+  def at(path: str, i: int | None) -> dict[str, float]:
+    if i is None:
+      return dict(zip(("loss", "accuracy"), (float(x[0]) for x in evaluate(path, merge))))
+    return {"loss": curves[path]["loss"][i], "accuracy": curves[path]["accuracy"][i]}
+
+  point = at("after", hit[0] if hit.size else None)
+  naive = at("before", hit[0] if hit.size else None)
+  return {"lambda": merge, **point, "naive": naive, "a": at("after", 0), "b": at("after", -1),
+          "beats_naive": point["loss"] < naive["loss"]}
 
 
 def plot(curves: dict[str, Any], path: str) -> None:
