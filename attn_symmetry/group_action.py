@@ -27,7 +27,12 @@ orthogonal matrix [size, size], and from attention-site path to an
 ``AttentionElement``. A permutation factor acts on an axis by ``take``; an
 orthogonal factor O maps the axis by x -> x O, which is right for weights that
 write the stream (columns) and, as O^{-1} = O^T, for weights that read it
-(rows).
+(rows). A "mean_zero_orthogonal" factor (a pre-LayerNorm stream) is an
+orthogonal O with O 1 = 1, O = U diag(1, R) U^T (``mean_zero_basis``: U's first
+column is 1 / sqrt(d); R in O(d - 1)); it acts like any orthogonal factor, a
+LayerNorm's bias as a writer (b -> b O). Since 1^T O = 1^T, O commutes with the
+centring x -> x - mean(x) 1 and keeps the norm: LayerNorm(x O) = LayerNorm(x) O,
+epsilon included, once the gains are folded (``canonical_form``).
 
 This module imports jax and numpy only.
 """
@@ -141,6 +146,28 @@ def rope_commutant(ab: jax.Array, rest: jax.Array | None,
 def _random_orthogonal(key, shape, n, dtype):
   q, r = jnp.linalg.qr(jax.random.normal(key, (*shape, n, n), dtype))
   return q * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
+
+
+def mean_zero_basis(n: int, dtype: Any = None) -> jax.Array:
+  """U [n, n]: an orthogonal matrix whose first column is 1 / sqrt(n), its other columns a
+  basis of 1-perp (the Householder reflection that maps e_1 to 1 / sqrt(n); symmetric).
+
+  An orthogonal O fixes 1 exactly when O = U diag(1, R) U^T with R in O(n - 1).
+  """
+  v = -np.full(n, 1 / np.sqrt(n))
+  v[0] += 1.0
+  norm = v @ v
+  u = np.eye(n) - (2 / norm) * np.outer(v, v) if norm > 0 else np.eye(n)
+  return jnp.asarray(u, dtype or jnp.asarray(0.0).dtype)
+
+
+def mean_zero_orthogonal(r: jax.Array) -> jax.Array:
+  """U diag(1, R) U^T [n, n] (``mean_zero_basis``), the orthogonal map that fixes 1 and acts
+  as R [n - 1, n - 1] on 1-perp in U's basis."""
+  n = r.shape[-1] + 1
+  u = mean_zero_basis(n, r.dtype)
+  block = jnp.zeros((n, n), r.dtype).at[0, 0].set(1).at[1:, 1:].set(r)
+  return u @ block @ u.T
 
 
 def _random_gl(key, shape, n, dtype):
@@ -381,19 +408,19 @@ def apply_leaf(spec: spec_lib.SymmetrySpec, path: str, leaf: jax.Array, element:
   for axis, f in enumerate(spec.axes[path]):
     if f is None or axis == skip_axis:
       continue
-    kind = spec.factors[f].kind
-    if kind == "orthogonal" and path in spec.norm_scales:
+    factor = spec.factors[f]
+    if factor.is_matrix and path in spec.norm_scales:
       _check_folded(path, leaf)  # ones commute with O: left as they are
       continue
-    leaf = _act_on_axis(leaf, axis, element[f], kind)
+    leaf = _act_on_axis(leaf, axis, element[f], factor.kind)
   return leaf
 
 
 def check_model_element(spec: spec_lib.SymmetrySpec, element: Mapping[str, Any]) -> None:
   """Raises ValueError, naming the factor or site, unless ``element`` is an element of the
   group that ``spec`` describes: one entry per factor and attention site, of their shapes;
-  outside jit, permutations that are permutations and orthogonal factors that are orthogonal
-  (to 1e-5)."""
+  outside jit, permutations that are permutations, orthogonal factors that are orthogonal
+  and mean-zero orthogonal ones that also map 1 to 1 (to 1e-5)."""
   expected = set(spec.factors) | set(spec.attention)
   if set(element) != expected:
     raise ValueError(f"model element keys {sorted(element)} differ from the spec's factors and "
@@ -408,8 +435,11 @@ def check_model_element(spec: spec_lib.SymmetrySpec, element: Mapping[str, Any])
       v = np.asarray(v)
       if factor.kind == "permutation" and not (np.sort(v) == np.arange(factor.size)).all():
         raise ValueError(f"element[{name!r}] is not a permutation of 0..{factor.size - 1}")
-      if factor.kind == "orthogonal" and not np.allclose(v.T @ v, np.eye(factor.size), atol=1e-5):
+      if factor.is_matrix and not np.allclose(v.T @ v, np.eye(factor.size), atol=1e-5):
         raise ValueError(f"element[{name!r}] is not orthogonal")
+      if factor.kind == "mean_zero_orthogonal" and not np.allclose(v.sum(-1), 1, atol=1e-5):
+        raise ValueError(f"element[{name!r}] does not map the all-ones vector to itself "
+                         "(a mean_zero_orthogonal factor is U diag(1, R) U^T)")
   for name, site in spec.attention.items():
     e = element[name]
     check_element(e, name=f"element[{name!r}]")
@@ -475,7 +505,8 @@ def random_model_element(key: jax.Array, spec: spec_lib.SymmetrySpec, *,
   """A random element of a model's group.
 
   Permutation factors get a uniform permutation, orthogonal factors a Haar
-  orthogonal matrix, each attention site an element of its own group
+  orthogonal matrix, mean-zero orthogonal factors U diag(1, R) U^T with R Haar
+  in O(size - 1) (``mean_zero_orthogonal``), each attention site an element of its own group
   (``site.group``), or of ``attention_group`` when given (e.g. "gl" on a RoPE
   model, to see that it is not a symmetry).
   """
@@ -483,8 +514,12 @@ def random_model_element(key: jax.Array, spec: spec_lib.SymmetrySpec, *,
   out: ModelElement = {}
   for i, (name, f) in enumerate(sorted(spec.factors.items())):
     k = jax.random.fold_in(key, i)
-    out[name] = (jax.random.permutation(k, f.size) if f.kind == "permutation"
-                 else _random_orthogonal(k, (), f.size, dtype))
+    if f.kind == "permutation":
+      out[name] = jax.random.permutation(k, f.size)
+    elif f.kind == "orthogonal":
+      out[name] = _random_orthogonal(k, (), f.size, dtype)
+    else:
+      out[name] = mean_zero_orthogonal(_random_orthogonal(k, (), f.size - 1, dtype))
   for i, (name, site) in enumerate(sorted(spec.attention.items())):
     k = jax.random.fold_in(key, len(spec.factors) + i)
     out[name] = random_element(k, site, group=attention_group, dtype=dtype)
@@ -541,3 +576,54 @@ def fold_norm_scales(spec: spec_lib.SymmetrySpec, params: Params) -> Params:
       flat[reader] = flat[reader] * s.reshape(shape)
     flat[scale_path] = jnp.ones_like(s)
   return spec_lib.unflatten(flat)
+
+
+def _check_gains(path: str, scale: jax.Array) -> None:
+  if _is_concrete(scale) and np.any(np.asarray(scale) == 0):
+    raise ValueError(f"{path} has a zero gain: a LayerNorm coordinate with gain 0 outputs its "
+                     "bias alone, which no bias of a gain-1 norm reproduces; canonical_form "
+                     "cannot fold it")
+
+
+def canonical_form(spec: spec_lib.SymmetrySpec, params: Params) -> Params:
+  """``params`` with the gauges of every matrix factor brought to one form ("one gauge").
+
+  The function is unchanged, and afterwards every orthogonal and mean-zero orthogonal factor of
+  ``spec`` is an exact symmetry (``apply_model``), so two models in this form can be compared
+  and matched:
+
+  * every norm scale of ``spec.norm_scales`` is folded into its readers
+    (``fold_norm_scales``; an RMSNorm model's whole gauge);
+  * for each "mean_zero_orthogonal" factor, with its ``spec.LayerNormStream``:
+    - writers' means: each vector a writer adds to the stream is replaced by its projection
+      onto 1-perp, v -> v - mean(v) 1 along the factor's axis. LayerNorm drops the stream's
+      component along 1 and nothing reads the stream but LayerNorms, so no value read
+      changes, and the stream is mean-zero everywhere;
+    - gains: gamma * xhat + beta = (xhat + beta / gamma) * gamma; the bias becomes
+      beta / gamma and gamma moves into the readers (W -> diag(gamma) W), gain 1.
+
+  Idempotent; jittable (a zero gain, which cannot be folded, raises outside jit and gives
+  non-finite biases under it).
+
+  Args:
+    spec: the model's spec (``SymmetrySpec.with_residual`` for a LayerNorm stream).
+    params: parameters that fit it.
+
+  Returns:
+    The parameters in canonical form, same structure, shapes and dtypes.
+
+  Raises:
+    ValueError: if params do not fit the spec, or (concrete) a LayerNorm gain is zero.
+  """
+  spec.check(params)
+  flat = spec_lib.flatten(params)
+  for name, stream in spec.streams.items():
+    if spec.factors[name].kind != "mean_zero_orthogonal":
+      continue
+    for path in stream.writers:
+      axis = spec.axes[path].index(name)
+      flat[path] = flat[path] - jnp.mean(flat[path], axis=axis, keepdims=True)
+    for scale, (bias, _) in stream.norms.items():
+      _check_gains(scale, flat[scale])
+      flat[bias] = flat[bias] / flat[scale]
+  return fold_norm_scales(spec, spec_lib.unflatten(flat))

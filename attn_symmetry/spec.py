@@ -3,10 +3,12 @@
 A spec is plain data, separate from the code that applies or solves for a
 group element (git-re-basin's ``PermutationSpec``, generalised):
 
-* ``factors``: named factors that act on one axis of some leaves, each either a
+* ``factors``: named factors that act on one axis of some leaves, each a
   permutation of ``size`` coordinates (FFN hidden units, the residual stream of
-  a LayerNorm model) or an orthogonal map (the residual stream of an RMSNorm
-  model; docs/symmetries.md, 'Whole models').
+  a LayerNorm model), an orthogonal map (the residual stream of an RMSNorm
+  model) or an orthogonal map Q that fixes the all-ones vector, Q 1 = 1
+  ("mean_zero_orthogonal": the residual stream of a pre-LayerNorm model, which
+  acts as O(d - 1) on the mean-zero subspace 1-perp; docs/symmetries.md, 'Whole models').
 * ``axes``: for every leaf path ("layers_0/mlp/wi/kernel"), a tuple with one
   entry per array axis, the factor acting on that axis or None. Every leaf of
   the parameter tree is listed, so that a forgotten leaf is an error rather
@@ -20,6 +22,11 @@ group element (git-re-basin's ``PermutationSpec``, generalised):
   stream, so that ``fold_norm_scales`` can move the scales into the readers
   (needed before an orthogonal residual map, which does not commute with an
   elementwise scale).
+* ``streams``: for a residual factor of a pre-LayerNorm model, the stream's
+  ``LayerNormStream`` (its writers, and each LayerNorm's bias and readers), the
+  data that ``with_residual`` turns a permutation factor into a
+  "mean_zero_orthogonal" one with, and that ``group_action.canonical_form``
+  reads to bring the two gauges of such a stream to one form.
 * ``writers``: for each part of a layer that writes the residual stream (an
   attention site, an FFN factor), the (kernel, bias or None) leaves of the dense
   projection that writes it there (the attention's output projection, the FFN's
@@ -40,7 +47,9 @@ from typing import Any
 
 from attn_symmetry import attention
 
-FACTOR_KINDS = ("permutation", "orthogonal")
+FACTOR_KINDS = ("permutation", "orthogonal", "mean_zero_orthogonal")
+# The kinds whose elements are [size, size] orthogonal matrices acting by x -> x O.
+MATRIX_KINDS = ("orthogonal", "mean_zero_orthogonal")
 ATTENTION_GROUPS = ("gl", "rope")
 TAP_SEPARATOR = ":"
 SITE_TAPS = attention.HeadActivations._fields  # ("q", "k", "v", "heads")
@@ -67,6 +76,37 @@ class Factor:
   def __post_init__(self):
     if self.kind not in FACTOR_KINDS:
       raise ValueError(f"Factor kind must be one of {FACTOR_KINDS}, got {self.kind!r}")
+
+  @property
+  def is_matrix(self) -> bool:
+    """Whether an element of this factor is a [size, size] orthogonal matrix (``MATRIX_KINDS``)."""
+    return self.kind in MATRIX_KINDS
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerNormStream:
+  """A residual stream that is read through LayerNorms only (a pre-LayerNorm model with an
+  untied head), which therefore has the symmetry O(d - 1) on 1-perp (docs/symmetries.md).
+
+  Attributes:
+    writers: the leaves that add to the stream (token, position and patch embeddings, a CLS
+      token, attention output and FFN down projections and their biases); the gauge
+      projects their stream axis onto 1-perp.
+    norms: each LayerNorm scale path -> (its bias path, the leaves that read its output).
+  """
+  writers: tuple[str, ...]
+  norms: Mapping[str, tuple[str, tuple[str, ...]]]
+
+  def leaves(self) -> tuple[str, ...]:
+    """Every leaf the stream's data names."""
+    return (*self.writers, *(p for s, (b, r) in self.norms.items() for p in (s, b, *r)))
+
+  def part(self, paths) -> "LayerNormStream":
+    """The stream's data on the leaves ``paths`` alone."""
+    return LayerNormStream(tuple(p for p in self.writers if p in paths),
+                           {s: (b, tuple(r for r in readers if r in paths))
+                            for s, (b, readers) in self.norms.items()
+                            if s in paths and b in paths})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +175,7 @@ class SymmetrySpec:
   attention: Mapping[str, AttentionSite] = dataclasses.field(default_factory=dict)
   norm_scales: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   writers: Mapping[str, tuple[str, str | None]] = dataclasses.field(default_factory=dict)
+  streams: Mapping[str, LayerNormStream] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     for path, axes in self.axes.items():
@@ -154,6 +195,44 @@ class SymmetrySpec:
       for p in leaves:
         if p is not None and p not in self.axes:
           raise ValueError(f"writers entry {name!r} names {p!r}, which is not in the spec's axes")
+    for name, stream in self.streams.items():
+      if name not in self.factors:
+        raise ValueError(f"streams entry {name!r} is not a factor")
+      for p in stream.leaves():
+        if p not in self.axes:
+          raise ValueError(f"streams entry {name!r} names {p!r}, which is not in the spec's axes")
+    for name, factor in self.factors.items():
+      if factor.kind == "mean_zero_orthogonal" and name not in self.streams:
+        raise ValueError(f"factor {name!r} is mean_zero_orthogonal but the spec has no "
+                         "LayerNormStream for it (streams)")
+
+  def with_residual(self, name: str, kind: str) -> "SymmetrySpec":
+    """The same spec with factor ``name`` of ``kind``, "permutation" or "mean_zero_orthogonal".
+
+    A "mean_zero_orthogonal" factor needs the stream's ``LayerNormStream`` in ``streams``
+    (a pre-LayerNorm model with an untied head: ``models.untie_head`` unties a tied one);
+    its LayerNorm scales are listed in ``norm_scales`` with their readers, to be folded
+    (``group_action.canonical_form``). "permutation" drops them again.
+
+    Raises:
+      ValueError: naming the factor, if it is unknown or has no ``LayerNormStream``, or the
+        kind is neither of the two.
+    """
+    if name not in self.factors:
+      raise ValueError(f"unknown factor {name!r}")
+    if kind not in ("permutation", "mean_zero_orthogonal"):
+      raise ValueError(f"with_residual takes kind 'permutation' or 'mean_zero_orthogonal', "
+                       f"got {kind!r}")
+    if name not in self.streams:
+      raise ValueError(f"factor {name!r} is no stream read through LayerNorms only (no "
+                       "LayerNormStream: an RMSNorm or post-LayerNorm model, or a head tied to "
+                       "the embedding, which must be untied first)")
+    norms = self.streams[name].norms
+    scales = {s: v for s, v in self.norm_scales.items() if s not in norms}
+    if kind == "mean_zero_orthogonal":
+      scales |= {s: readers for s, (_, readers) in norms.items()}
+    factors = dict(self.factors, **{name: Factor(self.factors[name].size, kind)})
+    return dataclasses.replace(self, factors=factors, norm_scales=scales)
 
   def restrict(self, names) -> "SymmetrySpec":
     """The same spec with only the named factors and attention sites acting."""
@@ -165,12 +244,14 @@ class SymmetrySpec:
     axes = {p: tuple(f if f in factors else None for f in a) for p, a in self.axes.items()}
     sites = {k: v for k, v in self.attention.items() if k in names}
     writers = {k: v for k, v in self.writers.items() if k in factors or k in sites}
-    return SymmetrySpec(factors, axes, sites, dict(self.norm_scales), writers)
+    streams = {k: v for k, v in self.streams.items() if k in factors}
+    return SymmetrySpec(factors, axes, sites, dict(self.norm_scales), writers, streams)
 
   def part(self, paths) -> "SymmetrySpec":
     """The spec of the leaves ``paths`` alone: their axes, the factors that act on them, the
     attention sites with a leaf among them, the norm scales among them (with their readers
-    among them) and the writers of the part's factors and sites whose leaves are among them."""
+    among them), the writers of the part's factors and sites whose leaves are among them, and
+    the streams of the part's factors on the leaves among them."""
     paths = set(paths)
     axes = {p: a for p, a in self.axes.items() if p in paths}
     used = {f for a in axes.values() for f in a if f is not None}
@@ -180,7 +261,9 @@ class SymmetrySpec:
                    for s, readers in self.norm_scales.items() if s in paths}
     writers = {n: leaves for n, leaves in self.writers.items()
                if (n in used or n in attention) and all(p is None or p in paths for p in leaves)}
-    return SymmetrySpec({f: self.factors[f] for f in used}, axes, attention, norm_scales, writers)
+    streams = {f: s.part(paths) for f, s in self.streams.items() if f in used}
+    return SymmetrySpec({f: self.factors[f] for f in used}, axes, attention, norm_scales, writers,
+                        streams)
 
   def check(self, params: Mapping[str, Any]) -> None:
     """Raises ValueError, naming the leaf, if ``params`` does not fit this spec."""

@@ -179,7 +179,7 @@ def test_the_report_records_every_option_and_the_code_and_the_command_ends_with_
   report = json.loads((out / "report.json").read_text())
   assert report["options"] == {"distance": "frobenius", "steps": 200, "max_rounds": 2,
                                "init": "procrustes", "refine": "every_round",
-                               "solver": "gauss_newton"}
+                               "solver": "gauss_newton", "residual": "permutation"}
   assert report["attn_symmetry"]["version"] == attn_symmetry.__version__
   assert re.fullmatch(r"[0-9a-f]{40}", report["attn_symmetry"]["commit"])  # run from a checkout
   after = report["distance"]["after"]

@@ -12,6 +12,7 @@ import pytest
 
 from attn_symmetry import attention
 from attn_symmetry import group_action as ga
+from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.spec import AttentionSite
 from tests import tiny_transformer as tiny
@@ -182,6 +183,60 @@ def test_whole_model_invariance(x64, rms):
                        ga.apply_model(spec, params, ga.compose_model(spec, g, h)))
   _assert_params_close(ga.apply_model(spec, moved, ga.inverse_model(spec, g)), params)
   _assert_params_close(ga.apply_model(spec, params, ga.identity_model(spec)), params, 0)
+
+
+def _mean_zero_spec_and_params():
+  """A tiny untied GPT-2 in float64 (every leaf perturbed) and its spec with the O(d - 1)
+  residual."""
+  model = models.build("gpt2", "tiny", tied_embeddings=False)
+  rng = np.random.default_rng(0)
+  flat = spec_lib.flatten(model.init(jax.random.key(0)))
+  params = spec_lib.unflatten({p: jnp.asarray(x, jnp.float64) + 0.3 * rng.normal(size=x.shape)
+                               for p, x in flat.items()})
+  return model.spec.with_residual("residual", "mean_zero_orthogonal"), params
+
+
+def test_mean_zero_orthogonal_axioms_and_jit(x64):
+  """Identity, inverse, composition and associativity for U diag(1, R) U^T with head and FFN
+  elements; the elements stay in the group; apply_model and canonical_form jit (one trace)."""
+  spec, params = _mean_zero_spec_and_params()
+  params = ga.canonical_form(spec, params)
+  g, h, k = (ga.random_model_element(jax.random.key(i), spec) for i in (1, 2, 3))
+  _assert_params_close(ga.apply_model(spec, params, ga.identity_model(spec)), params, 0)
+  _assert_params_close(ga.apply_model(spec, ga.apply_model(spec, params, g),
+                                      ga.inverse_model(spec, g)), params)
+  _assert_params_close(ga.apply_model(spec, ga.apply_model(spec, params, h), g),
+                       ga.apply_model(spec, params, ga.compose_model(spec, g, h)))
+  gh_k = ga.compose_model(spec, ga.compose_model(spec, g, h), k)
+  g_hk = ga.compose_model(spec, g, ga.compose_model(spec, h, k))
+  np.testing.assert_allclose(gh_k["residual"], g_hk["residual"], atol=1e-12)
+  for e in (gh_k, ga.inverse_model(spec, g)):
+    ga.check_model_element(spec, e)  # orthogonal and fixes 1
+  u = ga.mean_zero_basis(5, jnp.float64)
+  np.testing.assert_allclose(u.T @ u, np.eye(5), atol=1e-14)
+  np.testing.assert_allclose(u[:, 0], 1 / np.sqrt(5), atol=1e-15)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def act(p, e):
+    return ga.apply_model(spec, ga.canonical_form(spec, p), e, check_element=False)
+
+  for e in (g, h):
+    _assert_params_close(act(params, e), ga.apply_model(spec, params, e), 1e-12)
+
+
+def test_mean_zero_orthogonal_rejects_bad_elements_and_zero_gains(x64):
+  spec, params = _mean_zero_spec_and_params()
+  g = ga.random_model_element(jax.random.key(1), spec)
+  rotation = ga._random_orthogonal(jax.random.key(2), (), 32, jnp.float64)  # moves 1
+  with pytest.raises(ValueError, match="all-ones vector"):
+    ga.check_model_element(spec, dict(g, residual=rotation))
+  flat = spec_lib.flatten(params)
+  flat["layers_1/mlp_norm/scale"] = flat["layers_1/mlp_norm/scale"].at[3].set(0.0)
+  with pytest.raises(ValueError, match="layers_1/mlp_norm/scale has a zero gain"):
+    ga.canonical_form(spec, spec_lib.unflatten(flat))
+  with pytest.raises(ValueError, match="call fold_norm_scales first"):
+    ga.apply_model(spec, params, g)  # unfolded gains do not commute with Q
 
 
 def test_apply_leaf_is_the_factor_action_of_apply_model(x64):

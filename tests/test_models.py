@@ -151,6 +151,78 @@ def test_spec_factors_per_family():
   assert models.build("bert", head="encoder").spec.axes["pooler/kernel"] == (None, None)
 
 
+# Pre-LayerNorm families with an untied head: their stream has the O(d - 1) residual.
+LAYER_NORM_STREAMS = {
+    "gpt2-untied": ("gpt2", dict(tied_embeddings=False)),
+    "gpt2-rope-partial-untied": ("gpt2", dict(tied_embeddings=False, pos_encoding="rope",
+                                              rotary_fraction=0.5)),
+    "vit": ("vit", {}),
+    "vit-none-mean": ("vit", dict(pos_encoding="none", pooling="mean")),
+    "gpt_neox": ("gpt_neox", {}),
+}
+
+
+def _mean_zero_model(case):
+  family, overrides = LAYER_NORM_STREAMS[case]
+  model = models.build(family, "tiny", **overrides)
+  return model, model.spec.with_residual("residual", "mean_zero_orthogonal")
+
+
+@pytest.mark.parametrize("case", list(LAYER_NORM_STREAMS))
+def test_logits_invariant_under_mean_zero_orthogonal_residual(x64, case):
+  """The canonical form (writers projected onto 1-perp, LayerNorm gains in their readers) keeps
+  the logits, and so does a random Q with Q 1 = 1 with head and FFN elements on top; the form
+  is idempotent and the moved checkpoint is still in it."""
+  model, spec = _mean_zero_model(case)
+  params = _params64(model, 0)
+  inputs, kwargs = _batch(model, 1)
+  canonical = ga.canonical_form(spec, params)
+  flat = spec_lib.flatten(canonical)
+  for path in spec.streams["residual"].writers:
+    axis = spec.axes[path].index("residual")
+    assert float(jnp.max(jnp.abs(jnp.mean(flat[path], axis=axis)))) <= 1e-12, path
+  for scale in spec.streams["residual"].norms:
+    np.testing.assert_array_equal(flat[scale], 1.0)
+  _assert_trees_close(ga.canonical_form(spec, canonical), canonical, 1e-12)
+  element = ga.random_model_element(jax.random.key(2), spec)
+  q = element["residual"]
+  np.testing.assert_allclose(q @ jnp.ones(q.shape[0]), 1.0, atol=1e-12)
+  assert _max_diff(q, jnp.eye(q.shape[0])) > 0.1
+  moved = ga.apply_model(spec, canonical, element)
+  apply = jax.jit(model.apply)
+  logits = apply(params, inputs, **kwargs)[0]
+  assert _max_diff(logits, apply(canonical, inputs, **kwargs)[0]) <= 1e-9
+  assert _max_diff(logits, apply(moved, inputs, **kwargs)[0]) <= 1e-9
+  assert _max_diff(flat["layers_0/mlp/wi/kernel"],
+                   spec_lib.flatten(moved)["layers_0/mlp/wi/kernel"]) > 0.1
+  _assert_trees_close(ga.canonical_form(spec, moved), moved, 1e-12)
+
+
+def _assert_trees_close(a, b, atol):
+  for (path, x), y in zip(spec_lib.flatten(a).items(), spec_lib.flatten(b).values()):
+    np.testing.assert_allclose(x, y, atol=atol, err_msg=path)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("gpt2", {}), ("bert", {}), ("llama", {}), ("gpt2", dict(pos_encoding="sinusoidal"))])
+def test_mean_zero_orthogonal_residual_needs_a_layer_norm_stream(family, overrides):
+  """A tied head, a post-LayerNorm stream (BERT), an RMSNorm one (Llama: already orthogonal) and
+  a stream with no symmetry have no O(d - 1) residual: with_residual says why."""
+  spec = models.build(family, "tiny", **overrides).spec
+  assert "residual" not in spec.streams
+  with pytest.raises(ValueError, match="LayerNorm|unknown factor"):
+    spec.with_residual("residual", "mean_zero_orthogonal")
+
+
+def test_with_residual_round_trip():
+  spec = models.build("gpt2", "tiny", tied_embeddings=False).spec
+  ortho = spec.with_residual("residual", "mean_zero_orthogonal")
+  assert ortho.factors["residual"] == spec_lib.Factor(32, "mean_zero_orthogonal")
+  assert ortho.norm_scales["final_norm/scale"] == ("head/kernel",)
+  assert spec.norm_scales == {} and ortho.with_residual("residual", "permutation") == spec
+  assert ortho.restrict(["residual"]).streams == ortho.streams
+
+
 @pytest.mark.parametrize("case", ["vit-rope2d", "bert-rope", "gpt2-rope-partial", "llama"])
 def test_gl_on_rope_qk_changes_logits(x64, case):
   model = _build(case)

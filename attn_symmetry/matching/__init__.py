@@ -97,6 +97,7 @@ from attn_symmetry.matching._options import DEFAULT_MAX_ROUNDS
 from attn_symmetry.matching._options import LEARN_INITS
 from attn_symmetry.matching._options import OPTIONS
 from attn_symmetry.matching._options import REFINES
+from attn_symmetry.matching._options import RESIDUALS
 from attn_symmetry.matching._options import AtLeast
 from attn_symmetry.matching._options import Flag
 from attn_symmetry.matching._options import MatchOptions
@@ -107,6 +108,7 @@ from attn_symmetry.matching._options import SomeOf
 from attn_symmetry.matching._model import active_names
 from attn_symmetry.matching._model import align_model
 from attn_symmetry.matching._model import match_ffn
+from attn_symmetry.matching._model import residual_spec
 from attn_symmetry.matching._streamed import STREAMED_METHODS
 from attn_symmetry.matching._streamed import align_model_streamed
 from attn_symmetry.matching._streamed import layer_program_memory

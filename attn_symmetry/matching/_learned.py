@@ -559,6 +559,9 @@ def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
   ``matching``: every matching option (``MatchOptions``); the rest as ``learn_alignment``.
   """
   o = _options.MatchOptions(**matching)
+  if o.residual != _options.RESIDUALS[0]:
+    raise ValueError(f"residual={o.residual!r}: 'learned' trains the permutation residual of a "
+                     "LayerNorm stream only (its start would return an element it cannot train)")
   holdout, most = holdout_batches, o.learn_holdout_batches
   if isinstance(holdout, Sequence):
     holdout = holdout if len(holdout) <= most else holdout[:most]

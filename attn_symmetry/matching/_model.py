@@ -14,6 +14,10 @@ generalised):
   folded) likewise maximises tr(O M) over O(n): the polar factor of M^T
   (orthogonal Procrustes). Folded norm scales (all ones) are left out, as
   ``group_action.apply_model`` leaves them unchanged;
+* a mean-zero orthogonal factor O = U diag(1, R) U^T (a pre-LayerNorm stream with
+  ``residual="orthogonal"``, both models in ``group_action.canonical_form``):
+  tr(O M) = (U^T M U)_00 + tr(R K) with K the 1-perp block of U^T M U
+  ([n - 1, n - 1]), so R = polar(K^T), Procrustes on the mean-zero subspace;
 * attention sites: two-stage matching (``_attention``) of A's layer against
   B's layer with the current factors applied.
 
@@ -248,8 +252,8 @@ Scores = tuple[jax.Array, jax.Array, jax.Array]  # (M [n, n], ||A||^2, ||B||^2)
 
 def _scored_leaves(spec: spec_lib.SymmetrySpec, f: str) -> list[str]:
   """The leaves that factor ``f`` is scored on, in path order: every leaf it acts on but
-  the norm scales of an orthogonal factor (folded, all ones: ``apply_leaf`` leaves them)."""
-  orthogonal = spec.factors[f].kind == "orthogonal"
+  the norm scales of a matrix factor (folded, all ones: ``apply_leaf`` leaves them)."""
+  orthogonal = spec.factors[f].is_matrix
   return sorted(p for p, axes in spec.axes.items()
                 if f in axes and not (orthogonal and p in spec.norm_scales))
 
@@ -369,8 +373,15 @@ def _factor_update(spec: spec_lib.SymmetrySpec, f: str, scores: tuple[jax.Array,
     new = _assignment.linear_assignment(-m).astype(old.dtype)
     gain = _assignment.assignment_cost(m, new) - _assignment.assignment_cost(m, old)
     differs = jnp.any(new != old)
-  else:
+  elif spec.factors[f].kind == "orthogonal":
     new = _stage2.polar(m.T)
+    gain = jnp.sum((new - old) * m.T)
+    differs = True
+  else:
+    u = group_action.mean_zero_basis(m.shape[0], m.dtype)
+    block = jnp.matmul(jnp.matmul(u.T, m, precision=_features.HIGHEST), u,
+                       precision=_features.HIGHEST)[1:, 1:]
+    new = group_action.mean_zero_orthogonal(_stage2.polar(block.T))
     gain = jnp.sum((new - old) * m.T)
     differs = True
   accept = gain > _tolerance(m.dtype) * scale
@@ -587,20 +598,49 @@ def _check_model_pair(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: P
 
 
 def _needs_folding(spec: spec_lib.SymmetrySpec, names: Sequence[str]) -> bool:
-  """Whether an orthogonal factor among ``names`` meets norm scales, which are then folded
-  (``group_action.fold_norm_scales``) before the descent."""
-  return any(spec.factors[f].kind == "orthogonal" for f in spec.factors
+  """Whether a matrix factor among ``names`` meets norm scales, which are then folded, with
+  the rest of their gauge (``group_action.canonical_form``), before the descent."""
+  return any(spec.factors[f].is_matrix for f in spec.factors
              if f in names and any(f in spec.axes[p] for p in spec.norm_scales))
+
+
+def residual_spec(spec: spec_lib.SymmetrySpec, residual: str,
+                  names: Sequence[str] | None = None) -> spec_lib.SymmetrySpec:
+  """The spec whose group the descent's element belongs to under option ``residual``.
+
+  "permutation": ``spec`` itself. "orthogonal": every permutation factor among ``names``
+  (None: all) that ``spec.streams`` describes (a pre-LayerNorm stream read through LayerNorms
+  only) becomes "mean_zero_orthogonal" (``SymmetrySpec.with_residual``); a matrix factor
+  (an RMSNorm stream) stays as it is.
+
+  Raises:
+    ValueError: "orthogonal" where no factor among ``names`` is or can become a matrix one
+      (a tied head, a post-LayerNorm stream), saying why; an unknown ``residual``.
+  """
+  if residual not in _options.RESIDUALS:
+    raise ValueError(f"residual must be one of {_options.RESIDUALS}, got {residual!r}")
+  names = list(spec.factors) if names is None else names
+  if residual == "permutation":
+    return spec
+  streams = [f for f in spec.streams if f in names and spec.factors[f].kind == "permutation"]
+  if not streams and not any(spec.factors[f].is_matrix for f in spec.factors if f in names):
+    raise ValueError("residual='orthogonal' needs a residual stream read through LayerNorms "
+                     "only (a pre-LayerNorm model with an untied head) or an RMSNorm one in "
+                     "scope; this spec has none (a tied head must be untied first)")
+  for f in streams:
+    spec = spec.with_residual(f, "mean_zero_orthogonal")
+  return spec
 
 
 def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps, learning_rate,
                      max_rounds, init=_attention.INITS[0], refine=REFINES[0],
-                     solver=_attention.SOLVERS[0]):
+                     solver=_attention.SOLVERS[0], residual=_options.RESIDUALS[0]):
   params_a, params_b = _attention.upcast(params_a), _attention.upcast(params_b)
+  spec = residual_spec(spec, residual, names)
   needs_folding = _needs_folding(spec, names)
   if needs_folding:
-    params_a = group_action.fold_norm_scales(spec, params_a)
-    params_b = group_action.fold_norm_scales(spec, params_b)
+    params_a = group_action.canonical_form(spec, params_a)
+    params_b = group_action.canonical_form(spec, params_b)
   flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
   dtype = next(iter(flat_a.values())).dtype
   if not set(names) & set(spec.attention):  # one program whatever options change nothing
@@ -680,6 +720,8 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     distance, steps, learning_rate, init, solver: attention matching options
       (``match_attention``).
     max_rounds: most rounds of coordinate descent.
+    residual: for "perm", "ortho" and "full": the residual factor of a stream read through
+      LayerNorms only, "permutation" (default) or "orthogonal" (``residual_spec``).
     refine: when "full" refines the attention matrices: "every_round"
       (default: at every attention step of the descent) or "final" (the
       descent with "ortho", then one refinement; module docstring). Other
@@ -705,8 +747,10 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
   Returns:
     (element, info): a model element for ``group_action.apply_model(spec,
     params, element)``, where params is ``params_b``, or, when an aligned
-    orthogonal factor meets norm scales, ``group_action.fold_norm_scales(spec,
-    params_b)`` (info["folded_norm_scales"] says which). Its matrices are
+    orthogonal factor meets norm scales, ``group_action.canonical_form(spec,
+    params_b)`` (the norm scales folded; info["folded_norm_scales"] says which). With
+    ``residual="orthogonal"`` the spec is ``residual_spec(spec, "orthogonal", names)``
+    (a pre-LayerNorm stream's factor is then a matrix with Q 1 = 1). Its matrices are
     float32 for bfloat16 and float16 parameters (``apply_model`` keeps the
     parameters' dtype), in the parameters' dtype otherwise.
     info["distance"] {"initial", "final"} the squared parameter distance to

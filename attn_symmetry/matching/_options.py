@@ -33,6 +33,8 @@ from attn_symmetry.matching import _features
 
 DEFAULT_MAX_ROUNDS = 10
 REFINES = ("every_round", "final")  # when "full" refines the attention matrices (``_model``)
+# The residual factor of a stream read through LayerNorms only (``_model.residual_spec``).
+RESIDUALS = ("permutation", "orthogonal")
 
 
 # ----------------------------------------------------------------------------- ranges
@@ -206,6 +208,13 @@ class MatchOptions:
       "or 'adam' (steps Adam steps at learning_rate)",
       OneOf("refinement solver", "attn_symmetry.matching.SOLVERS", _attention.SOLVERS),
       methods=_REFINING)
+  residual: str = option(
+      RESIDUALS[0],
+      "the residual factor of a pre-LayerNorm stream read through LayerNorms only (GPT-2 "
+      "untied, ViT, GPT-NeoX): 'permutation' or 'orthogonal' (O(d - 1) on the mean-zero "
+      "subspace, both models brought to one gauge first); other streams keep their own",
+      OneOf("residual factor", "attn_symmetry.matching.RESIDUALS", RESIDUALS),
+      methods=("perm", "ortho", "full"))
   learn_init: str = option(
       LEARN_INITS[0],
       "the start of 'learned': the weight method 'full' or the activation method "

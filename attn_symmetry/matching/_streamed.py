@@ -518,6 +518,9 @@ def _check(spec, shapes, method: str, o: _options.MatchOptions) -> None:
                            solver=o.solver)
   if o.refine not in _options.REFINES:
     raise ValueError(f"refine must be one of {_options.REFINES}, got {o.refine!r}")
+  if o.residual != _options.RESIDUALS[0]:
+    raise ValueError(f"residual={o.residual!r} is not streamed (the gauges of a LayerNorm "
+                     "stream span the whole model): use align_model")
   if method not in STREAMED_METHODS:
     raise ValueError(f"method {method!r} is not streamed (only {', '.join(STREAMED_METHODS)}): "
                      "it needs both whole models in memory; use align_model")

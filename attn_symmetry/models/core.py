@@ -322,7 +322,9 @@ def residual_factor(cfg: Config) -> spec_lib.Factor | None:
     ``group_action.fold_norm_scales``).
   * Otherwise (LayerNorm; post-norm, where the norm output is the stream
     itself; a tied head, where the embedding is both writer and reader of a
-    scaled stream): permutations.
+    scaled stream): permutations. A pre-LayerNorm model with an untied head
+    has a larger group, O(d - 1) on the mean-zero subspace, which its spec
+    offers through ``SymmetrySpec.with_residual`` (``SpecBuilder.build``).
   """
   if cfg.pos_encoding == "sinusoidal" or cfg.task == tasks.FEATURES:
     return None
@@ -378,12 +380,27 @@ class SpecBuilder:
   writers: dict[str, tuple[str, str | None]] = dataclasses.field(default_factory=dict)
 
   def build(self) -> spec_lib.SymmetrySpec:
-    """The spec; norm scales are listed only for an orthogonal residual (RMSNorm)."""
-    residual = residual_factor(self.cfg)
-    factors = self.factors if residual is None else {self.r: residual, **self.factors}
+    """The spec; norm scales are listed only for an orthogonal residual (RMSNorm).
+
+    A pre-LayerNorm model with an untied head (GPT-2 untied, ViT, GPT-NeoX) reads its stream
+    through LayerNorms only: its spec carries the stream's ``LayerNormStream`` (streams), so
+    that ``with_residual(RESIDUAL, "mean_zero_orthogonal")`` gives its O(d - 1) residual.
+    The stream's writers are the leaves on the stream that are neither a norm's nor a
+    norm's reader (every reader of a pre-norm model reads a norm's output).
+    """
+    cfg, r = self.cfg, self.r
+    residual = residual_factor(cfg)
+    factors = self.factors if residual is None else {r: residual, **self.factors}
     orthogonal = residual is not None and residual.kind == "orthogonal"
+    streams = {}
+    if (residual is not None and cfg.norm == "layer" and not cfg.post_norm
+        and not cfg.tied_embeddings):
+      norms = {s: (s[:-len("scale")] + "bias", readers) for s, readers in self.readers.items()}
+      read = {p for s, (b, readers) in norms.items() for p in (s, b, *readers)}
+      writers = tuple(p for p, axes in self.axes.items() if r in axes and p not in read)
+      streams[r] = spec_lib.LayerNormStream(writers, norms)
     return spec_lib.SymmetrySpec(factors, self.axes, self.sites,
-                                 self.readers if orthogonal else {}, self.writers)
+                                 self.readers if orthogonal else {}, self.writers, streams)
 
 
 def core_spec(cfg: Config) -> SpecBuilder:

@@ -357,6 +357,7 @@ _STUDY_OPTIONS = {
     # added after results were stored, at the values those results ran with
     "learn_init": dict(unkeyed_default="full"),
     "learn_lam_band": dict(unkeyed_default=0),
+    "residual": dict(unkeyed_default="permutation"),
 }
 
 
