@@ -85,7 +85,8 @@ def test_good_options_pass_without_reading_a_file(changes, no_file_access):
      r"on an evaluation file: give --eval-text or --eval-images"),
     (dict(matching=dict(steps=3, lr=0.1, temperature=1)),
      r"unknown matching options \['lr', 'temperature'\]; known: distance, steps, learning_rate, "
-     r"max_rounds, init, refine, solver, learn_init, learn_lam_band, factors"),
+     r"max_rounds, init, refine, solver, residual, learn_init, learn_lam_band, factors, "
+     r"learn_steps, learn_learning_rate, learn_uniform_lambda, learn_holdout_batches"),
     (dict(matching=dict(factors=("ffn",))),
      r"--factors chooses what --method learned trains; --method is 'full'"),
     (dict(method="learned", matching=dict(factors=("ffn", "norms"))),
@@ -109,7 +110,8 @@ def test_good_options_pass_without_reading_a_file(changes, no_file_access):
      r"--learning-rate is the Adam solver's step size; --solver is 'gauss_newton' \(give "
      r"--solver adam, or no --learning-rate\)"),
     (dict(method="perm", matching=dict(steps=3)),
-     r"--steps is not read by --method perm \(it reads --distance, --max-rounds\)"),
+     r"--steps is not read by --method perm \(it reads --distance, --max-rounds, "
+     r"--residual\)"),
     (dict(method="naive", matching=dict(distance="cosine")),
      r"--distance is not read by --method naive \(it reads no matching option\)"),
     (dict(scope=","), r"--scope  holds no whole attention site or factor to align"),

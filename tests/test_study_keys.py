@@ -112,6 +112,8 @@ def study_config() -> ml_collections.ConfigDict:
   config.study.noise_levels = (0.5,)
   config.reinit.stop_base = True  # the base model under the rule too (no study stage reads it)
   for path, value in fingerprints.UNKEYED_DEFAULTS.items():
+    if path in AT_UNKEYED_DEFAULT:
+      continue
     section, name = path.split(".")
     assert config[section][name] != value, path
   return config
@@ -153,17 +155,24 @@ def run_scope(config, model, evaluator, checkpoints, workdir, monkeypatch,
   return stages
 
 
+# Fields that ``study_config`` leaves at the value where they key nothing (the study refuses
+# any other: ScopeStudy studies residual "permutation" only); at that value a stage is keyed
+# by their absence (``fingerprints.config_fields``).
+AT_UNKEYED_DEFAULT = frozenset({"study.match_residual"})
+
+
 def unkeyed_reads(stages: Mapping[str, Stage]) -> dict[str, list[str]]:
   """{stage: the config fields it read that its fields do not key}. A field is keyed when
-  the stage's fields hold it (or its leaves, for a section), or when it reaches the stage
+  the stage's fields hold it (or its leaves, for a section), when it reaches the stage
   through the data readers only (``config_schema.DATA``), whose examples' content hash the
-  stage keys."""
+  stage keys, or when it is one of ``AT_UNKEYED_DEFAULT``."""
   out = {}
   for name, stage in stages.items():
     missing = sorted(
         path for path in stage.reads
         if path not in stage.fields and not any(k.startswith(path + ".") for k in stage.fields)
-        and config_schema.DATA not in config_schema.BY_PATH[path].study)
+        and config_schema.DATA not in config_schema.BY_PATH[path].study
+        and path not in AT_UNKEYED_DEFAULT)
     if missing:
       out[name] = missing
   return out
@@ -196,7 +205,7 @@ def test_every_field_a_stage_reads_is_keyed(recorded):
   assert {"study.learn_steps", "dataset.train_split", "train.batch_size",
           "train.eval_batch_size", "study.learn_factors"} <= stages["learned"].reads
   assert {"seed", "study.noise_levels", "study.methods"} <= stages["robustness"].reads
-  assert stages["perm"].reads == {"study.distance", "study.num_lambdas"}
+  assert stages["perm"].reads == {"study.distance", "study.num_lambdas", "study.match_residual"}
   assert unkeyed_reads(stages) == {}
 
 

@@ -44,6 +44,10 @@ def check_options(options: Options) -> None:
   if unknown:
     raise InputError(f"unknown matching options {unknown}; known: {', '.join(MATCHING_OPTIONS)}")
   _check_matching_values(options.matching)
+  if options.matching.get("residual", matching.MatchOptions().residual) != "permutation":
+    raise InputError("--residual orthogonal is not written by this command yet (its checkpoint "
+                     "needs the norms in canonical form and an untied head); give --residual "
+                     "permutation, or align in Python with matching.align_model")
   _check_factors(options)
   _check_options_read(options)
   _check_scope(options.scope)

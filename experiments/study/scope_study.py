@@ -126,9 +126,10 @@ def matching_kwargs(config: ml_collections.ConfigDict, method: str = "full",
 
 
 # The options of the Stage 1 ablation over every head order (``matching.
-# match_attention_exhaustive``): the "full" method's, but the refinement schedule, which one
-# attention layer does not have.
-_EXHAUSTIVE_OPTIONS = tuple(o for o in matching.METHODS["full"].options if o != "refine")
+# match_attention_exhaustive``): the "full" method's, but the refinement schedule and the
+# residual factor, which one attention layer does not have.
+_EXHAUSTIVE_OPTIONS = tuple(o for o in matching.METHODS["full"].options
+                            if o not in ("refine", "residual"))
 
 
 REPAIRED = report.REPAIRED  # the suffix of a method's REPAIRed path in the results
@@ -182,6 +183,10 @@ class ScopeStudy:
                evaluator: path_evaluation.PathEvaluator | None, workdir: str,
                data_fingerprint: str):
     self.config, self.model, self.scope = config, model, scope
+    if config.study.match_residual != "permutation":
+      raise ValueError(f"study.match_residual {config.study.match_residual!r} is not studied "
+                       "yet (the paths need both endpoints in canonical form); use "
+                       "'permutation'")
     self.evaluator = evaluator
     self.dir = os.path.join(workdir, "study", scope)
     self.scope_paths = reinit.scope_paths(model, scope)
