@@ -44,6 +44,7 @@ if not __package__:  # run by path: import the package this file is in, from its
   runtime.import_script_package(__file__)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position  (after the package above)
+from experiments.report import report
 from experiments.setting import config_checks
 from experiments.study import study
 from experiments.train import checkpoints
@@ -185,6 +186,7 @@ def main(argv):
     print(f"{name}: {path}")
   print("wall time: " + ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items()))
   print(clock.summary(time.perf_counter() - start))
+  print("\n".join(["", *report.headline(study.results_by_scope(outputs))]))
 
 
 if __name__ == "__main__":

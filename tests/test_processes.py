@@ -240,6 +240,9 @@ def test_two_processes_equal_two_devices_and_rerun_nothing(tmp_path, request):
   single = _main(*SETTING, *STUDY, *split, f"--workdir={devices}",
                  f"--compilation_cache={cache}", xla_flags=TWO_DEVICES, timeout=900)
   assert single.returncode == 0, single.stderr[-4000:]
+  headline = single.stdout.split("loss barrier as % of naive, mean over pairs", 1)[1].splitlines()
+  assert headline[1].split() == ["scope", "full", "learned"]  # main.py's last lines
+  assert headline[2].split()[0] == "first_attention"
   assert _largest_difference(_outcome(procs), _outcome(devices)) <= 1e-5
   assert "study of scope first_attention" in outputs[0]
   assert "study of scope" not in outputs[1] and "trainer.py" not in outputs[1] and (

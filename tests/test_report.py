@@ -218,3 +218,18 @@ def test_no_ratio_is_printed_under_the_floor():
   assert "is under the floor of 0.02" in text
   assert "| full (+ gradient refinement) | 0.0000 ± 0.0000 | 0.0000 ± 0.0000 | no ratio |  |  |  |" in text
   assert "Paired differences" not in text
+
+
+def test_headline_sets_each_scope_beside_each_method_in_percent_of_naive():
+  """The lines main.py ends with: a row per scope, a column per method (naive left out), the
+  ratio with its seed-level interval; a scope whose naive barrier is under the floor says so."""
+  def methods(ratio, naive=1.0):
+    return {"naive": {"loss_barrier_mean": naive, "loss_barrier_ratio_pct": 100.0},
+            "full": {"loss_barrier_mean": naive * ratio / 100, "loss_barrier_ratio_pct": ratio,
+                     "loss_barrier_ratio_pct_seed_ci": [ratio - 2, ratio + 2]}}
+  lines = report.headline({"first_attention": {"methods": methods(9.75)},
+                           "full": {"methods": methods(50.0, naive=report.RATIO_FLOOR / 2)}})
+  assert lines[0].startswith("loss barrier as % of naive")
+  assert lines[1].split() == ["scope", "full"]
+  assert lines[2].split() == ["first_attention", "9.8", "[7.8,", "11.8]"]
+  assert lines[3].startswith("full") and "under the floor" in lines[3]

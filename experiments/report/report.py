@@ -198,6 +198,31 @@ def below_floor(methods: Mapping[str, Mapping[str, Any]]) -> float | None:
   return naive if naive is not None and naive < RATIO_FLOOR else None
 
 
+def headline(results_by_scope: Mapping[str, Mapping[str, Any]]) -> list[str]:
+  """The study's headline, for a terminal: per scope (row), each method's loss barrier as % of
+  naive's (column, by method name; naive itself left out), mean over pairs with its 95 %
+  interval over seeds where there are 3 or more; a scope whose naive barrier is under
+  ``RATIO_FLOOR`` has no ratios, and says so."""
+  methods = list(dict.fromkeys(m for res in results_by_scope.values() for m in res["methods"]
+                               if m != "naive"))
+  rows = [["scope", *methods]]
+  for scope, res in results_by_scope.items():
+    floor = below_floor(res["methods"])
+    if floor is not None:
+      rows.append([scope, f"naive barrier {floor:.4f}, under the floor {RATIO_FLOOR}: no ratio"])
+      continue
+    cells = []
+    for m in methods:
+      row = res["methods"].get(m, {})
+      ratio, interval = row.get("loss_barrier_ratio_pct"), row.get("loss_barrier_ratio_pct_seed_ci")
+      cells.append("n/a" if ratio is None else f"{ratio:.1f}" + (
+          f" [{interval[0]:.1f}, {interval[1]:.1f}]" if interval else ""))
+    rows.append([scope, *cells])
+  widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(rows[0]))]
+  return (["loss barrier as % of naive, mean over pairs [95 % interval over seeds]:"]
+          + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows])
+
+
 INTERVALS_NOTE = (
     "Mean ± std over pairs. Intervals are 95 % and follow the seeds, not the pairs: n seeds "
     "give n (n - 1) / 2 pairs, each seed in n - 1 of them, so the pairs are not independent. "

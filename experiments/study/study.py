@@ -59,9 +59,12 @@ and reports).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import ml_collections
 
@@ -173,3 +176,14 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
     log.info("study reports written: %s", ", ".join(reports.written))
   processes.barrier("study reports")  # every process returns once process 0 has written them
   return paths
+
+
+def results_by_scope(paths: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+  """{scope: its results} read back from the reports ``run_study`` returned (``paths``)."""
+  out = {}
+  for name, path in paths.items():
+    scope, _, file = name.rpartition("/")
+    if scope and file == committed.RESULTS:
+      with open(path, encoding="utf-8") as f:
+        out[scope] = json.load(f)
+  return out
