@@ -24,6 +24,7 @@ from safetensors.numpy import save_file
 
 from attn_symmetry import align
 from attn_symmetry.models import safetensors_io
+from tests import test_align_checkpoints as checkpoints_tests
 from tests.test_align_checkpoints import (EXACT, SMALL, TOL, _check_close, _gl, _move_in,
                                           _move_out, _read_folder)
 from tests.test_align_folders import _refusal, _snapshot
@@ -200,15 +201,34 @@ def _refused_before_any_work(capsys, root, *args):
   return line
 
 
-def test_an_evaluation_of_a_bare_encoder_is_refused_in_one_line(tmp_path, capsys):
-  """A bare encoder has no loss: --eval-text is refused before any work, naming the option."""
+def test_a_bare_encoder_pair_is_judged_by_its_sentence_embeddings(tmp_path, capsys):
+  """--eval-text on bare encoders: A, B, the naive merge and the aligned merge, each model's
+  sentence embeddings against A's and B's. On a planted pair the aligned merge is A's function:
+  cosine and Spearman 1 with A's; the naive merge, an average across the hidden symmetry, is
+  not, and the summary says which merge won."""
   pytest.importorskip("tokenizers")
   a, b = _pair(tmp_path)
-  text = tmp_path / "valid.txt"
-  text.write_text("the cat sat on the mat\n")
-  line = _refused_before_any_work(capsys, tmp_path, a, b, "--eval-text", str(text))
-  assert f"--eval-text {text}: this checkpoint (bert without a task head, 'encoder') outputs " \
-         "its last hidden state and has no loss to evaluate" in line, line
+  checkpoints_tests._tokenizer(a, checkpoints_tests.WORDS)
+  shutil.copy(os.path.join(a, "tokenizer.json"), os.path.join(b, "tokenizer.json"))
+  rng = np.random.default_rng(0)
+  text = tmp_path / "sentences.txt"
+  text.write_text("\n".join(" ".join(rng.choice(checkpoints_tests.WORDS, 6)) for _ in range(12)))
+  out = tmp_path / "out"
+  capsys.readouterr()
+  assert align.cli(["align", a, b, "--out", str(out), "--eval-text", str(text), "--merge", "0.5",
+                    "--quiet", "--compilation-cache", ""]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  agreed = json.load(open(out / "report.json"))["agreement"]
+  assert agreed["lambda"] == 0.5 and agreed["sentences"] == 12
+  models = agreed["models"]
+  assert models["a"]["cosine_a"] == pytest.approx(1.0) and models["a"]["spearman_a"] == 1.0
+  assert models["aligned_merge"]["cosine_a"] >= 1 - 1e-5
+  assert models["aligned_merge"]["spearman_a"] >= 1 - 1e-3
+  assert models["naive_merge"]["spearman_a"] < models["aligned_merge"]["spearman_a"]
+  assert agreed["beats_naive"]
+  assert lines[-1] == ("the aligned merge beat the naive merge on the Spearman correlation with "
+                       "A's and B's similarity matrices")
+  assert any(line.startswith("  naive merge: cosine") for line in lines)
 
 
 def test_a_method_that_trains_on_a_loss_is_refused_for_a_bare_encoder_saying_why(tmp_path,

@@ -16,6 +16,7 @@ from attn_symmetry import matching
 from attn_symmetry import runtime
 from attn_symmetry._version import __version__
 from attn_symmetry.align import _check
+from attn_symmetry.align import _agreement
 from attn_symmetry.align import _outputs
 from attn_symmetry.align import _pipeline
 from attn_symmetry.align._clock import ProgressBar
@@ -134,6 +135,8 @@ def summary(report: dict, out: str | None) -> list[str]:
                  f"{m['naive']['loss']:.4g}, A {m['a']['loss']:.4g}, B {m['b']['loss']:.4g})")
   if "naive" in m:
     lines.append(_outputs.verdict_line(m))
+  if "agreement" in report:
+    lines += _agreement.lines(report["agreement"])
   elif "repair" in m:
     points = m["repair"].values()
     lines.append(f"REPAIRed merged model (lambda {m['lambda']:g}): "

@@ -200,13 +200,13 @@ def text_batches(path: str, folder: str, model: Model, hf_config: Mapping[str, A
   if model.input_key != "tokens":
     raise ValueError(f"--eval-text needs a text model; this checkpoint ({cfg.family}) reads "
                      f"{model.input_key!r} (use --eval-images)")
-  if model.task == tasks.FEATURES:
-    raise ValueError(f"{where}: this checkpoint ({cfg.family} without a task head, "
-                     f"{cfg.head!r}) outputs its last hidden state and has no loss to evaluate; "
-                     "align it without an evaluation file")
   seq_len = min(seq_len, cfg.max_len)
   lines, tok = _read_lines(path, flag), _tokenizer(folder, flag)
   rows = batch_size * max_batches
+  if model.task == tasks.FEATURES:  # a bare encoder: its sentences, for their embeddings
+    tokens, mask, _ = _sequences(tok, lines[:rows], seq_len, hf_config, cfg.vocab_size, where)
+    return [{"tokens": tokens[i:i + batch_size], "mask": mask[i:i + batch_size]}
+            for i in range(0, len(tokens), batch_size)]
   if model.task == tasks.LM:
     tokens = _token_rows(lines, tok, seq_len + 1, rows, cfg.vocab_size, where)
     if not len(tokens):

@@ -132,12 +132,14 @@ def plot(curves: dict[str, Any], path: str) -> None:
 
 
 def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str, Any] | None,
-           repaired: Repaired | None, seconds: dict[str, float]) -> dict[str, Any]:
+           repaired: Repaired | None, seconds: dict[str, float],
+           agreed: dict[str, Any] | None = None) -> dict[str, Any]:
   """The report (DIR/report.json); ``seconds`` (the clock's, still filling) is its "time_s".
 
   "merged" holds, with an evaluation and ``merge``, the plain merge's loss and accuracy beside
-  A's and B's (and with REPAIR the repaired merge's, "repaired"); with REPAIR, also
-  "repair", the info of each repaired point (``Repaired.points``)."""
+  the naive merge's, A's and B's (and with REPAIR the repaired merge's, "repaired"); with
+  REPAIR, also "repair", the info of each repaired point (``Repaired.points``). A bare
+  encoder's evaluation is "agreement" (``_agreement.evaluate``)."""
   a, b, model = inputs.a, inputs.b, inputs.model
   info = aligned.info
   report = {
@@ -175,6 +177,10 @@ def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str,
                                                                "half",
                          "training_batches": len(inputs.train),
                          "holdout_batches": len(inputs.holdout)}
+  if agreed is not None:
+    report["agreement"] = agreed
+    report["eval"] = {"text": options.eval_text, "batches": len(inputs.batches),
+                      "batch_size": options.batch_size, "sentences": agreed["sentences"]}
   report["time_s"] = seconds
   report["attn_symmetry"] = provenance()
   return report

@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 from attn_symmetry import matching
 from attn_symmetry import runtime
-from attn_symmetry.align import _apply, _check, _outputs, _repair, _sources
+from attn_symmetry import tasks
+from attn_symmetry.align import _agreement, _apply, _check, _outputs, _repair, _sources
 from attn_symmetry.align._clock import Clock
 from attn_symmetry.align._records import Aligned, Alignment, Inputs, Options
 
@@ -65,8 +66,13 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike,
       with clock.stage("repair") as stage:
         repaired = _repair.repaired_merge(inputs, options, aligned, tmp)
         stage.summary = _repair.summary(repaired)
-    curves = None
-    if inputs.batches is not None:
+    curves = agreed = None
+    if inputs.batches is not None and inputs.model.task == tasks.FEATURES:
+      with clock.stage("evaluate") as stage:
+        agreed = _agreement.evaluate(inputs, options, aligned, *source.take())
+        stage.summary = (f"sentence embeddings of {len(_agreement.MODELS)} models on "
+                         f"{agreed['sentences']} sentences")
+    elif inputs.batches is not None:
       with clock.stage("evaluate") as stage:
         curves = _outputs.evaluate(inputs, options, aligned, source, repaired)
         stage.summary = (f"{options.num_lambdas} lambdas x 2 paths on {len(inputs.batches)} "
@@ -77,7 +83,7 @@ def align_checkpoints(path_a: str | os.PathLike, path_b: str | os.PathLike,
         with clock.stage("save") as stage:
           _outputs.save_curves(curves, tmp)
           stage.summary = ", ".join(_outputs.placed(options.out, tmp))
-    report = _outputs.report(inputs, options, aligned, curves, repaired, clock.seconds)
+    report = _outputs.report(inputs, options, aligned, curves, repaired, clock.seconds, agreed)
     if tmp is not None:
       _outputs.write_report(report, tmp)
   return Alignment(inputs.model, aligned.params_a, aligned.params, aligned.element, report)
