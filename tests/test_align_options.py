@@ -21,6 +21,7 @@ import pytest
 
 from attn_symmetry import align
 from attn_symmetry.align import _check, _cli, _clock, _function_check, _outputs, _records
+from attn_symmetry import matching
 from attn_symmetry import models
 from attn_symmetry import runtime
 from attn_symmetry import spec as spec_lib
@@ -435,3 +436,55 @@ def test_staging_removes_only_a_folder_it_made(tmp_path):
   with _outputs.staging(out, True) as tmp:
     _fill(tmp, {"report.json": "{\"new\": 1}"})
   assert _tree(out) == {"report.json": "{\"new\": 1}"}
+
+
+def _non_default(option: matching.Option):
+  """A value of ``option``'s range other than its default, and its command-line text."""
+  r, default = option.range, option.default
+  if isinstance(r, matching.AtLeast):
+    value = (default or r.minimum) + 1
+  elif isinstance(r, matching.Positive):
+    value = default * 2
+  elif isinstance(r, matching.OneOf):
+    value = next(v for v in r.values if v != default)
+  elif isinstance(r, matching.SomeOf):
+    value = (r.values[0],) if default != (r.values[0],) else (r.values[1],)
+  else:  # Flag
+    value = not default
+  text = ",".join(value) if isinstance(value, tuple) else str(value).lower() \
+      if isinstance(value, bool) else str(value)
+  return value, text
+
+
+def _reader(option: matching.Option) -> tuple[str, dict]:
+  """A built-in method that reads ``option`` and the options it reads it under."""
+  if option.descent:
+    return "full", {}
+  need = option.requires
+  given = {need.option: need.value} if need else {}
+  return (need.method if need else option.methods[0]), given
+
+
+@pytest.mark.parametrize("option", matching.OPTIONS, ids=lambda o: o.name)
+def test_every_matching_option_reaches_the_command_at_a_non_default_value(option, tmp_path):
+  """Each row of ``MatchOptions``: its flag parses a value other than its default, the check
+  stage passes it (or, for the one the command does not write, refuses it in one line), and
+  the report would record it (``_check.options_used``)."""
+  value, text = _non_default(option)
+  method, given = _reader(option)
+  parser = argparse.ArgumentParser()
+  _cli.add_arguments(parser)
+  flags = ["a", "b", "--out", str(tmp_path / "out"), "--method", method,
+           "--eval-text", str(tmp_path / "t.txt"), _check.flag(option.name), text]
+  for name, v in given.items():
+    flags += [_check.flag(name), str(v)]
+  if option.name == "learn_init":  # the activation start reads the match data
+    flags += ["--match-data", str(tmp_path / "m.txt")]
+  options = _cli.options_of(parser.parse_args(flags))
+  assert options.matching[option.name] == value
+  if option.name == "residual":
+    with pytest.raises(align.InputError, match="--residual orthogonal is not written"):
+      _check.check_options(options)
+    return
+  _check.check_options(options)
+  assert _check.options_used(method, dict(options.matching))[option.name] == value
