@@ -47,9 +47,11 @@ def _planted_pair():
   return model, a, b, tokens
 
 
-def _aligned(model, a, b, residual):
-  """(A, B aligned) in the gauge-free form of the spec the element belongs to, and the info."""
-  element, info = matching.align_model(model.spec, a, b, method="perm", residual=residual)
+def _aligned(model, a, b, residual, method="perm", **arguments):
+  """(A, B aligned, the element, the info), the models in the gauge-free form of the spec
+  the element belongs to."""
+  element, info = matching.align_model(model.spec, a, b, method=method, residual=residual,
+                                       **arguments)
   spec = matching.residual_spec(model.spec, residual)
   form = (lambda p: ga.canonical_form(spec, p)) if info["folded_norm_scales"] else (lambda p: p)
   return form(a), ga.apply_model(spec, form(b), element), element, info
@@ -78,9 +80,30 @@ def test_planted_mean_zero_orthogonal_pair_is_recovered(x64):
   assert _relative(a, permuted) > 0.1
 
 
+def test_planted_pair_is_recovered_from_activations(x64):
+  """Method "activation" with the orthogonal residual: Q from the stream's activations
+  (Procrustes on the 1-perp block), heads and FFN units from theirs; B comes back to A in the
+  gauge-free form and keeps its logits."""
+  model, a, b, tokens = _planted_pair()
+  rng = np.random.default_rng(1)
+  batches = [jnp.asarray(rng.integers(0, model.config.vocab_size, (4, 16)), jnp.int32)
+             for _ in range(2)]
+  canonical_a, moved, element, info = _aligned(
+      model, a, b, "orthogonal", method="activation", activations=model.activations,
+      match_batches=batches)
+  assert info["folded_norm_scales"]
+  q = element[R]
+  np.testing.assert_allclose(q @ jnp.ones(q.shape[0]), 1.0, atol=1e-12)
+  np.testing.assert_allclose(q.T @ q, np.eye(q.shape[0]), atol=1e-12)
+  assert _relative(canonical_a, moved) <= 1e-4
+  logits_b = model.apply(b, tokens)[0]
+  assert float(jnp.max(jnp.abs(model.apply(moved, tokens)[0] - logits_b))) <= 1e-9
+
+
 def test_orthogonal_residual_needs_a_layer_norm_stream(x64):
   """A tied head has no O(d - 1) residual; "learned" and the streamed descent refuse the
-  option (weight matching alone has it so far); an RMSNorm stream keeps its own factor."""
+  option (weight and activation matching alone have it so far); an RMSNorm stream keeps its
+  own factor."""
   tied = models.build("gpt2", "tiny")
   params = tied.init(jax.random.key(0))
   with pytest.raises(ValueError, match="untied"):
