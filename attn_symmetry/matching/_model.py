@@ -714,10 +714,10 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     distance, steps, learning_rate, init, solver: attention matching options
       (``match_attention``).
     max_rounds: most rounds of coordinate descent.
-    residual: for "perm", "ortho", "full" and "activation": the residual factor of a stream
-      read through LayerNorms only, "permutation" (default) or "orthogonal" (``residual_spec``;
-      solved by Procrustes on 1-perp from the weights or, for "activation", from the stream's
-      activations).
+    residual: for every method but "naive": the residual factor of a stream read through
+      LayerNorms only, "permutation" (default) or "orthogonal" (``residual_spec``; solved by
+      Procrustes on 1-perp from the weights or, for "activation", from the stream's
+      activations; "learned" trains it by a Cayley map on 1-perp).
     refine: when "full" refines the attention matrices: "every_round"
       (default: at every attention step of the descent) or "final" (the
       descent with "ortho", then one refinement; module docstring). Other
