@@ -162,12 +162,16 @@ def mean_zero_basis(n: int, dtype: Any = None) -> jax.Array:
 
 
 def mean_zero_orthogonal(r: jax.Array) -> jax.Array:
-  """U diag(1, R) U^T [n, n] (``mean_zero_basis``), the orthogonal map that fixes 1 and acts
-  as R [n - 1, n - 1] on 1-perp in U's basis."""
+  """U diag(1, R) U^T [..., n, n] (``mean_zero_basis``), the orthogonal map that fixes 1 and
+  acts as R [..., n - 1, n - 1] on 1-perp in U's basis (batched over the leading axes).
+
+  Computed as I + U_perp (R - I) U_perp^T (U_perp = U[:, 1:]; equal, as U U^T = I), so that
+  R = I gives I exactly."""
   n = r.shape[-1] + 1
-  u = mean_zero_basis(n, r.dtype)
-  block = jnp.zeros((n, n), r.dtype).at[0, 0].set(1).at[1:, 1:].set(r)
-  return u @ block @ u.T
+  perp = mean_zero_basis(n, r.dtype)[:, 1:]
+  matmul = lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
+  eye = jnp.eye(n - 1, dtype=r.dtype)
+  return jnp.eye(n, dtype=r.dtype) + matmul(matmul(perp, r - eye), perp.T)
 
 
 def _random_gl(key, shape, n, dtype):

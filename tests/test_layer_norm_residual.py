@@ -10,6 +10,7 @@ from attn_symmetry import group_action as ga
 from attn_symmetry import matching
 from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
+from attn_symmetry.matching import _correction
 
 R = "residual"
 
@@ -47,9 +48,11 @@ def _planted_pair():
   return model, a, b, tokens
 
 
-def _aligned(model, a, b, residual):
-  """(A, B aligned) in the gauge-free form of the spec the element belongs to, and the info."""
-  element, info = matching.align_model(model.spec, a, b, method="perm", residual=residual)
+def _aligned(model, a, b, residual, method="perm", **arguments):
+  """(A, B aligned, the element, the info), the models in the gauge-free form of the spec
+  the element belongs to."""
+  element, info = matching.align_model(model.spec, a, b, method=method, residual=residual,
+                                       **arguments)
   spec = matching.residual_spec(model.spec, residual)
   form = (lambda p: ga.canonical_form(spec, p)) if info["folded_norm_scales"] else (lambda p: p)
   return form(a), ga.apply_model(spec, form(b), element), element, info
@@ -78,26 +81,93 @@ def test_planted_mean_zero_orthogonal_pair_is_recovered(x64):
   assert _relative(a, permuted) > 0.1
 
 
+def test_planted_pair_is_recovered_from_activations(x64):
+  """Method "activation" with the orthogonal residual: Q from the stream's activations
+  (Procrustes on the 1-perp block), heads and FFN units from theirs; B comes back to A in the
+  gauge-free form and keeps its logits."""
+  model, a, b, tokens = _planted_pair()
+  rng = np.random.default_rng(1)
+  batches = [jnp.asarray(rng.integers(0, model.config.vocab_size, (4, 16)), jnp.int32)
+             for _ in range(2)]
+  canonical_a, moved, element, info = _aligned(
+      model, a, b, "orthogonal", method="activation", activations=model.activations,
+      match_batches=batches)
+  assert info["folded_norm_scales"]
+  q = element[R]
+  np.testing.assert_allclose(q @ jnp.ones(q.shape[0]), 1.0, atol=1e-12)
+  np.testing.assert_allclose(q.T @ q, np.eye(q.shape[0]), atol=1e-12)
+  assert _relative(canonical_a, moved) <= 1e-4
+  logits_b = model.apply(b, tokens)[0]
+  assert float(jnp.max(jnp.abs(model.apply(moved, tokens)[0] - logits_b))) <= 1e-9
+
+
+def test_learned_parametrisation_is_a_group_element(x64):
+  """The learned correction of the O(d - 1) residual, U diag(1, cayley(S)) U^T on 1-perp:
+  for any W an orthogonal map that fixes 1 (to rounding), and the identity exactly at the
+  start (W = 0)."""
+  w = jax.random.normal(jax.random.key(0), (3, 31, 31), jnp.float64)
+  q = _correction.orthogonal(w, "mean_zero_orthogonal")
+  assert q.shape == (3, 32, 32)
+  np.testing.assert_allclose(q @ jnp.ones(32), 1.0, atol=1e-12)
+  np.testing.assert_allclose(jnp.swapaxes(q, -1, -2) @ q, np.broadcast_to(np.eye(32), q.shape),
+                             atol=1e-12)
+  assert float(jnp.min(jnp.linalg.norm(q - jnp.eye(32), axis=(-2, -1)))) > 0.5
+  start = _correction.orthogonal(jnp.zeros((1, 31, 31), jnp.float64), "mean_zero_orthogonal")
+  np.testing.assert_array_equal(start[0], np.eye(32))
+
+
+def test_learned_returns_the_exact_start_on_a_planted_pair(x64):
+  """Method "learned" with the orthogonal residual, started from "activation" and training
+  every factor (the residual by Cayley on 1-perp): on the planted pair its start's held-out
+  barrier is already 0, so the start comes back bit for bit."""
+  model, a, b, tokens = _planted_pair()
+  rng = np.random.default_rng(1)
+  batches = [jnp.asarray(rng.integers(0, model.config.vocab_size, (4, 16)), jnp.int32)
+             for _ in range(3)]
+
+  def loss_fn(params, batch):
+    logits = model.apply(params, batch)[0][:, :-1]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[:, 1:, None], -1))
+
+  inputs = dict(activations=model.activations, match_batches=batches[:2])
+  start, _ = matching.align_model(model.spec, a, b, method="activation", residual="orthogonal",
+                                  **inputs)
+  element, info = matching.align_model(
+      model.spec, a, b, method="learned", residual="orthogonal", learn_init="activation",
+      learn_steps=2, loss_fn=loss_fn, batches=batches[:2], holdout_batches=batches[2:], **inputs)
+  learned = info["learned"]
+  assert learned["factors"] == list(_correction.FACTORS) and R in learned["names"]
+  assert learned["best_step"] == 0 and learned["holdout"]["best"]["barrier"] <= 1e-9
+  for x, y in zip(jax.tree.leaves(start), jax.tree.leaves(element)):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_streamed_descent_is_the_in_memory_one(x64):
+  """``align_model_streamed`` with the orthogonal residual brings each group of leaves to
+  canonical form on its own (every LayerNorm's scale, bias and readers in one group) and gives
+  ``align_model``'s element on the planted pair, to rounding."""
+  model, a, b, _ = _planted_pair()
+  flat_a, flat_b = spec_lib.flatten(a), spec_lib.flatten(b)
+  read = lambda paths: ({p: flat_a[p] for p in paths}, {p: flat_b[p] for p in paths})
+  shapes = {p: (x.shape, x.dtype) for p, x in flat_a.items()}
+  want, _ = matching.align_model(model.spec, a, b, method="perm", residual="orthogonal")
+  got, info = matching.align_model_streamed(model.spec, read, shapes, method="perm",
+                                            residual="orthogonal")
+  assert info["folded_norm_scales"] and set(got) == set(want)
+  for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_allclose(x, y, atol=1e-10, rtol=0)
+
+
 def test_orthogonal_residual_needs_a_layer_norm_stream(x64):
-  """A tied head has no O(d - 1) residual; "learned" and the streamed descent refuse the
-  option (weight matching alone has it so far); an RMSNorm stream keeps its own factor."""
+  """A tied head has no O(d - 1) residual; an RMSNorm stream keeps its own factor."""
   tied = models.build("gpt2", "tiny")
   params = tied.init(jax.random.key(0))
   with pytest.raises(ValueError, match="untied"):
     matching.align_model(tied.spec, params, params, method="perm", residual="orthogonal")
-  untied = models.build("gpt2", "tiny", tied_embeddings=False)
-  params = untied.init(jax.random.key(0))
-  with pytest.raises(ValueError, match="'learned' trains the permutation residual"):
-    matching.align_model(untied.spec, params, params, method="learned", residual="orthogonal",
-                         loss_fn=lambda p, batch: 0.0, batches=[0])
   llama = models.build("llama", "tiny").spec
   assert matching.residual_spec(llama, "orthogonal") == llama
   with pytest.raises(ValueError, match="residual must be one of"):
     matching.residual_spec(llama, "rotation")
-  shapes = {p: (x.shape, x.dtype) for p, x in spec_lib.flatten(params).items()}
-  with pytest.raises(ValueError, match="not streamed"):
-    matching.align_model_streamed(untied.spec, None, shapes, method="perm",
-                                  residual="orthogonal")
 
 
 def test_the_command_and_the_study_refuse_the_orthogonal_residual_until_they_write_it(tmp_path):

@@ -16,7 +16,14 @@ from tests import test_learned as learned_tests
 from tests import tiny_transformer as tiny
 
 FAMILIES = {"vit": {}, "bert": {}, "gpt2": {}, "llama-gqa": dict(num_kv_heads=2),
-            "gpt_neox-parallel": dict(parallel_residual=True)}
+            "gpt_neox-parallel": dict(parallel_residual=True),
+            "gpt2-orthogonal": dict(tied_embeddings=False)}  # the O(d - 1) residual
+
+
+def _spec(case, model):
+  """The spec whose factors the case trains: "-orthogonal" with the O(d - 1) residual."""
+  residual = "orthogonal" if case.endswith("-orthogonal") else "permutation"
+  return matching.residual_spec(model.spec, residual)
 
 
 def _model(case):
@@ -45,16 +52,16 @@ def _random_correction(plan, dtype, key):
 @pytest.mark.parametrize("case", list(FAMILIES))
 def test_every_factor_keeps_the_function_and_the_forward_is_the_hard_element(case, x64):
   """Random correction parameters of every factor, in float64: the composed element (hard
-  permutations, Cayley matrix, I + D) keeps B's outputs to 1e-9, it moved every factor away
+  permutations, Cayley matrix, on 1-perp for the O(d - 1) residual, I + D) keeps B's outputs
+  to 1e-9, it moved every factor away
   from the start, and the straight-through forward pass of training computes exactly its
   action on g0 . B (no soft matrix in the forward pass), to 1e-9. (In float32 the two
   differ by rounding alone, up to 6e-5 relative on GPT-NeoX's keys, whose far-from-identity
   random matrices compound it.)"""
   model = _model(case)
-  spec = model.spec
+  spec = _spec(case, model)
   b = jax.tree.map(lambda x: x.astype(jnp.float64), model.init(jax.random.key(1)))
-  if spec.norm_scales:
-    b = ga.fold_norm_scales(spec, b)  # an orthogonal residual needs folded scales
+  b = ga.canonical_form(spec, b)  # an orthogonal residual needs folded scales (and its gauge)
   names = matching.active_names(spec, None)
   factors = _correction.resolve(spec, names, None)
   assert set(factors) == set(_correction.FACTORS)
@@ -69,6 +76,8 @@ def test_every_factor_keeps_the_function_and_the_forward_is_the_hard_element(cas
   residual = element.get("residual")
   if residual is not None and residual.ndim == 2:
     np.testing.assert_allclose(residual.T @ residual, np.eye(residual.shape[0]), atol=1e-12)
+    if spec.factors["residual"].kind == "mean_zero_orthogonal":
+      np.testing.assert_allclose(residual.sum(-1), 1.0, atol=1e-12)
   aligned = ga.apply_model(spec, b, element)
   apply = jax.jit(model.apply)
   inputs = _inputs(model)

@@ -66,10 +66,12 @@ def test_the_command_and_the_study_refuse_what_the_range_refuses(option):
 
 def test_what_a_method_reads_follows_the_table():
   """The descent's max_rounds for every built-in descent; learning_rate for "full" only with
-  the Adam solver (its ``requires``), for "learned" always; residual for the weight descents."""
+  the Adam solver (its ``requires``), for "learned" always; residual for every method but
+  "naive"."""
   reads = lambda method, **given: matching.METHODS[method].reads(given)
   assert reads("naive") == ()
   assert reads("perm") == reads("ortho") == ("distance", "max_rounds", "residual")
+  assert reads("activation") == ("steps", "residual") and "residual" in reads("learned")
   assert "learning_rate" not in reads("full")
   assert "learning_rate" in reads("full", solver="adam")
   assert "learning_rate" in reads("learned") and "factors" in reads("learned")

@@ -19,6 +19,13 @@ and each name in scope is then solved from its own statistics:
   scales do not enter the stream, so the element acts on both models with their scales
   folded (``group_action.fold_norm_scales``, info["folded_norm_scales"]), as the weight
   method's does;
+* a mean-zero orthogonal factor O = U diag(1, R) U^T (a pre-LayerNorm stream with
+  ``residual="orthogonal"``, ``_model.residual_spec``): every row of an entry is first
+  projected onto 1-perp (x -> x - mean(x) 1: the stream's mean is a gauge, which LayerNorm
+  drops and ``group_action.canonical_form`` removes), then standardised as above; R =
+  polar(K), K the 1-perp block of U^T (sum X_B^T X_A) U (``_stage2.mean_zero_polar``). The
+  element acts on both models in canonical form (writers projected onto 1-perp, LayerNorm
+  gains folded into their readers), as the weight method's does;
 * an attention site, after the factors (its Stage 1 reads the residual's element):
 
   - Stage 1: the cost of pairing A's head n with B's head m is
@@ -180,10 +187,13 @@ def _standardised(x: jax.Array) -> jax.Array:
 
 
 def _factor_stats(kind: str, a: jax.Array, b: jax.Array):
-  """One entry's statistics of one factor on one batch (each side ``_standardised``); a
-  factor's statistics are the sums over its entries and the batches."""
+  """One entry's statistics of one factor of ``kind`` on one batch (each side
+  ``_standardised``, its rows projected onto 1-perp first for a mean-zero orthogonal factor);
+  a factor's statistics are the sums over its entries and the batches."""
+  if kind == "mean_zero_orthogonal":
+    a, b = (x - jnp.mean(x, axis=-1, keepdims=True) for x in (a, b))
   a, b = _standardised(a), _standardised(b)
-  if kind == "orthogonal":
+  if kind != "permutation":
     return _dot(b, a, "ti,tj->ij")  # X_B^T X_A
   return PermutationStats(jnp.asarray(a.shape[0], a.dtype), a.sum(0), b.sum(0), (a * a).sum(0),
                           (b * b).sum(0), _dot(a, b, "ti,tj->ij"))
@@ -224,7 +234,7 @@ class Statistics:
   neither the batches nor the layers need to be held together.
 
   Held per name fed (float ``dtype``): a permutation factor of n units ``PermutationStats``
-  ([], [n] x 4, [n, n]); an orthogonal one X_B^T X_A [n, n]; a site (N heads, K kv heads, head
+  ([], [n] x 4, [n, n]); an orthogonal or mean-zero orthogonal one X_B^T X_A [n, n]; a site (N heads, K kv heads, head
   dim H) ``SiteStats``: Grams [N, N, H, H] (q, o) and [K, K, H, H] (k, v), self Grams
   [N|K, H, H], logits [N, N] and [N] x 2. ``pop`` hands a name's sums over and forgets them.
 
@@ -357,9 +367,12 @@ def _solve_site(stats: SiteStats, out_a, out_b, site: spec_lib.AttentionSite, *,
 
 @functools.partial(jax.jit, static_argnames=("kind",))
 def _solve_factor(stats, *, kind: str) -> jax.Array:
-  """A factor's element from its sums: polar(X_B^T X_A) (orthogonal) or the assignment on the
-  correlations (permutation)."""
-  return _stage2.polar(stats) if kind == "orthogonal" else _permutation(stats)
+  """A factor's element from its sums: polar(X_B^T X_A) (orthogonal), the same on 1-perp
+  (mean-zero orthogonal, ``_stage2.mean_zero_polar``) or the assignment on the correlations
+  (permutation)."""
+  solve = {"orthogonal": _stage2.polar, "mean_zero_orthogonal": _stage2.mean_zero_polar,
+           "permutation": _permutation}[kind]
+  return solve(stats)
 
 
 @functools.partial(jax.jit, static_argnames=("site", "steps"))
@@ -464,8 +477,9 @@ def _split(spec: spec_lib.SymmetrySpec, names: Sequence[str]) -> tuple[list[str]
 
 
 def align(spec: spec_lib.SymmetrySpec, params_a, params_b, *,
-          scope: str | Sequence[str] | None, steps: int, activations: Activations | None = None,
-          match_batches: Sequence[Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+          scope: str | Sequence[str] | None, steps: int, residual: str,
+          activations: Activations | None = None, match_batches: Sequence[Any] | None = None
+          ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Method "activation" (``align_model(method="activation")``) on checked models (module
   docstring).
 
@@ -475,13 +489,16 @@ def align(spec: spec_lib.SymmetrySpec, params_a, params_b, *,
       in the matching dtype, float32 for half precision).
     scope: parameter path prefixes; the names in scope are ``_model.active_names``'.
     steps: the most Gauss-Newton iterations of each QK problem.
+    residual: the residual factor of a stream read through LayerNorms only, "permutation" or
+      "orthogonal" (``_model.residual_spec``: the element then belongs to that spec's group).
     activations: ``activations(params, batch) -> {key: array}`` (``ACTIVATION_KEYS``), pure
       and jittable; called on A's and B's parameters as given (unfolded).
     match_batches: the batches it is evaluated on, one at a time.
 
   Returns:
-    (element, info): info {"folded_norm_scales" (whether the element acts on folded
-    parameters: an orthogonal factor in scope meets norm scales), "batches" (read),
+    (element, info): info {"folded_norm_scales" (whether the element acts on parameters in
+    ``group_action.canonical_form``: a matrix factor in scope meets norm scales), "batches"
+    (read),
     "samples" (per permutation factor in scope: the pooled rows of its statistics),
     "refinement_steps", "distance" {"initial", "final"} the squared parameter distance to
     (folded) A before and after}.
@@ -495,6 +512,7 @@ def align(spec: spec_lib.SymmetrySpec, params_a, params_b, *,
   batches = match_batches
   check_inputs(activations, batches)
   names = _model.active_names(spec, scope)
+  spec = _model.residual_spec(spec, residual, names)
   needs_folding = _model._needs_folding(spec, names)
   dtype = _attention.compute_dtype(next(iter(spec_lib.flatten(params_a).values())).dtype)
   for which, params in (("A", params_a), ("B", params_b)):
@@ -508,7 +526,7 @@ def align(spec: spec_lib.SymmetrySpec, params_a, params_b, *,
   for i, batch in enumerate(batches):
     stats.add(run(params_a, batch), run(params_b, batch), i)
   if needs_folding:
-    params_a, params_b = (group_action.fold_norm_scales(spec, p) for p in (params_a, params_b))
+    params_a, params_b = (group_action.canonical_form(spec, p) for p in (params_a, params_b))
   flat_a = _attention.upcast(spec_lib.flatten(params_a))
   flat_b = _attention.upcast(spec_lib.flatten(params_b))
   factors, sites = _split(spec, names)

@@ -18,6 +18,11 @@ starts at the identity. Its factors (``FACTORS``, the ``factors`` option):
 
   so O^c is orthogonal up to rounding whatever W is (one LU solve,
   ``jnp.linalg.solve(I + S, I - S)``), and cayley(0) = I exactly.
+* "residual" on a mean-zero orthogonal stream (a pre-LayerNorm one with
+  ``residual="orthogonal"``, both models in ``group_action.canonical_form``): the
+  same map restricted to 1-perp, O^c = U diag(1, cayley(S)) U^T with S [n - 1, n - 1]
+  (``group_action.mean_zero_orthogonal``, U's first column 1 / sqrt(n)): orthogonal,
+  O^c 1 = 1 up to rounding, and the identity at W = 0.
 * permutations: "heads" (each site's head permutation, mapping kv groups onto
   kv groups under GQA), "ffn" (every FFN's hidden units) and "residual" on a
   permutation stream (LayerNorm). Each is a straight-through estimator on a
@@ -166,8 +171,13 @@ class SiteGroup:
 class FactorGroup:
   """Trained factors of one kind and size, stacked along a leading axis [C]."""
   names: tuple[str, ...]
-  kind: str  # "permutation" or "orthogonal"
+  kind: str  # "permutation", "orthogonal" or "mean_zero_orthogonal" (``spec.FACTOR_KINDS``)
   size: int
+
+  @property
+  def skew_size(self) -> int:
+    """The side of W for a matrix kind: n, or n - 1 on 1-perp for a mean-zero one."""
+    return self.size - (self.kind == "mean_zero_orthogonal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +187,7 @@ class Plan:
   Attributes:
     sites, factors: the groups.
     leaves: (path, ((axis, factor group, index in it), ...)) for every leaf
-      that a trained factor maps (an orthogonal one leaves folded norm scales
+      that a trained factor maps (a matrix one leaves folded norm scales
       alone, as ``group_action.apply_leaf`` does).
   """
   sites: tuple[SiteGroup, ...]
@@ -204,7 +214,7 @@ def plan(spec: spec_lib.SymmetrySpec, names: Sequence[str], factors: Sequence[st
   leaves = []
   for path, axes in spec.axes.items():
     maps = tuple((axis, *where[f]) for axis, f in enumerate(axes) if f in where
-                 and not (spec.factors[f].kind == "orthogonal" and path in spec.norm_scales))
+                 and not (spec.factors[f].is_matrix and path in spec.norm_scales))
     if maps:
       leaves.append((path, maps))
   matrices, heads = "attention" in factors, set(found["heads"]) if "heads" in factors else set()
@@ -226,7 +236,7 @@ def init(p: Plan, dtype: Any) -> Params:
   Returns:
     {"sites": per site group {"qk": D^QK group parameters [S, K, ...], "vo": [S, K, H, H]}
     (if matrices) and {"heads": [S, N, N]} (if heads); "factors": per factor group
-    {"scores": [C, n, n]} or {"skew": W [C, n, n]}}.
+    {"scores": [C, n, n]} or {"skew": W [C, m, m]} (m = ``FactorGroup.skew_size``)}.
   """
   sites = []
   for g in p.sites:
@@ -240,7 +250,8 @@ def init(p: Plan, dtype: Any) -> Params:
       entry["heads"] = _margin(s, n, dtype)
     sites.append(entry)
   factors = [{"scores": _margin(len(g.names), g.size, dtype)} if g.kind == "permutation"
-             else {"skew": jnp.zeros((len(g.names), g.size, g.size), dtype)} for g in p.factors]
+             else {"skew": jnp.zeros((len(g.names), g.skew_size, g.skew_size), dtype)}
+             for g in p.factors]
   return {"sites": tuple(sites), "factors": tuple(factors)}
 
 
@@ -298,6 +309,14 @@ def cayley(w: jax.Array) -> jax.Array:
   return jnp.linalg.solve(eye + s, jnp.broadcast_to(eye, s.shape) - s)
 
 
+def orthogonal(w: jax.Array, kind: str) -> jax.Array:
+  """The trained matrix factor of ``kind`` from W: cayley(W) [..., n, n] ("orthogonal"), or
+  U diag(1, cayley(W)) U^T [..., n, n] from W [..., n - 1, n - 1] ("mean_zero_orthogonal",
+  ``group_action.mean_zero_orthogonal``)."""
+  o = cayley(w)
+  return group_action.mean_zero_orthogonal(o) if kind == "mean_zero_orthogonal" else o
+
+
 def _head_permutations(scores: jax.Array, site: spec_lib.AttentionSite) -> jax.Array:
   """pi(M) [S, N] over the permutations that keep kv groups whole."""
   cost = -jax.lax.stop_gradient(scores)
@@ -349,9 +368,9 @@ def act(flat: Params, params: Params, p: Plan) -> Params:
   out = dict(flat)
   matrices, after = [], None
   for g, q in zip(p.factors, params["factors"]):
-    if g.kind == "orthogonal":
+    if g.kind != "permutation":
       skew = q["skew"] if after is None else _stage2.sequenced(q["skew"], after)
-      after = o = cayley(skew)
+      after = o = orthogonal(skew, g.kind)
       matrices.append(o)
     else:
       matrices.append(jnp.swapaxes(_straight_through(_permutations(q["scores"]), q["scores"]),
@@ -409,8 +428,8 @@ def compose(params: Params, p: Plan, start: Mapping[str, Any]) -> dict[str, Any]
   matmul = lambda x, y: jnp.matmul(x, y, precision=_features.HIGHEST)
   element = dict(start)
   for g, q in zip(p.factors, params["factors"]):
-    if g.kind == "orthogonal":
-      values = cayley(q["skew"])
+    if g.kind != "permutation":
+      values = orthogonal(q["skew"], g.kind)
       element.update({n: matmul(start[n], values[i]) for i, n in enumerate(g.names)})
     else:
       values = _permutations(q["scores"])

@@ -23,8 +23,9 @@ entry change every matrix by a similar fraction whatever its scale; under
 RoPE D^QK lies in the span of H(H), which holds I and is closed under
 products, so A_k stays in H(H) exactly), "heads" (each site's head
 permutation), "ffn" (every FFN's hidden units) and "residual" (the residual
-stream: O = O0 cayley(S) for an orthogonal one, a permutation for a
-LayerNorm one). Permutations are trained with a straight-through estimator:
+stream: O = O0 cayley(S) for an orthogonal one (RMSNorm), O = O0 U diag(1, cayley(S)) U^T
+with S on 1-perp for a pre-LayerNorm one with ``residual="orthogonal"``, a permutation for
+a LayerNorm one otherwise). Permutations are trained with a straight-through estimator:
 the forward pass uses the hard permutation that maximises a score matrix,
 the gradient reaches the scores as if they were the permutation matrix
 (``_correction`` gives the maths and the choice). Names that ``factors``
@@ -323,11 +324,14 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
   """Trains the ``factors`` of ``names`` from ``start`` (module docstring).
 
   Args:
-    spec: the models' symmetry spec.
+    spec: the symmetry spec that the start's element belongs to (for
+      ``residual="orthogonal"``, ``matching.residual_spec(model_spec, "orthogonal",
+      names)``).
     params_a, params_b: the two models (as given to ``align_model``).
     start: (element, info) of ``align_model`` for this pair, e.g. with method
       "full"; info["folded_norm_scales"] says whether the element acts on the
-      folded parameters (both models are then folded here as well).
+      parameters in ``group_action.canonical_form`` (both models are then brought to it
+      here as well).
     names: the factors and attention sites of ``spec`` in scope
       (``matching.active_names(spec, scope)``); the rest of the element is
       kept. With none, ``start`` comes back unchanged.
@@ -419,11 +423,12 @@ def _check_names(spec: spec_lib.SymmetrySpec, names: Sequence[str]) -> None:
 
 def _upcast(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, fold: bool
             ) -> tuple[Params, Params]:
-  """Both models in the compute dtype (``_attention.upcast``), with their norm scales folded
-  (``group_action.fold_norm_scales``) when ``fold``."""
+  """Both models in the compute dtype (``_attention.upcast``), in
+  ``group_action.canonical_form`` (norm scales folded, and the writers and LayerNorm biases
+  of a mean-zero orthogonal stream in its gauge) when ``fold``."""
   params_a, params_b = _attention.upcast(params_a), _attention.upcast(params_b)
   if fold:
-    params_a, params_b = (group_action.fold_norm_scales(spec, p) for p in (params_a, params_b))
+    params_a, params_b = (group_action.canonical_form(spec, p) for p in (params_a, params_b))
   return params_a, params_b
 
 
@@ -556,12 +561,10 @@ def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
   1/2), the best iterate chosen on the first ``learn_holdout_batches`` of
   ``holdout_batches``.
 
-  ``matching``: every matching option (``MatchOptions``); the rest as ``learn_alignment``.
+  ``matching``: every matching option (``MatchOptions``); the rest as ``learn_alignment``,
+  whose spec is ``_model.residual_spec`` under ``residual`` (the start's element's group).
   """
   o = _options.MatchOptions(**matching)
-  if o.residual != _options.RESIDUALS[0]:
-    raise ValueError(f"residual={o.residual!r}: 'learned' trains the permutation residual of a "
-                     "LayerNorm stream only (its start would return an element it cannot train)")
   holdout, most = holdout_batches, o.learn_holdout_batches
   if isinstance(holdout, Sequence):
     holdout = holdout if len(holdout) <= most else holdout[:most]
@@ -575,11 +578,12 @@ def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
   check_options(**options)
   names = _model.active_names(spec, scope)
   _correction.resolve(spec, names, o.factors)
+  learned_spec = _model.residual_spec(spec, o.residual, names)
   element = _methods.METHODS[o.learn_init].call(
       spec, params_a, params_b, scope=scope, options=o,
       arguments=dict(activations=activations, match_batches=match_batches))
-  return learn_alignment(spec, params_a, params_b, element, names=names, factors=o.factors,
-                         **options)
+  return learn_alignment(learned_spec, params_a, params_b, element, names=names,
+                         factors=o.factors, **options)
 
 
 _methods.register_built_in(

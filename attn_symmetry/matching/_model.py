@@ -373,15 +373,9 @@ def _factor_update(spec: spec_lib.SymmetrySpec, f: str, scores: tuple[jax.Array,
     new = _assignment.linear_assignment(-m).astype(old.dtype)
     gain = _assignment.assignment_cost(m, new) - _assignment.assignment_cost(m, old)
     differs = jnp.any(new != old)
-  elif spec.factors[f].kind == "orthogonal":
-    new = _stage2.polar(m.T)
-    gain = jnp.sum((new - old) * m.T)
-    differs = True
-  else:
-    u = group_action.mean_zero_basis(m.shape[0], m.dtype)
-    block = jnp.matmul(jnp.matmul(u.T, m, precision=_features.HIGHEST), u,
-                       precision=_features.HIGHEST)[1:, 1:]
-    new = group_action.mean_zero_orthogonal(_stage2.polar(block.T))
+  else:  # orthogonal Procrustes, on 1-perp for a mean-zero orthogonal factor
+    solve = _stage2.polar if spec.factors[f].kind == "orthogonal" else _stage2.mean_zero_polar
+    new = solve(m.T)
     gain = jnp.sum((new - old) * m.T)
     differs = True
   accept = gain > _tolerance(m.dtype) * scale
@@ -720,8 +714,10 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
     distance, steps, learning_rate, init, solver: attention matching options
       (``match_attention``).
     max_rounds: most rounds of coordinate descent.
-    residual: for "perm", "ortho" and "full": the residual factor of a stream read through
-      LayerNorms only, "permutation" (default) or "orthogonal" (``residual_spec``).
+    residual: for every method but "naive": the residual factor of a stream read through
+      LayerNorms only, "permutation" (default) or "orthogonal" (``residual_spec``; solved by
+      Procrustes on 1-perp from the weights or, for "activation", from the stream's
+      activations; "learned" trains it by a Cayley map on 1-perp).
     refine: when "full" refines the attention matrices: "every_round"
       (default: at every attention step of the descent) or "final" (the
       descent with "ortho", then one refinement; module docstring). Other

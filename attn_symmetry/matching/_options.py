@@ -214,7 +214,7 @@ class MatchOptions:
       "untied, ViT, GPT-NeoX): 'permutation' or 'orthogonal' (O(d - 1) on the mean-zero "
       "subspace, both models brought to one gauge first); other streams keep their own",
       OneOf("residual factor", "attn_symmetry.matching.RESIDUALS", RESIDUALS),
-      methods=("perm", "ortho", "full"))
+      methods=(*DESCENTS, "activation"))
   learn_init: str = option(
       LEARN_INITS[0],
       "the start of 'learned': the weight method 'full' or the activation method "

@@ -190,6 +190,15 @@ def polar(c: jax.Array) -> jax.Array:
   return u @ vt
 
 
+def mean_zero_polar(c: jax.Array) -> jax.Array:
+  """The O = U diag(1, R) U^T with R in O(n - 1) (``group_action.mean_zero_orthogonal``: the
+  orthogonal maps with O 1 = 1) that maximises tr(O^T c), c [n, n]: tr(O^T c) = (U^T c U)_00
+  + tr(R^T K) with K = (U^T c U)[1:, 1:] the 1-perp block, so R = polar(K) (Procrustes on the
+  mean-zero subspace; c's component along 1 does not enter)."""
+  u = group_action.mean_zero_basis(c.shape[-1], c.dtype)
+  return group_action.mean_zero_orthogonal(polar(_matmul(_matmul(u.T, c), u)[1:, 1:]))
+
+
 def sequenced(x: Any, after: Any) -> Any:
   """``x``, made to depend on ``after`` (adds 0 times a finite scalar of it).
 

@@ -13,7 +13,8 @@ class StaticSpec:
     self.spec = spec
     self._key = (tuple(spec.factors.items()), tuple(spec.axes.items()),
                  tuple(spec.attention.items()),
-                 tuple((k, tuple(v)) for k, v in spec.norm_scales.items()))
+                 tuple((k, tuple(v)) for k, v in spec.norm_scales.items()),
+                 tuple((k, s.writers, tuple(s.norms.items())) for k, s in spec.streams.items()))
 
   def __hash__(self):
     return hash(self._key)

@@ -6,7 +6,9 @@ either model whole: ``read(paths)`` gives both models' leaves at ``paths`` (in
 their stored dtype, bfloat16 kept as it is), and the descent asks it for one
 group of ``stream_groups`` at a time (a ``layers_i``; the embeddings, final
 norm and head together). Each group is computed in float32 (its leaves upcast
-and, where the alignment needs it, its norm scales folded) in one compiled
+and, where the alignment needs it, brought to ``group_action.canonical_form``: norm scales
+folded and, with ``residual="orthogonal"``, a pre-LayerNorm stream's writers projected onto
+1-perp, each group on its own) in one compiled
 program per group shape: groups are renamed to one canonical prefix
 (``_Group``), so every layer of a model runs the same programs.
 
@@ -87,7 +89,8 @@ Read = Callable[[Sequence[str]], tuple[Flat, Flat]]  # paths -> (A's leaves, B's
 def stream_groups(spec: spec_lib.SymmetrySpec) -> list[tuple[str, ...]]:
   """The leaf paths of ``spec`` in the groups read one at a time, in leaf order: every
   top-level key (``layers_i``, ``embed``, ...), merged with the keys where the readers of its
-  norm scales lie (``final_norm`` with an untied ``head``), so that folding stays in a group."""
+  norm scales lie (``final_norm`` with an untied ``head``) and, for a mean-zero orthogonal
+  stream, where each LayerNorm's bias lies, so that ``canonical_form`` stays in a group."""
   top = lambda path: path.split("/")[0]
   parent = {top(p): top(p) for p in spec.axes}
 
@@ -96,9 +99,13 @@ def stream_groups(spec: spec_lib.SymmetrySpec) -> list[tuple[str, ...]]:
       key = parent[key]
     return key
 
-  for scale, readers in spec.norm_scales.items():
-    for reader in readers:
-      parent[root(top(reader))] = root(top(scale))
+  links = [(scale, reader) for scale, readers in spec.norm_scales.items() for reader in readers]
+  links += [(scale, bias) for f, stream in spec.streams.items()
+            if spec.factors[f].kind == "mean_zero_orthogonal"
+            for scale, (bias, _) in stream.norms.items()]
+  for scale, other in links:
+    if root(top(other)) != root(top(scale)):
+      parent[root(top(other))] = root(top(scale))
   groups: dict[str, list[str]] = {}
   for p in spec.axes:
     groups.setdefault(root(top(p)), []).append(p)
@@ -132,11 +139,16 @@ class _Group:
     rename = lambda n: CANONICAL + "/" + n[len(key):] if key and n.startswith(key) else n
     part = spec.part(paths)
     names = {n: rename(n) for n in (*part.factors, *part.attention)}
+    streams = {names[f]: spec_lib.LayerNormStream(
+        tuple(map(rename, s.writers)),
+        {rename(k): (rename(b), tuple(map(rename, r))) for k, (b, r) in s.norms.items()})
+               for f, s in part.streams.items()}
     canonical = spec_lib.SymmetrySpec(
         {names[f]: v for f, v in part.factors.items()},
         {rename(p): tuple(None if f is None else names[f] for f in a) for p, a in part.axes.items()},
         {names[s]: v for s, v in part.attention.items()},
-        {rename(s): tuple(map(rename, r)) for s, r in part.norm_scales.items()})
+        {rename(s): tuple(map(rename, r)) for s, r in part.norm_scales.items()},
+        streams=streams)
     steps = tuple(_model._Step(tuple(names[n] for n in step.names if n in names), step.attention,
                                frozenset(rename(p) for p in step.leaves if p in paths))
                   for step in plan)
@@ -177,12 +189,13 @@ def leaf_sharding(shape: Sequence[int], mesh: jax.sharding.Mesh) -> jax.sharding
 
 def _prepare(flat_a: Flat, flat_b: Flat, spec: spec_lib.SymmetrySpec, fold: bool
              ) -> tuple[Flat, Flat]:
-  """A group's leaves in their compute dtype (``_attention.upcast``), folded if ``fold``."""
+  """A group's leaves in their compute dtype (``_attention.upcast``), in
+  ``group_action.canonical_form`` (norm scales folded) if ``fold``."""
   out = []
   for flat in (flat_a, flat_b):
     flat = _attention.upcast(flat)
     if fold:
-      flat = spec_lib.flatten(group_action.fold_norm_scales(spec, spec_lib.unflatten(flat)))
+      flat = spec_lib.flatten(group_action.canonical_form(spec, spec_lib.unflatten(flat)))
     out.append(flat)
   return out[0], out[1]
 
@@ -358,7 +371,9 @@ class _Descent:
                                        spec=group.spec, plan=group.plan, fold=self.fold,
                                        factor=group.names[f]))
             total = tuple(map(jnp.add, total, part))
-      factor_spec = _static.StaticSpec(spec_lib.SymmetrySpec({f: self.spec.factors[f]}, {}))
+      factor_spec = _static.StaticSpec(spec_lib.SymmetrySpec(
+          {f: self.spec.factors[f]}, {},
+          streams={f: s.part(()) for g, s in self.spec.streams.items() if g == f}))
       self.element[f], moved = _update(total, self.element[f], spec=factor_spec, factor=f)
       changed |= bool(moved)
     return changed
@@ -518,9 +533,6 @@ def _check(spec, shapes, method: str, o: _options.MatchOptions) -> None:
                            solver=o.solver)
   if o.refine not in _options.REFINES:
     raise ValueError(f"refine must be one of {_options.REFINES}, got {o.refine!r}")
-  if o.residual != _options.RESIDUALS[0]:
-    raise ValueError(f"residual={o.residual!r} is not streamed (the gauges of a LayerNorm "
-                     "stream span the whole model): use align_model")
   if method not in STREAMED_METHODS:
     raise ValueError(f"method {method!r} is not streamed (only {', '.join(STREAMED_METHODS)}): "
                      "it needs both whole models in memory; use align_model")
@@ -534,6 +546,7 @@ def _descent(spec, read, shapes, *, scope, method, options: _options.MatchOption
   """The checked ``options``' descent (method not "naive")."""
   _check(spec, shapes, method, options)
   names = _model.active_names(spec, scope)
+  spec = _model.residual_spec(spec, options.residual, names)
   o, full, final = options, method == "full", options.refine == "final"
   program = dict(learning_rate=o.learning_rate, steps=int(o.steps), init=o.init,
                  solver=o.solver, distance=_features.DISTANCES.index(o.distance),
