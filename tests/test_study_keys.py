@@ -108,6 +108,8 @@ def study_config() -> ml_collections.ConfigDict:
   config.study.learn_factors = ("attention", "heads")
   config.study.learn_init = "activation"  # "learned" from the activation method's element
   config.study.learn_lam_band = 10
+  config.study.learn_schedule = "warmup_cosine"
+  config.study.learn_patience = 1
   config.study.activation_batches = 2
   config.study.noise_levels = (0.5,)
   config.reinit.stop_base = True  # the base model under the rule too (no study stage reads it)

@@ -358,6 +358,8 @@ _STUDY_OPTIONS = {
     "learn_init": dict(unkeyed_default="full"),
     "learn_lam_band": dict(unkeyed_default=0),
     "residual": dict(unkeyed_default="permutation"),
+    "learn_schedule": dict(unkeyed_default="constant"),
+    "learn_patience": dict(unkeyed_default=0),
 }
 
 
