@@ -275,7 +275,8 @@ def test_fingerprint_groups_derive_from_the_schema():
                                            "study.match_residual": "permutation",
                                            "study.learn_schedule": "constant",
                                            "study.learn_patience": 0,
-                                           "study.activation_batches": 8}
+                                           "study.activation_batches": 8,
+                                           "study.repair_no_bias": "std"}
   for field in config_schema.FIELDS:
     holders = [g for g in GROUPS for n in getattr(fingerprints, g)
                if field.path == n or field.path.startswith(n + ".")]
