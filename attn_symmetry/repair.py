@@ -23,8 +23,23 @@ projections that take their corrections, the model spec's ``writers``:
 
 A shift folds only where the family has the bias that takes it (a writer with a bias:
 ``Config.out_bias`` for "attention", ``Config.mlp_bias`` for "mlp"): ViT, BERT, GPT-2 and
-GPT-NeoX fold both parts of both points; Llama (no biases) folds the scales alone, c = 0,
-and the repaired mean is then a mu_lam instead of mu_t (the info's "mean_gap" measures it).
+GPT-NeoX fold both parts of both points; Llama (no biases) folds the scales alone, c = 0.
+What a scale alone matches there is ``no_bias`` (``NO_BIAS_RULES``):
+
+* "std" (the default, REPAIR's own rule): a = sigma_t / sigma_lam, so the standard deviation
+  meets its target and the mean ends at a mu_lam instead of mu_t;
+* "second_moment": the uncentred second moment m2 = E[x^2] = sigma^2 + mu^2, whose target
+  interpolates the endpoints', m2_t = (1 - lam) m2_A + lam m2_B, with a = sqrt(m2_t / m2_lam).
+  Then a^2 m2_lam = m2_t exactly: the channel's RMS size, which is what the next RMSNorm reads
+  (RMSNorm(x) = x / sqrt(mean_j x_j^2 + eps)), meets its target, and neither the mean nor the
+  standard deviation does unless mu_lam / sigma_lam = mu_t / sigma_t.
+
+No single scale can meet both mu_t and sigma_t unless that ratio holds; the info's gaps say
+what remains, per point: "mean_gap" the RMS over the corrected channels of (a mu_lam + c -
+mu_t) / sigma_t, "scale_gap" that of (a sigma_lam - sigma_t) / sigma_t. Both are computed from
+the statistics the fold was solved on; the fold moves the point's statistics by exactly that
+affine map, so they are the repaired model's gaps (up to rounding). Where the shift folds, both
+vanish: "mean_gap" is reported as 0 and "scale_gap" is at the rounding level.
 The points are repaired in forward order, each measured with the earlier ones already
 repaired, as REPAIR re-estimates; a repair changes nothing upstream of its point, so the
 repaired model meets every target.
@@ -53,6 +68,9 @@ from attn_symmetry import spec as spec_lib
 
 Params = Any
 POINTS = ("attention", "mlp")
+# What the scale alone matches where no bias takes the shift (module docstring).
+NO_BIAS_RULES = ("std", "second_moment")
+GAPS = ("mean_gap", "scale_gap")  # what a point's info says REPAIR left of its targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +251,32 @@ def _fold(params: Params, point: _Point, a: np.ndarray, c: np.ndarray | None) ->
   return spec_lib.unflatten(flat)
 
 
+def _correction(ma: Moments, mb: Moments, ml: Moments, lam: float, degenerate: np.ndarray,
+                shift: bool, no_bias: str) -> tuple[np.ndarray, np.ndarray | None, dict]:
+  """(a [C], c [C] or None, gaps) of one point: the map h -> a h + c that moves the
+  interpolated model's channels (``ml``) to the targets interpolated from A's (``ma``) and B's
+  (``mb``) at ``lam`` (module docstring), identity on the ``degenerate`` channels. ``shift``:
+  the family has the bias that takes c (else c is None and ``no_bias`` says what a matches).
+  gaps: {"mean_gap", "scale_gap"}, the RMS over the moved channels of the repaired mean's and
+  standard deviation's distance to the targets, relative to sigma_t (0.0 for no channel;
+  "mean_gap" is 0 where the shift folds)."""
+  mu_t = (1 - lam) * ma.mean + lam * mb.mean
+  sigma_t = (1 - lam) * ma.std + lam * mb.std
+  safe = lambda x: np.where(degenerate, 1.0, x)
+  if shift or no_bias == "std":
+    a = np.where(degenerate, 1.0, sigma_t / safe(ml.std))
+  else:
+    second = lambda m: m.var + m.mean ** 2
+    a = np.where(degenerate, 1.0, np.sqrt(((1 - lam) * second(ma) + lam * second(mb))
+                                          / safe(second(ml))))
+  c = np.where(degenerate, 0.0, mu_t - a * ml.mean) if shift else None
+  moved = ~degenerate
+  rms = lambda x: float(np.sqrt(np.mean(x[moved] ** 2))) if moved.any() else 0.0
+  gaps = dict(zip(GAPS, (0.0 if shift else rms((a * ml.mean - mu_t) / safe(sigma_t)),
+                         rms((a * ml.std - sigma_t) / safe(sigma_t)))))
+  return a, c, gaps
+
+
 @dataclasses.dataclass(frozen=True)
 class Endpoints:
   """The endpoints' ``Moments`` at the repaired points (``endpoint_statistics``): the targets of
@@ -268,8 +312,8 @@ def endpoint_statistics(model: Any, params_a: Params, params_b: Params, batches:
 
 
 def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: Iterable[Any],
-           *, points: Sequence[str] = POINTS, endpoints: Endpoints | None = None
-           ) -> tuple[Params, dict[str, dict[str, Any]]]:
+           *, points: Sequence[str] = POINTS, endpoints: Endpoints | None = None,
+           no_bias: str = NO_BIAS_RULES[0]) -> tuple[Params, dict[str, dict[str, Any]]]:
   """The REPAIRed interpolation (1 - lam) theta_A + lam theta_B (module docstring).
 
   Args:
@@ -282,6 +326,9 @@ def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: 
     points: which of ``POINTS`` to repair in every layer.
     endpoints: ``endpoint_statistics`` of these endpoints, batches and points, when several
       lambdas of one path are repaired (else measured here).
+    no_bias: what the scale matches at a point with no bias to take the shift, one of
+      ``NO_BIAS_RULES``: "std" (REPAIR's rule, the default) or "second_moment" (module
+      docstring); a point whose shift folds matches mean and standard deviation either way.
 
   Returns:
     (params, info): the repaired parameters, a checkpoint of ``model`` with the pytree
@@ -289,14 +336,15 @@ def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: 
     ("layers_i/attention", "layers_i/mlp") to {"channels": C, "corrected": channels moved,
     "degenerate": channels left as they are (a = 1, c = 0) because their standard deviation
     vanishes in A, B or the interpolated model (``_flat``), "shift_folded": whether c folds
-    (the family has the bias), "mean_gap": RMS over the corrected channels of (repaired mean -
-    mu_t) / sigma_t, 0 where the shift folds, "scale": a [C] and "offset": c [C] (float64
-    arrays; c = 0 where the shift does not fold)}. The "mlp" fold sits after the point: the
+    (the family has the bias), "no_bias": the rule, "mean_gap": RMS over the corrected
+    channels of (repaired mean - mu_t) / sigma_t, 0 where the shift folds, "scale_gap": RMS
+    over them of (repaired standard deviation - sigma_t) / sigma_t, "scale": a [C] and
+    "offset": c [C] (float64 arrays; c = 0 where the shift does not fold)}. The "mlp" fold sits after the point: the
     repaired model's ``Model.apply`` still reports h there, and its down projection reads
     a h + c, whose statistics are the targets.
 
   Raises:
-    ValueError: lam outside [0, 1]; an unknown point; a family with nothing to fold a point
+    ValueError: lam outside [0, 1]; an unknown point or ``no_bias`` rule; a family with nothing to fold a point
       into (one line naming the family); parameters that do not fit the model; no batches;
       activations that are not finite (naming the point and the model); ``endpoints``
       measured at other points.
@@ -304,6 +352,9 @@ def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: 
   lam = float(lam)
   if not 0.0 <= lam <= 1.0:
     raise ValueError(f"repair lam must lie in [0, 1], got {lam}")
+  if no_bias not in NO_BIAS_RULES:
+    raise ValueError(f"repair no_bias must be one of {', '.join(NO_BIAS_RULES)}, got "
+                     f"{no_bias!r}")
   found = _points(model, points)
   names = [p.name for p in found]
   batches = list(batches)
@@ -325,17 +376,10 @@ def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: 
     ma, mb, ml = stats_a[point.name], stats_b[point.name], stats[point.name]
     eps = float(jnp.finfo(spec_lib.flatten(params)[point.kernel].dtype).eps)
     degenerate = _flat(ma, eps) | _flat(mb, eps) | _flat(ml, eps)
-    mu_t = (1 - lam) * ma.mean + lam * mb.mean
-    sigma_t = (1 - lam) * ma.std + lam * mb.std
-    a = np.where(degenerate, 1.0, sigma_t / np.where(degenerate, 1.0, ml.std))
-    c = np.where(degenerate, 0.0, mu_t - a * ml.mean) if point.bias is not None else None
+    a, c, gaps = _correction(ma, mb, ml, lam, degenerate, point.bias is not None, no_bias)
     params = _fold(params, point, a, c)
-    offset = np.zeros_like(a) if c is None else c
-    moved = ~degenerate
-    gap = (a * ml.mean + offset - mu_t)[moved] / sigma_t[moved]
     info[point.name] = {
-        "channels": int(a.size), "corrected": int(moved.sum()),
+        "channels": int(a.size), "corrected": int((~degenerate).sum()),
         "degenerate": int(degenerate.sum()), "shift_folded": c is not None,
-        "mean_gap": 0.0 if c is not None or not gap.size else float(np.sqrt(np.mean(gap ** 2))),
-        "scale": a, "offset": offset}
+        "no_bias": no_bias, **gaps, "scale": a, "offset": np.zeros_like(a) if c is None else c}
   return params, info

@@ -133,7 +133,8 @@ def test_repaired_merge_is_written_and_evaluated(gpt2, tmp_path, capsys):
   assert set(merged["repair"]) == {f"layers_{i}/{p}" for i in range(2)
                                    for p in ("attention", "mlp")}
   for point in merged["repair"].values():
-    assert set(point) == {"channels", "corrected", "degenerate", "shift_folded", "mean_gap"}
+    assert set(point) == {"channels", "corrected", "degenerate", "shift_folded", "mean_gap",
+                          "scale_gap"}
     assert point["shift_folded"] and point["corrected"] == point["channels"]
   assert report["repair"] is True
   assert f"REPAIRed merged model (lambda 0.5): loss {merged['repaired']['loss']:.4g} (plain " \

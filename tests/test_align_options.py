@@ -86,8 +86,9 @@ def test_good_options_pass_without_reading_a_file(changes, no_file_access):
      r"on an evaluation file: give --eval-text or --eval-images"),
     (dict(matching=dict(steps=3, lr=0.1, temperature=1)),
      r"unknown matching options \['lr', 'temperature'\]; known: distance, steps, learning_rate, "
-     r"max_rounds, init, refine, solver, residual, learn_init, learn_lam_band, factors, "
-     r"learn_steps, learn_learning_rate, learn_uniform_lambda, learn_holdout_batches"),
+     r"max_rounds, init, refine, solver, residual, learn_init, learn_lam_band, learn_schedule, "
+     r"learn_patience, factors, learn_steps, learn_learning_rate, learn_uniform_lambda, "
+     r"learn_holdout_batches"),
     (dict(matching=dict(factors=("ffn",))),
      r"--factors chooses what --method learned trains; --method is 'full'"),
     (dict(method="learned", matching=dict(factors=("ffn", "norms"))),

@@ -273,7 +273,10 @@ def test_fingerprint_groups_derive_from_the_schema():
                                            "study.learn_init": "full",
                                            "study.learn_lam_band": 0,
                                            "study.match_residual": "permutation",
-                                           "study.activation_batches": 8}
+                                           "study.learn_schedule": "constant",
+                                           "study.learn_patience": 0,
+                                           "study.activation_batches": 8,
+                                           "study.repair_no_bias": "std"}
   for field in config_schema.FIELDS:
     holders = [g for g in GROUPS for n in getattr(fingerprints, g)
                if field.path == n or field.path.startswith(n + ".")]

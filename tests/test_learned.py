@@ -17,6 +17,7 @@ import pytest
 
 from attn_symmetry import group_action as ga
 from attn_symmetry import matching
+from attn_symmetry.matching import _learned as _learned_module
 from attn_symmetry.matching import _stage2
 from tests import tiny_transformer as tiny
 
@@ -154,6 +155,58 @@ def test_planted_pair_keeps_the_exact_solution(x64, rms):
   test = _batches(TEST, rms)
   np.testing.assert_allclose(_mean_loss(rms, _midpoint(a, moved), test), _mean_loss(rms, a, test),
                              rtol=1e-10)
+
+
+def _planted(rms=False):
+  """A float32 pair B = g . A and the learned options that share the float32 tests' step."""
+  spec, a, _ = _pair(rms, dtype=jnp.float32)
+  return spec, a, ga.apply_model(spec, a, ga.random_model_element(jax.random.key(7), spec))
+
+
+def test_patience_stops_on_a_planted_plateau():
+  """On a planted pair the start's held-out barrier is already 0, the plateau: with patience
+  3 and an evaluation per step, the training stops after 3 steps of its 24, and the curve
+  holds the start and those three evaluations."""
+  spec, a, b = _planted()
+  _, info = _learned(spec, a, b, False, init="best", learn_patience=3, eval_every=1,
+                     **_uniform())
+  learned = info["learned"]
+  assert learned["steps"] == 3 and learned["stopped"] and learned["best_step"] == 0
+  assert [step for step, _ in learned["curve"]] == [0, 1, 2, 3]
+  assert learned["curve"][0][1] == learned["holdout"]["initial"]["barrier"]
+  assert learned["patience"] == 3 and learned["schedule"] == "constant"
+
+
+def test_defaults_run_every_step_at_a_constant_rate():
+  """The defaults (constant rate, no patience) are a patience that never fires: the same
+  element and evaluations as patience 10 over 2 evaluations, and every step of the budget."""
+  spec, a, b = _planted()
+  runs = [_learned(spec, a, b, False, learn_steps=6, eval_every=3, **_uniform(), **options)
+          for options in ({}, dict(learn_schedule="constant", learn_patience=10))]
+  (e0, i0), (e1, i1) = runs
+  for x, y in zip(jax.tree.leaves(e0), jax.tree.leaves(e1)):
+    np.testing.assert_array_equal(x, y)
+  assert i0["learned"]["holdout"] == i1["learned"]["holdout"]
+  assert i0["learned"]["curve"] == i1["learned"]["curve"] and len(i0["learned"]["curve"]) == 3
+  assert i0["learned"]["steps"] == 6 and not i0["learned"]["stopped"]
+  assert i0["learned"]["schedule"] == "constant" and i0["learned"]["patience"] == 0
+
+
+def test_learning_rate_schedules():
+  """constant: the rate itself at every step (the value today's steps ran at); warmup_cosine:
+  a linear warm-up over the first tenth of the budget to the peak, then a cosine decay that
+  stays above 0."""
+  np.testing.assert_array_equal(_learned_module.learning_rates("constant", 1e-2, 5),
+                                [1e-2] * 5)
+  rates = _learned_module.learning_rates("warmup_cosine", 0.3, 20)
+  np.testing.assert_allclose(rates[:3], [0.15, 0.3, 0.3], rtol=1e-15)
+  i = np.arange(2, 20)
+  np.testing.assert_allclose(rates[2:], 0.3 * (1 + np.cos(np.pi * (i - 2) / 18)) / 2,
+                             rtol=1e-12)
+  assert np.all(np.diff(rates[1:]) <= 0) and rates.min() > 0 and rates[-1] < 0.01
+  assert _learned_module.learning_rates("warmup_cosine", 1.0, 1).tolist() == [1.0]
+  with pytest.raises(ValueError, match="schedule must be one of constant, warmup_cosine"):
+    _learned_module.learning_rates("linear", 1.0, 3)
 
 
 # ----------------------------------------------------------------------------- unrelated pairs
@@ -328,6 +381,8 @@ def test_scope_without_a_symmetry_returns_the_full_element():
     (dict(learn_uniform_lambda="yes"), "learn_uniform_lambda must be true or false"),
     (dict(learn_uniform_lambda=True), "pass key"),
     (dict(eval_every=0), "eval_every must be"),
+    (dict(learn_schedule="cosine"), "learn_schedule must be one of constant, warmup_cosine"),
+    (dict(learn_patience=-1), "learn_patience must be a non-negative integer"),
     (dict(lamda=0.5), r"unknown options \['lamda'\] of method 'learned'"),
 ])
 def test_bad_options_name_the_argument(options, message):

@@ -85,8 +85,43 @@ def test_repaired_statistics_meet_the_targets(x64, family):
       gap = np.sqrt(np.mean(((mean - mu_t) / sigma_t) ** 2))
       np.testing.assert_allclose(point["mean_gap"], gap, rtol=1e-9)
       assert gap > 0 and not np.any(c)
+    assert point["scale_gap"] <= 1e-12 and point["no_bias"] == "std"
   # The repair moved something: the first layer's attention output differs from naive's.
   assert not np.allclose(after["layers_0/attention"].std, naive["layers_0/attention"].std)
+
+
+def test_second_moment_rule_meets_the_uncentred_second_moment(x64):
+  """Llama (no bias) with no_bias="second_moment": every point's E[x^2] as the next reader sees
+  it meets the interpolated endpoints' (1 - lam) m2_A + lam m2_B, and the gaps left to mu_t and
+  sigma_t are the ones reported (measured on the repaired model). A family with biases ignores
+  the rule (bit-identical to "std")."""
+  model, params_a, params_b, batches = _pair("llama")
+  lam = 0.3
+  repaired, info = repair_lib.repair(model, params_a, params_b, lam, batches,
+                                     no_bias="second_moment")
+  names = list(info)
+  sa, sb, after = (repair_lib.statistics(model, p, batches, names)
+                   for p in (params_a, params_b, repaired))
+  second = lambda m: m.var + m.mean ** 2
+  targets = _targets(model, params_a, params_b, lam, batches, names)
+  for name, point in info.items():
+    a = point["scale"] if name.endswith("mlp") else 1.0
+    mean, std = a * after[name].mean, a * after[name].std
+    np.testing.assert_allclose(std ** 2 + mean ** 2,
+                               (1 - lam) * second(sa[name]) + lam * second(sb[name]),
+                               rtol=1e-9)
+    mu_t, sigma_t = targets[name]
+    rms = lambda x: np.sqrt(np.mean(x ** 2))
+    np.testing.assert_allclose(point["mean_gap"], rms((mean - mu_t) / sigma_t), rtol=1e-8)
+    np.testing.assert_allclose(point["scale_gap"], rms((std - sigma_t) / sigma_t), rtol=1e-8)
+    assert point["no_bias"] == "second_moment" and point["scale_gap"] > 0
+  model, params_a, params_b, batches = _pair("gpt2")
+  runs = [repair_lib.repair(model, params_a, params_b, lam, batches, no_bias=rule)[0]
+          for rule in repair_lib.NO_BIAS_RULES]
+  for x, y in zip(*map(jax.tree.leaves, runs)):
+    np.testing.assert_array_equal(x, y)
+  with pytest.raises(ValueError, match="no_bias must be one of std, second_moment, got 'rms'"):
+    repair_lib.repair(model, params_a, params_b, lam, batches, no_bias="rms")
 
 
 def _numpy_repair(model, params_a, params_b, lam, batches):

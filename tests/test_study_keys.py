@@ -108,6 +108,9 @@ def study_config() -> ml_collections.ConfigDict:
   config.study.learn_factors = ("attention", "heads")
   config.study.learn_init = "activation"  # "learned" from the activation method's element
   config.study.learn_lam_band = 10
+  config.study.learn_schedule = "warmup_cosine"
+  config.study.learn_patience = 1
+  config.study.repair_no_bias = "second_moment"
   config.study.activation_batches = 2
   config.study.noise_levels = (0.5,)
   config.reinit.stop_base = True  # the base model under the rule too (no study stage reads it)
@@ -298,3 +301,6 @@ def test_the_activation_and_repair_stages_key_every_field_they_read(tmp_path, mo
                                                 for p in ("attention", "mlp")}
   (counts,) = repaired["repair"]["per_lambda"]
   assert counts["corrected"] + counts["degenerate"] == counts["channels"] > 0
+  assert repaired["repair"]["no_bias"] == "second_moment"
+  assert set(counts["gaps"]) == set(repaired["repair"]["points"])
+  assert all(set(g) == {"mean_gap", "scale_gap"} for g in counts["gaps"].values())

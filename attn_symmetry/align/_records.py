@@ -230,7 +230,8 @@ class Repaired:
   Attributes:
     params: the REPAIRed merge, a checkpoint of the model (what DIR/merged holds).
     points: {"layers_i/attention" | "layers_i/mlp": {"channels", "corrected", "degenerate",
-      "shift_folded", "mean_gap"}}: ``repair.repair``'s info without its [C] arrays.
+      "shift_folded", "mean_gap", "scale_gap"}}: ``repair.repair``'s info without its [C]
+      arrays.
   """
   params: Params
   points: dict[str, dict[str, Any]]

@@ -17,7 +17,7 @@ from attn_symmetry.align._records import Aligned, InputError, Inputs, Options, R
 from attn_symmetry.models import safetensors_io
 
 # What the report keeps of each point of ``repair.repair``'s info (not its [C] arrays).
-POINT_INFO = ("channels", "corrected", "degenerate", "shift_folded", "mean_gap")
+POINT_INFO = ("channels", "corrected", "degenerate", "shift_folded", *repair_lib.GAPS)
 
 
 def repaired_merge(inputs: Inputs, options: Options, aligned: Aligned, tmp: str | None

@@ -25,6 +25,7 @@ method "activation", every factor and site from the two models' activations.
   ACTIVATION_KEYS             the contract of the "activation" method's activations(params, batch):
                               the keys, by the spec's names, and their shapes.
   LEARN_INITS                 the starts of "learned" (option ``learn_init``).
+  LEARN_SCHEDULES             its learning-rate schedules (option ``learn_schedule``).
   linear_assignment           exact LAP, batched and jittable (an auction in JAX; optax's Hungarian
                               algorithm below 512 rows on CPU).
 
@@ -95,6 +96,7 @@ from attn_symmetry.matching._methods import provided_arguments
 from attn_symmetry.matching._methods import register_method
 from attn_symmetry.matching._options import DEFAULT_MAX_ROUNDS
 from attn_symmetry.matching._options import LEARN_INITS
+from attn_symmetry.matching._options import LEARN_SCHEDULES
 from attn_symmetry.matching._options import OPTIONS
 from attn_symmetry.matching._options import REFINES
 from attn_symmetry.matching._options import RESIDUALS

@@ -46,6 +46,12 @@ a non-finite loss also returns the iterate to the one before it. The step
 size then halves, and it doubles back (up to ``learning_rate``) with every
 step taken.
 
+Schedule. Step i (from 0) of a budget of n steps runs at learning rate r_i: "constant",
+r_i = r; "warmup_cosine" (``learning_rates``), a linear warm-up over the first w =
+ceil(n / 10) steps, r_i = r (i + 1) / w, then a cosine decay, r_i = r (1 + cos(pi (i - w) /
+(n - w))) / 2 for i >= w, from r towards 0 at the budget. The step-size factor of the guards
+multiplies r_i.
+
 Selection. At the start, every ``eval_every`` steps and at the end, the
 interpolated loss is evaluated on ``holdout_batches``, a slice of the training
 split that the steps never see, at lambda itself (for uniform lambda at 1/4,
@@ -58,7 +64,11 @@ barrier is the largest gap between that loss and the chord
 (1 - lambda) L(0) + lambda L(1), or 0 if the path lies below it. The iterate
 with the lowest held-out barrier is returned; a later one replaces an earlier
 one only if it is lower by more than sqrt(eps) times the endpoint loss
-(rounding alone never moves the element).
+(rounding alone never moves the element). With ``patience`` p > 0 the
+training stops after p evaluations in a row that did not set a new best (the
+step budget the ceiling): the barrier has reached its plateau. Every
+evaluation's (step, barrier) is kept (info["learned"]["curve"]), so a reader
+sees it flatten.
 
 Why the barrier and not the loss itself: the interpolated loss can fall
 below the endpoints' (the midpoint of two models is a third model, which the
@@ -108,7 +118,8 @@ UNIFORM_HOLDOUT_LAMBDAS = (0.25, 0.5, 0.75)
 EVALUATIONS = 10  # held-out evaluations per run when ``eval_every`` is not given
 # and their defaults; factors None: every factor of ``_correction.FACTORS`` that the scope has
 OPTIONS = {"factors": None, "lam": 0.5, "lam_band": 0.0, "key": None, "eval_every": None,
-           "progress": None}
+           "progress": None, "schedule": _options.LEARN_SCHEDULES[0], "patience": 0}
+WARMUP_FRACTION = 0.1  # of the step budget: the warm-up of "warmup_cosine"
 
 Params = dict[str, Any]
 LossFn = Callable[[Params, Any], jax.Array]
@@ -120,7 +131,8 @@ log = logging.getLogger(__name__)
 
 def check_options(*, loss_fn: Any, batches: Any, holdout_batches: Any, steps: Any,
                   learning_rate: Any, lam: Any, key: Any, eval_every: Any, progress: Any,
-                  lam_band: Any = 0.0) -> None:
+                  lam_band: Any = 0.0, schedule: Any = OPTIONS["schedule"],
+                  patience: Any = OPTIONS["patience"]) -> None:
   """ValueError naming the argument that cannot work (before any computation)."""
   if not callable(loss_fn):
     raise ValueError("method 'learned' needs loss_fn(params, batch) -> scalar, a pure JAX loss; "
@@ -159,6 +171,29 @@ def check_options(*, loss_fn: Any, batches: Any, holdout_batches: Any, steps: An
     raise ValueError(f"eval_every must be a positive integer or None, got {eval_every!r}")
   if progress is not None and not callable(progress):
     raise ValueError(f"progress must be callable(dict) or None, got {progress!r}")
+  if schedule not in _options.LEARN_SCHEDULES:
+    raise ValueError(f"schedule must be one of {', '.join(_options.LEARN_SCHEDULES)}, got "
+                     f"{schedule!r}")
+  if not isinstance(patience, (int, np.integer)) or isinstance(patience, bool) or patience < 0:
+    raise ValueError(f"patience must be a non-negative integer, got {patience!r}")
+
+
+def learning_rates(schedule: str, learning_rate: float, steps: int) -> np.ndarray:
+  """[steps] float64: the learning rate r_i of each step i of a budget of ``steps``
+  (module docstring, 'Schedule'): ``learning_rate`` at every step for "constant"; for
+  "warmup_cosine", r (i + 1) / w over the first w = ceil(WARMUP_FRACTION steps) steps, then
+  r (1 + cos(pi (i - w) / (steps - w))) / 2, so the peak r is reached at step w - 1 and w
+  and every rate is > 0."""
+  if schedule not in _options.LEARN_SCHEDULES:
+    raise ValueError(f"schedule must be one of {', '.join(_options.LEARN_SCHEDULES)}, got "
+                     f"{schedule!r}")
+  i = np.arange(steps, dtype=np.float64)
+  if schedule == "constant":
+    return np.full(steps, float(learning_rate))
+  warmup = max(1, math.ceil(WARMUP_FRACTION * steps))
+  decay = np.maximum(i - warmup, 0) / max(steps - warmup, 1)
+  return learning_rate * np.where(i < warmup, (i + 1) / warmup,
+                                  (1 + np.cos(np.pi * decay)) / 2)
 
 
 def _signature(batch: Any) -> tuple[Any, ...]:
@@ -319,7 +354,8 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
                     lam: float | str = OPTIONS["lam"], lam_band: float = OPTIONS["lam_band"],
                     key: jax.Array | None = None,
                     eval_every: int | None = None,
-                    progress: Callable[[dict[str, Any]], None] | None = None
+                    progress: Callable[[dict[str, Any]], None] | None = None,
+                    schedule: str = OPTIONS["schedule"], patience: int = OPTIONS["patience"]
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Trains the ``factors`` of ``names`` from ``start`` (module docstring).
 
@@ -333,47 +369,48 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
       parameters in ``group_action.canonical_form`` (both models are then brought to it
       here as well).
     names: the factors and attention sites of ``spec`` in scope
-      (``matching.active_names(spec, scope)``); the rest of the element is
-      kept. With none, ``start`` comes back unchanged.
-    loss_fn: loss_fn(params, batch) -> scalar, a pure JAX function of
-      parameters nested like ``params_a`` (float32 for half precision).
-    batches: training batches, all of one structure, shape and dtype; step i
-      reads the i-th (a Sequence is cycled through; an iterator that ends
-      early ends the training there). Exactly the batches used are read.
-    holdout_batches: non-empty list of batches from the training split that
-      ``batches`` does not hold, on which the returned iterate is chosen; the
-      first also checks that the result keeps B's function.
-    steps: optimiser steps.
-    learning_rate: Adam's learning rate (a relative change of the attention
-      matrices per step) and that of the permutation scores
-      (``_correction``: a transposition needs about 1 / learning_rate steps).
-    factors: which factors are trained, some of ``_correction.FACTORS``
-      ("attention", "heads", "ffn", "residual"), or one of them as a string;
-      None: every one that ``names`` holds.
-    lam: the interpolation weight lambda of B in (0, 1], or "uniform" (drawn
-      at every step from ``key``).
+      (``matching.active_names(spec, scope)``); the rest of the element is kept. With none,
+      ``start`` comes back unchanged.
+    loss_fn: loss_fn(params, batch) -> scalar, a pure JAX function of parameters nested like
+      ``params_a`` (float32 for half precision).
+    batches: training batches, all of one structure, shape and dtype; step i reads the i-th
+      (a Sequence is cycled through; an iterator that ends early ends the training there).
+      Exactly the batches used are read.
+    holdout_batches: non-empty list of batches from the training split that ``batches`` does
+      not hold, on which the returned iterate is chosen; the first also checks that the
+      result keeps B's function.
+    steps: optimiser steps (the budget: with ``patience``, a ceiling).
+    learning_rate: Adam's learning rate (a relative change of the attention matrices per
+      step) and that of the permutation scores (``_correction``: a transposition needs about
+      1 / learning_rate steps); the peak of ``schedule``.
+    factors: which factors are trained, some of ``_correction.FACTORS`` ("attention",
+      "heads", "ffn", "residual"), or one of them as a string; None: every one of ``names``.
+    lam: the interpolation weight lambda of B in (0, 1], or "uniform" (drawn at every step
+      from ``key``).
     lam_band: w >= 0: with w > 0, lambda is drawn at every step from
       U(lam - w, lam + w) (from ``key``; Theus et al. draw U(0.4, 0.6)), which must lie in
       (0, 1]; the held-out evaluation stays at ``lam``. 0: lambda = lam at every step.
     key: jax.random key, needed for lam="uniform" and lam_band > 0.
     eval_every: steps between held-out evaluations (default: steps / 10).
-    progress: called at every held-out evaluation with {"step", "steps",
-      "train_loss" (mean since the last call), "holdout_loss",
-      "holdout_barrier", "best_holdout_barrier", "skipped", "seconds"}; the
-      same line goes to ``logging`` (INFO).
+    schedule: "constant" or "warmup_cosine" (``learning_rates``).
+    patience: p > 0 ends the training after p held-out evaluations in a row
+      without a new best barrier; 0 runs every step.
+    progress: called at every held-out evaluation with {"step", "steps", "train_loss" (mean
+      since the last call), "holdout_loss", "holdout_barrier", "best_holdout_barrier",
+      "skipped", "seconds"}; the same line goes to ``logging`` (INFO).
 
   Returns:
-    (element, info): the element for ``group_action.apply_model`` on
-    ``params_b`` (folded if info["folded_norm_scales"]) and the start's info
-    with info["distance"]["final"] recomputed for the element (the start's
-    kept as info["distance"]["start"]), and info["learned"]: {"factors"
-    (trained), "sites" (attention sites trained), "names" (every name
-    trained), "steps" (run), "skipped", "holdout": {"initial", "final",
-    "best"}, each {"loss" (mean over the interior lambdas), "barrier",
-    "endpoints" (the losses at lambda 0 and 1)}, "best_step" (0: the start),
-    "lambda", "function_check" (``_check_function``), "seconds"}; or
-    info["learned"] = {"factors": [], "sites": [], "steps": 0, "note"} when
-    ``names`` is empty (``start`` is returned, no batch is read).
+    (element, info): the element for ``group_action.apply_model`` on ``params_b`` (folded if
+    info["folded_norm_scales"]) and the start's info with info["distance"]["final"]
+    recomputed for the element (the start's kept as info["distance"]["start"]), and
+    info["learned"]: {"factors" (trained), "sites" (attention sites trained), "names" (every
+    name trained), "steps" (run), "skipped", "holdout": {"initial", "final", "best"}, each
+    {"loss" (mean over the interior lambdas), "barrier", "endpoints" (the losses at lambda 0
+    and 1)}, "best_step" (0: the start), "curve" ([(step, held-out barrier)] of every
+    evaluation, the start's first), "stopped" (by patience before the budget), "schedule",
+    "patience", "lambda", "function_check" (``_check_function``), "seconds"}; or
+    info["learned"] = {"factors": [], "sites": [], "steps": 0, "note"} when ``names`` is
+    empty (``start`` is returned, no batch is read).
 
   Raises:
     ValueError: before any computation, naming the argument, name or factor;
@@ -382,7 +419,7 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
   """
   check_options(loss_fn=loss_fn, batches=batches, holdout_batches=holdout_batches, steps=steps,
                 learning_rate=learning_rate, lam=lam, key=key, eval_every=eval_every,
-                progress=progress, lam_band=lam_band)
+                progress=progress, lam_band=lam_band, schedule=schedule, patience=patience)
   element, info = start
   _check_names(spec, names)
   trained = _correction.resolve(spec, names, factors)
@@ -401,15 +438,16 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
   tracker = _Tracker(params, data, holdout_batches,
                      UNIFORM_HOLDOUT_LAMBDAS if lam == UNIFORM else (lam,), dtype, loss_fn, plan,
                      steps, begin, progress)
-  taken, skipped = _train(params, data, plan, tracker, batches, dtype, steps=steps,
-                          learning_rate=learning_rate, lam=lam, lam_band=lam_band, key=key,
-                          eval_every=eval_every, loss_fn=loss_fn)
+  run = _train(params, data, plan, tracker, batches, dtype,
+               rates=learning_rates(schedule, learning_rate, steps), patience=patience, lam=lam,
+               lam_band=lam_band, key=key, eval_every=eval_every, loss_fn=loss_fn)
   element = _correction.compose(tracker.best, plan, element)
   moved = _apply_moving(spec, params_b, element)
   check = _check_function(moved, params_b, holdout_batches[0], dtype, loss_fn=loss_fn)
   info["distance"] = _distances(info.get("distance", {}), data, moved)
-  info["learned"] = _summary(names, trained, plan, tracker, taken, skipped, lam=lam,
-                             lam_band=lam_band, check=check, begin=begin)
+  info["learned"] = _summary(names, trained, plan, tracker, run, lam=lam, lam_band=lam_band,
+                             check=check, begin=begin) | {"schedule": schedule,
+                                                          "patience": patience}
   return element, info
 
 
@@ -433,24 +471,28 @@ def _upcast(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, fol
 
 
 def _train(params: Params, data: _Data, plan: _correction.Plan, tracker: _Tracker,
-           batches: Iterable[Any], dtype: Any, *, steps: int, learning_rate: float,
+           batches: Iterable[Any], dtype: Any, *, rates: np.ndarray, patience: int,
            lam: float | str, lam_band: float, key: jax.Array | None, eval_every: int | None,
-           loss_fn: LossFn) -> tuple[int, int]:
+           loss_fn: LossFn) -> tuple[int, int, bool]:
   """The guarded Adam steps (``_step``) from the correction ``params`` on ``batches``
-  (``learn_alignment``'s arguments), ``tracker`` evaluating the iterate every ``eval_every``
-  steps and after the last.
+  (``learn_alignment``'s arguments), step i at learning rate ``rates[i]`` (the budget is
+  len(rates) steps), ``tracker`` evaluating the iterate every ``eval_every`` steps and after
+  the last; with ``patience`` > 0, the steps end once that many evaluations in a row set no
+  new best (``_Tracker.stale``).
 
   Returns:
-    (the steps taken: ``steps``, or fewer if the batches run out; the steps skipped).
+    (the steps taken: the budget, or fewer if the batches run out or patience ends it; the
+    steps skipped; whether patience ended it before the budget).
 
   Raises:
     ValueError: when a training batch's shapes or dtypes differ from the first's.
   """
-  opt_state = _correction.optimizer(jnp.asarray(learning_rate, dtype)).init(params)
+  steps = len(rates)
+  # the optimiser's state does not depend on the rate, which each step passes
+  opt_state = _correction.optimizer(jnp.ones((), dtype)).init(params)
   state = _State(params, opt_state, (params, opt_state), jnp.ones((), dtype))
   uniform = lam == UNIFORM
-  options = dict(learning_rate=jnp.asarray(learning_rate, dtype),
-                 lam=jnp.asarray(0.0 if uniform else lam, dtype),
+  options = dict(lam=jnp.asarray(0.0 if uniform else lam, dtype),
                  limit=jnp.asarray(_stage2.max_condition(dtype), dtype))
   key = jax.random.key(0) if key is None else key  # unused for a fixed lambda
   eval_every = eval_every or max(1, -(-steps // EVALUATIONS))
@@ -461,33 +503,41 @@ def _train(params: Params, data: _Data, plan: _correction.Plan, tracker: _Tracke
       raise ValueError(f"training batch {i} has shapes and dtypes {_signature(batch)[1]}, the "
                        f"first had {signature[1]}: learned alignment compiles one step for one "
                        "batch shape (drop or pad the remainder)")
-    state, loss, skip = _step_jit(state, data, batch, key, jnp.int32(i), loss_fn=loss_fn,
-                                  plan=plan, uniform=uniform, band=float(lam_band), **options)
+    state, loss, skip = _step_jit(state, data, batch, key, jnp.int32(i),
+                                  jnp.asarray(rates[i], dtype), loss_fn=loss_fn, plan=plan,
+                                  uniform=uniform, band=float(lam_band), **options)
     tracker.losses.append(loss)
     skipped, taken = skipped + skip, i + 1
     if taken % eval_every == 0 or taken == steps:
       tracker.evaluate(state.params, taken, int(skipped))
+      if patience and tracker.stale >= patience:
+        log.info("learned alignment: no lower held-out barrier in %d evaluations, stopped "
+                 "after %d of %d steps", patience, taken, steps)
+        return taken, int(skipped), taken < steps
   if taken < steps:
     log.warning("learned alignment: the batches ran out after %d of %d steps", taken, steps)
     if taken % eval_every:
       tracker.evaluate(state.params, taken, int(skipped))
-  return taken, int(skipped)
+  return taken, int(skipped), False
 
 
 def _summary(names: Sequence[str], trained: Sequence[str], plan: _correction.Plan,
-             tracker: _Tracker, taken: int, skipped: int, *, lam: float | str, lam_band: float,
-             check: dict[str, float], begin: float) -> dict[str, Any]:
+             tracker: _Tracker, run: tuple[int, int, bool], *, lam: float | str,
+             lam_band: float, check: dict[str, float], begin: float) -> dict[str, Any]:
   """info["learned"] of a training (``learn_alignment``'s Returns): the ``trained`` factors,
-  the sites and ``names`` trained (``plan``'s), the steps ``taken`` and ``skipped``, the
+  the sites and ``names`` trained (``plan``'s), the ``run`` of ``_train`` (steps taken,
+  skipped, stopped by patience), the
   ``tracker``'s held-out results, ``lam`` (and ``lam_band`` when not 0), the function
   ``check`` and the seconds since ``begin``."""
   trained_names = [*plan.site_names, *(n for g in plan.factors for n in g.names)]
+  taken, skipped, stopped = run
   learned = {"factors": list(trained), "sites": list(plan.site_names),
              "names": [n for n in names if n in trained_names], "steps": taken,
              "skipped": skipped,
              "holdout": {"initial": tracker.initial, "final": tracker.final,
                          "best": tracker.best_value},
-             "best_step": tracker.best_step, "lambda": lam, "function_check": check,
+             "best_step": tracker.best_step, "curve": tracker.curve, "stopped": stopped,
+             "lambda": lam, "function_check": check,
              "seconds": time.perf_counter() - begin}
   if lam_band:
     learned["lambda_band"] = lam_band
@@ -512,6 +562,8 @@ class _Tracker:
     self._ends = (curve[0], curve[-1])
     self.initial = self.best_value = self.final = _held_out(curve[1:-1], self._ends, lams)
     self.best, self.best_step = params, 0
+    self.curve = [(0, self.initial["barrier"])]  # (step, held-out barrier) of every evaluation
+    self.stale = 0  # evaluations since the last new best
     scale = max(abs(x) for x in self.initial["endpoints"])
     self._tolerance = (math.sqrt(float(jnp.finfo(dtype).eps)) * scale if math.isfinite(scale)
                        else 0.0)
@@ -521,8 +573,10 @@ class _Tracker:
     """Evaluates ``params`` (after ``taken`` steps) on the held-out batches, keeps it if it is
     the best, and reports the line to ``logging`` and ``progress``."""
     self.final = _held_out(self._losses_at(params, self._lams), self._ends, self._lams)
+    self.curve.append((taken, self.final["barrier"]))
+    self.stale += 1
     if self.final["barrier"] < self.best_value["barrier"] - self._tolerance:
-      self.best, self.best_value, self.best_step = params, self.final, taken
+      self.best, self.best_value, self.best_step, self.stale = params, self.final, taken, 0
     train = float(jnp.mean(jnp.stack(self.losses))) if self.losses else math.nan
     self.losses.clear()
     line = dict(step=taken, steps=self._steps, train_loss=train,
@@ -559,7 +613,7 @@ def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
   ``learn_alignment`` from it: ``learn_steps`` steps at ``learn_learning_rate``, lambda 1/2
   (from U(0, 1) with ``learn_uniform_lambda``; a band of ``learn_lam_band`` hundredths around
   1/2), the best iterate chosen on the first ``learn_holdout_batches`` of
-  ``holdout_batches``.
+  ``holdout_batches``, the rate following ``learn_schedule``, stopped by ``learn_patience``.
 
   ``matching``: every matching option (``MatchOptions``); the rest as ``learn_alignment``,
   whose spec is ``_model.residual_spec`` under ``residual`` (the start's element's group).
@@ -574,7 +628,7 @@ def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
                  steps=o.learn_steps, learning_rate=o.learn_learning_rate,
                  lam=UNIFORM if o.learn_uniform_lambda else OPTIONS["lam"],
                  lam_band=o.learn_lam_band / 100, key=key, eval_every=eval_every,
-                 progress=progress)
+                 progress=progress, schedule=o.learn_schedule, patience=o.learn_patience)
   check_options(**options)
   names = _model.active_names(spec, scope)
   _correction.resolve(spec, names, o.factors)

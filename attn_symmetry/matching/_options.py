@@ -173,6 +173,8 @@ DESCENTS = ("perm", "ortho", "full", "learned")  # the built-in methods that run
 _REFINING = ("full", "learned")  # and those that refine (Stage 2 after Procrustes)
 _LEARNED = ("learned",)  # the options of "learned" alone
 LEARN_INITS = ("full", "activation")  # the starts of "learned": the methods it starts from
+# The learning-rate schedules of "learned" (``_learned.learning_rates``).
+LEARN_SCHEDULES = ("constant", "warmup_cosine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +228,15 @@ class MatchOptions:
       "'learned' draws lambda at every step from U(lam - w, lam + w), w this many hundredths "
       "(0: lambda fixed; 10: U(0.4, 0.6) around 1/2, Theus et al.); below 50, needs key",
       AtLeast(0), methods=_LEARNED)
+  learn_schedule: str = option(
+      LEARN_SCHEDULES[0],
+      "the learning rate of 'learned' over its steps: 'constant', or 'warmup_cosine' (linear "
+      "warm-up over the first tenth of learn_steps, then cosine decay towards 0)",
+      OneOf("learning-rate schedule", "attn_symmetry.matching.LEARN_SCHEDULES", LEARN_SCHEDULES),
+      methods=_LEARNED)
+  learn_patience: int = option(
+      0, "'learned' stops after this many held-out evaluations without a lower barrier "
+      "(learn_steps the ceiling; 0: it runs every step)", AtLeast(0), methods=_LEARNED)
   factors: tuple[str, ...] | None = option(
       None,
       "the factors that 'learned' trains, those of them the scope has (align_model's "

@@ -358,6 +358,8 @@ _STUDY_OPTIONS = {
     "learn_init": dict(unkeyed_default="full"),
     "learn_lam_band": dict(unkeyed_default=0),
     "residual": dict(unkeyed_default="permutation"),
+    "learn_schedule": dict(unkeyed_default="constant"),
+    "learn_patience": dict(unkeyed_default=0),
 }
 
 
@@ -495,6 +497,11 @@ FIELDS: tuple[Field, ...] = (
     Field("study.repair", False, _BOOLEAN, Role.NOT_KEYED,
           "also measure each method's path with REPAIR at every interior point "
           "(attn_symmetry.repair; reported as the method '<method>+repair')"),
+    Field("study.repair_no_bias", "std", _one_of("REPAIR rule", "attn_symmetry.repair.NO_BIAS_RULES"),
+          Role.STUDY,
+          "what REPAIR's scale matches at a point with no bias to take the shift (Llama): "
+          "'std' (REPAIR's rule) or 'second_moment' (the uncentred E[x^2]); "
+          "attn_symmetry.repair.repair's no_bias", study=(REPAIR,), unkeyed_default="std"),
     Field("study.activation_batches", 8, _AT_LEAST_1, Role.STUDY,
           "training batches (dataset.train_split, not augmented) on which the methods that "
           "read activations measure them: REPAIR's statistics and activation matching "

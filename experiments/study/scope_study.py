@@ -287,11 +287,14 @@ class ScopeStudy:
   def _repaired_path(self, a: int, b: int, theta_a: Params, aligned_b: Params
                      ) -> dict[str, Any]:
     """``_path`` with each interior point REPAIRed (``repair.repair`` at its lambda, on
-    ``_activation_batches``, the endpoints' statistics measured once); the endpoints are the
-    seeds' own models, as REPAIR at lambda 0 and 1 computes them. Adds "repair": per lambda,
-    the channels REPAIR corrected and those it left as they were (degenerate), summed over the
-    points."""
+    ``_activation_batches``, the endpoints' statistics measured once, with
+    ``study.repair_no_bias``'s rule); the endpoints are the seeds' own models, as REPAIR at
+    lambda 0 and 1 computes them. Adds "repair": "no_bias" (the rule) and, per lambda, the
+    channels REPAIR corrected and those it left as they were (degenerate), summed over the
+    points, and "gaps": {point: {"mean_gap", "scale_gap"}}, what REPAIR left of each point's
+    targets (``repair.repair``'s info)."""
     points, counts = set(), []
+    no_bias = self.config.study.repair_no_bias
 
     def repaired_points(lams: np.ndarray) -> dict[str, list[float]]:
       out: dict[str, list[float]] = {"loss": [], "accuracy": []}
@@ -299,16 +302,19 @@ class ScopeStudy:
       endpoints = repair.endpoint_statistics(self.model, theta_a, aligned_b, batches)
       for lam in lams:
         params, info = repair.repair(self.model, theta_a, aligned_b, float(lam), batches,
-                                     endpoints=endpoints)
+                                     endpoints=endpoints, no_bias=no_bias)
         for k, v in self.evaluator(params, params, self.lams[:1]).items():
           out[k] += v
         points.update(info)
         counts.append({k: int(sum(p[k] for p in info.values()))
-                       for k in ("channels", "corrected", "degenerate")})
+                       for k in ("channels", "corrected", "degenerate")}
+                      | {"gaps": {name: {k: p[k] for k in repair.GAPS}
+                                  for name, p in info.items()}})
       return out
 
     path = self._path(a, b, theta_a, aligned_b, interior=repaired_points)
-    return dict(path, repair={"points": sorted(points), "per_lambda": counts})
+    return dict(path, repair={"points": sorted(points), "no_bias": no_bias,
+                              "per_lambda": counts})
 
   def _matching_options(self, method: str, **overrides) -> dict[str, Any]:
     """``matching_kwargs`` of ``method``, a study-wide ``factors`` list narrowed to the factors
