@@ -387,14 +387,12 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
       "heads", "ffn", "residual"), or one of them as a string; None: every one of ``names``.
     lam: the interpolation weight lambda of B in (0, 1], or "uniform" (drawn at every step
       from ``key``).
-    lam_band: w >= 0: with w > 0, lambda is drawn at every step from
-      U(lam - w, lam + w) (from ``key``; Theus et al. draw U(0.4, 0.6)), which must lie in
-      (0, 1]; the held-out evaluation stays at ``lam``. 0: lambda = lam at every step.
+    lam_band: w > 0 draws lambda at every step from U(lam - w, lam + w) (from ``key``),
+      within (0, 1], the held-out evaluation staying at ``lam``; 0: lambda = lam.
     key: jax.random key, needed for lam="uniform" and lam_band > 0.
     eval_every: steps between held-out evaluations (default: steps / 10).
     schedule: "constant" or "warmup_cosine" (``learning_rates``).
-    patience: p > 0 ends the training after p held-out evaluations in a row
-      without a new best barrier; 0 runs every step.
+    patience: p > 0 ends it after p held-out evaluations without a new best; 0: never.
     progress: called at every held-out evaluation with {"step", "steps", "train_loss" (mean
       since the last call), "holdout_loss", "holdout_barrier", "best_holdout_barrier",
       "skipped", "seconds"}; the same line goes to ``logging`` (INFO).
@@ -422,8 +420,7 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
                 progress=progress, lam_band=lam_band, schedule=schedule, patience=patience)
   element, info = start
   _check_names(spec, names)
-  trained = _correction.resolve(spec, names, factors)
-  info = dict(info)
+  trained, info = _correction.resolve(spec, names, factors), dict(info)
   if not trained:
     info["learned"] = {"factors": [], "sites": [], "steps": 0,
                        "note": "no symmetry in scope: the start element is returned"}
