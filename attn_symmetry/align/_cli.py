@@ -59,7 +59,8 @@ def add_matching_flags(parser: argparse.ArgumentParser) -> None:
   ``--learning-rate`` for ``learning_rate``, its type the parser of its range, its help the
   option's doc and range; not given, it is left to the method (None)."""
   for option in matching.OPTIONS:
-    default = "" if option.default is None else f"; default {option.default}"
+    shown = str(option.default).lower() if isinstance(option.default, bool) else option.default
+    default = "" if option.default is None else f"; default {shown}"
     parser.add_argument(_check.flag(option.name), type=option.range.parse,
                         metavar=option.range.metavar or option.name.upper(),
                         help=f"{option.doc} (must {option.range.says}{default})")

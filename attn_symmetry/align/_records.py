@@ -88,8 +88,9 @@ class Options:
       "full", "--method",
       "; ".join(f"{m.name}: {m.doc}" for m in matching.METHODS.values())
       + "; or a method that an --import module registers (default full). A method that "
-      "trains on a loss trains on the first half of the evaluation batches and picks its "
-      "iterate on the next quarter; the curve is drawn on the last quarter")
+      "trains on a loss trains on --match-data and picks its iterate on its last quarter, the "
+      "curve drawn on the evaluation file; without --match-data it trains on the evaluation "
+      "batches' first half, picks on the next quarter, and the curve is the last quarter")
   scope: str | tuple[str, ...] = option(
       "full", "--scope", f"{', '.join(SCOPES)} (default full), or comma-separated parameter "
       "path prefixes such as layers_0/attention")
@@ -103,7 +104,7 @@ class Options:
   match_data: str | None = option(
       None, "--match-data",
       "data the models are run on for --method activation, --learn-init activation and "
-      "--repair: a text file (read with the folder's tokenizer.json) for a text model, a "
+      "--repair, and that --method learned trains on: a text file (read with the folder's tokenizer.json) for a text model, a "
       "DIR/LABEL/*.png folder for ViT", metavar="FILE")
   repair: bool = option(
       False, "--repair",

@@ -207,7 +207,7 @@ class MatchOptions:
   solver: str = option(
       _attention.SOLVERS[0],
       "the Stage 2 refinement: 'gauss_newton' (stops on a tolerance within steps iterations) "
-      "or 'adam' (steps Adam steps at learning_rate)",
+      "or 'adam' (that many Adam steps at the learning rate)",
       OneOf("refinement solver", "attn_symmetry.matching.SOLVERS", _attention.SOLVERS),
       methods=_REFINING)
   residual: str = option(
@@ -220,13 +220,14 @@ class MatchOptions:
   learn_init: str = option(
       LEARN_INITS[0],
       "the start of 'learned': the weight method 'full' or the activation method "
-      "'activation' (which needs activations and match_batches)",
+      "'activation' (which reads the models' activations on data)",
       OneOf("learned start", "attn_symmetry.matching.LEARN_INITS", LEARN_INITS),
       methods=_LEARNED)
   learn_lam_band: int = option(
       0,
       "'learned' draws lambda at every step from U(lam - w, lam + w), w this many hundredths "
-      "(0: lambda fixed; 10: U(0.4, 0.6) around 1/2, Theus et al.); below 50, needs key",
+      "(0: lambda fixed; 10: U(0.4, 0.6) around 1/2, Theus et al.); below 50, drawn with a "
+      "random key",
       AtLeast(0), methods=_LEARNED)
   learn_schedule: str = option(
       LEARN_SCHEDULES[0],
@@ -239,8 +240,8 @@ class MatchOptions:
       "(learn_steps the ceiling; 0: it runs every step)", AtLeast(0), methods=_LEARNED)
   factors: tuple[str, ...] | None = option(
       None,
-      "the factors that 'learned' trains, those of them the scope has (align_model's "
-      "default: all of them)",
+      "the factors that 'learned' trains, those of them the scope has (by default all of "
+      "them)",
       SomeOf("learned factor", "attn_symmetry.matching.LEARNED_FACTORS", _correction.FACTORS),
       methods=_LEARNED)
   learn_steps: int = option(
@@ -249,7 +250,8 @@ class MatchOptions:
   learn_learning_rate: float = option(
       1e-2, "step size of the training of 'learned'", Positive(), methods=_LEARNED)
   learn_uniform_lambda: bool = option(
-      False, "'learned' draws lambda from U(0, 1) at every step instead of 1/2 (needs key)",
+      False, "'learned' draws lambda from U(0, 1) at every step instead of 1/2 (with a random "
+      "key)",
       Flag(), methods=_LEARNED)
   learn_holdout_batches: int = option(
       4, "held-out batches on which 'learned' picks its best iterate (the first that many)",
