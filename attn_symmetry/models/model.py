@@ -19,6 +19,7 @@ Everything outside this package sees them through ``Model``:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -376,3 +377,30 @@ def build(family: str, preset: str = "tiny", **overrides: Any) -> Model:
     ValueError: unknown family, preset or field, or an invalid config.
   """
   return Model(make_config(family, preset, **overrides))
+
+
+def untie_head(model: Model, params: Params | None = None) -> tuple[Model, Params | None]:
+  """``model`` with its tied output head untied, and ``params`` (if given) in it: the same
+  function, the head ``head/kernel`` [D, V] a copy of the token embedding (transposed), which
+  the embedding no longer ties. A pre-LayerNorm decoder with a tied head (GPT-2) so gets the
+  residual stream read through LayerNorms only (``SymmetrySpec.streams``) that its O(d - 1)
+  factor needs (``SymmetrySpec.with_residual``); a model without a tied head is returned as
+  it is.
+
+  Raises:
+    ValueError: a family whose tied head is not a plain ``head/kernel`` once untied (BERT's
+      masked-LM decoder), named.
+  """
+  if not model.config.tied_embeddings:
+    return model, params
+  untied = Model(dataclasses.replace(model.config, tied_embeddings=False))
+  added = set(untied.param_shapes) - set(model.param_shapes)
+  if added != {"head/kernel"} or "embed/embedding" not in model.param_shapes:
+    raise ValueError(f"{model.config.family}: its tied head cannot be untied into a plain "
+                     "head/kernel")
+  if params is None:
+    return untied, None
+  flat = spec_lib.flatten(params)
+  flat["head/kernel"] = flat["embed/embedding"].T
+  return untied, spec_lib.unflatten(flat)
+

@@ -58,6 +58,7 @@ the names ``os.listdir`` gives), and never write through a symbolic link.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -77,6 +78,7 @@ from attn_symmetry.models import convert
 from attn_symmetry.models import torch_pickle
 from attn_symmetry.models.hf import Source
 from attn_symmetry.models.model import Model
+from attn_symmetry.models.model import untie_head as untie_model
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -151,6 +153,7 @@ class Checkpoint:
     self.tensors: dict[str, TensorInfo] = {}
     self.metadata: dict[str, dict[str, str] | None] = {}
     self._refs: dict[str, torch_pickle.TensorRef] = {}  # .bin tensors: where each lies
+    self._copies: dict[str, str] = {}  # a tensor that ``untie_head`` added: the one it copies
     for file, keys in self.files.items():
       self._read_header(file, keys)
     self.names = convert.state_dict_names(self.tensors, convert.family_of(model_type).hf)
@@ -315,11 +318,50 @@ class Checkpoint:
 
   def read(self, key: str) -> np.ndarray:
     """The file tensor ``key`` in its stored dtype (the file is opened for it alone)."""
+    key = self._copies.get(key, key)
     if self.torch:
       return self._refs[key].read()
     info = self.tensors[key]
     with safe_open(os.path.join(self.path, info.file), framework="numpy", backend="pread") as f:
       return f.get_tensor(key)
+
+
+def untie_head(ckpt: Checkpoint) -> Checkpoint:
+  """``ckpt`` seen with its tied output head untied (``models.untie_head``): the same folder,
+  whose ``config.json`` says ``tie_word_embeddings: false`` and whose head (``lm_head.weight``
+  for a decoder) is a tensor of its own, read as a copy of the token embedding where the files
+  hold none; a ``FolderWriter`` laid out as it writes that head beside the embedding, in the
+  embedding's file. A checkpoint whose head is not tied is returned as it is.
+
+  Raises:
+    ValueError: the stored tied copy differs from the embedding (``check_tied``), or the
+      family's tied head cannot be untied (``models.untie_head``), named.
+  """
+  if not ckpt.config.tied_embeddings:
+    return ckpt
+  model = Model(ckpt.config)
+  check_tied(ckpt, model)
+  try:
+    untied = untie_model(model)[0]
+  except ValueError as e:
+    raise ckpt.error(str(e)) from None
+  head = convert.param_table(untied.config)[0]["head/kernel"].key
+  embedding = convert.param_table(model.config)[1][head]
+  out = copy.copy(ckpt)
+  out.hf_config = dict(ckpt.hf_config, tie_word_embeddings=False)
+  out.config = untied.config
+  out.names, out.tensors = dict(ckpt.names), dict(ckpt.tensors)
+  out.files = {file: list(keys) for file, keys in ckpt.files.items()}
+  out._copies = dict(ckpt._copies)  # pylint: disable=protected-access
+  if head not in out.names:
+    source = ckpt.names[embedding]
+    if head in out.tensors:
+      raise ckpt.error(f"tensor {head} is stored under another name than the head's")
+    out.tensors[head] = ckpt.tensors[source]
+    out.files[ckpt.tensors[source].file].append(head)
+    out.names[head] = head
+    out._copies[head] = source  # pylint: disable=protected-access
+  return out
 
 
 def _is_weight_file(name: str) -> bool:
