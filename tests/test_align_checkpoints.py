@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tomllib
 
+import jax
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -31,7 +32,7 @@ from attn_symmetry import matching
 from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.align import _apply, _check, _clock, _memory, _outputs, _records, _sources
-from attn_symmetry.models import convert
+from attn_symmetry.models import Model, convert
 from attn_symmetry.models import safetensors_io
 
 transformers = pytest.importorskip("transformers")
@@ -827,3 +828,76 @@ def test_the_curve_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path):
     assert matplotlib.get_backend() == "pdf" and (tmp_path / "c.png").stat().st_size > 0
   finally:
     matplotlib.use(previous)
+
+
+# ----------------------------------------------------------------------------- --residual orthogonal
+
+
+def _plant_residual(folder_a, folder_b, seed=3):
+  """Writes B = g . canonical(A) to ``folder_b`` with the library (``group_action``,
+  ``safetensors_io``): A, a tied GPT-2, untied (``models.untie_head``), put in canonical form
+  and moved by a random mean-zero orthogonal residual Q (Q 1 = 1) with head and FFN
+  permutations. B's head no longer equals its embedding: B is written untied."""
+  ckpt = safetensors_io.Checkpoint(folder_a)
+  assert ckpt.config.tied_embeddings
+  model, params = models.untie_head(Model(ckpt.config), safetensors_io.load_params(
+      ckpt, Model(ckpt.config)))
+  spec = model.spec.with_residual("residual", "mean_zero_orthogonal")
+  g = group_action.random_model_element(jax.random.key(seed), spec, attention_group="permutation")
+  moved = group_action.apply_model(spec, group_action.canonical_form(spec, params), g)
+  safetensors_io.save_params(folder_b, safetensors_io.untie_head(ckpt), model, moved)
+  return folder_b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("evaluated", [False, True], ids=["streamed", "whole"])
+def test_orthogonal_residual_writes_untied_canonical_models(evaluated, tmp_path):
+  """``--residual orthogonal`` on GPT-2 (a tied A, B planted by an O(d - 1) residual), the
+  models streamed (no evaluation) or held whole (an evaluation): the head is untied
+  (report.json, the summary, lm_head.weight and tie_word_embeddings false in every folder
+  written), A' = canonical A and B' = g . canonical B agree tensor for tensor, B's and A's
+  logits are kept (the function check, and transformers loading the folders)."""
+  a = _save_model("gpt2", str(tmp_path / "a"))
+  _tokenizer(a, WORDS)  # B's folder copies it
+  b = _plant_residual(a, str(tmp_path / "b"))
+  text = tmp_path / "text.txt"
+  text.write_text("\n".join(" ".join(WORDS[i:i + 9]) for i in range(len(WORDS) - 9)))
+  out = str(tmp_path / "out")
+  lines = []
+  result = align.align_checkpoints(a, b, out=out, merge=0.5, method="perm",
+                                   residual="orthogonal", progress=lines.append,
+                                   eval_text=str(text) if evaluated else None, seq_len=8,
+                                   num_lambdas=3)
+  report = result.report
+  assert ("devices" in report) == (not evaluated)  # streamed: the groups' devices
+  if evaluated:
+    assert report["barrier"]["after"]["loss"] <= 1e-4
+  assert report["untied_head"] and report["folded_norm_scales"]
+  assert any("head untied" in line for line in lines)
+  assert report["compare"] == ["aligned_a", "aligned_b"]
+  side_a, side_b = _compared(report, a, out)
+  _check_close(_read_folder(side_a)[0], _read_folder(side_b)[0])
+  assert report["distance"]["after"]["relative"] <= TOL
+  for name in ("aligned_a", "aligned_b"):
+    assert report["function_check"][name]["relative"] <= 1e-5
+  for name in ("aligned_a", "aligned_b", "merged"):
+    folder = os.path.join(out, name)
+    assert json.load(open(os.path.join(folder, "config.json")))["tie_word_embeddings"] is False
+    assert "lm_head.weight" in _read_folder(folder)[0]
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    assert loaded.lm_head.weight.data_ptr() != loaded.transformer.wte.weight.data_ptr()
+  np.testing.assert_allclose(_logits(side_b, "gpt2"), _logits(b, "gpt2"), atol=TOL, rtol=0)
+  np.testing.assert_allclose(_logits(side_a, "gpt2"), _logits(a, "gpt2"), atol=TOL, rtol=0)
+  np.testing.assert_allclose(_logits(os.path.join(out, "merged"), "gpt2"), _logits(a, "gpt2"),
+                             atol=1e-3, rtol=0)
+
+
+def test_orthogonal_residual_refuses_post_layer_norm(tmp_path):
+  """BERT is post-LayerNorm: ``--residual orthogonal`` is refused in one line naming why,
+  before anything is written."""
+  a = _save_model("bert", str(tmp_path / "a"))
+  b = _save_model("bert", str(tmp_path / "b"))
+  with pytest.raises(align.InputError, match=r"^--residual orthogonal: bert is post-LayerNorm"):
+    align.align_checkpoints(a, b, out=str(tmp_path / "out"), method="perm",
+                            residual="orthogonal")
+  assert not os.path.exists(tmp_path / "out")

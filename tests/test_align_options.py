@@ -469,8 +469,7 @@ def _reader(option: matching.Option) -> tuple[str, dict]:
 @pytest.mark.parametrize("option", matching.OPTIONS, ids=lambda o: o.name)
 def test_every_matching_option_reaches_the_command_at_a_non_default_value(option, tmp_path):
   """Each row of ``MatchOptions``: its flag parses a value other than its default, the check
-  stage passes it (or, for the one the command does not write, refuses it in one line), and
-  the report would record it (``_check.options_used``)."""
+  stage passes it, and the report would record it (``_check.options_used``)."""
   value, text = _non_default(option)
   method, given = _reader(option)
   parser = argparse.ArgumentParser()
@@ -483,9 +482,5 @@ def test_every_matching_option_reaches_the_command_at_a_non_default_value(option
     flags += ["--match-data", str(tmp_path / "m.txt")]
   options = _cli.options_of(parser.parse_args(flags))
   assert options.matching[option.name] == value
-  if option.name == "residual":
-    with pytest.raises(align.InputError, match="--residual orthogonal is not written"):
-      _check.check_options(options)
-    return
   _check.check_options(options)
   assert _check.options_used(method, dict(options.matching))[option.name] == value

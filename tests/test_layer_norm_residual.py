@@ -170,16 +170,12 @@ def test_orthogonal_residual_needs_a_layer_norm_stream(x64):
     matching.residual_spec(llama, "rotation")
 
 
-def test_the_command_and_the_study_refuse_the_orthogonal_residual_until_they_write_it(tmp_path):
-  """The align command and the study apply elements with the model's own spec and fold norm
-  scales only: both refuse residual "orthogonal" in one line, before any work."""
-  from attn_symmetry import align  # pylint: disable=import-outside-toplevel
-  from attn_symmetry.align import _check  # pylint: disable=import-outside-toplevel
+def test_the_study_refuses_the_orthogonal_residual_until_it_writes_it(tmp_path):
+  """The study applies elements with the model's own spec and folds norm scales only: it
+  refuses residual "orthogonal" in one line, before any work (the align command writes it:
+  tests/test_align_checkpoints.py)."""
   from experiments.configs import quickstart  # pylint: disable=import-outside-toplevel
   from experiments.study import scope_study  # pylint: disable=import-outside-toplevel
-  options = align.Options(out=str(tmp_path / "out"), matching={"residual": "orthogonal"})
-  with pytest.raises(align.InputError, match="--residual orthogonal is not written by this"):
-    _check.check_options(options)
   config = quickstart.get_config("runlocal")
   config.study.match_residual = "orthogonal"
   with pytest.raises(ValueError, match="study.match_residual 'orthogonal' is not studied yet"):

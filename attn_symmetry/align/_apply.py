@@ -1,6 +1,6 @@
 """The one pass that turns g into the aligned folders, whatever the source (``_sources``): for
-each group of leaves (``matching.stream_groups``), one unit of leaves at a time, fold, apply
-(B' = g . B), measure the distances, round to the written dtypes and write; then the function
+each group of leaves (``matching.stream_groups``), both models in canonical form where g needs
+it (``group_action.canonical_form``), then one unit of leaves at a time, apply (B' = g . B), measure the distances, round to the written dtypes and write; then the function
 check (``apply``)."""
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from attn_symmetry.align._records import Aligned, Inputs, Options, Params
 from attn_symmetry.align._sources import Source
 from attn_symmetry.models import safetensors_io
 
-Unit = tuple[tuple[str, ...], tuple[str, ...]]  # (leaves read, leaves written)
-
 # One fused program per leaf shape: the merged model is written leaf by leaf, and eagerly each
 # leaf would take three leaf-sized buffers ((1 - lam) a, lam b and their sum).
 interpolate = jax.jit(lmc.interpolate)
@@ -31,12 +29,14 @@ interpolate = jax.jit(lmc.interpolate)
 
 def apply(source: Source, inputs: Inputs, options: Options, element: dict[str, Any],
           info: dict[str, Any], tmp: str | None, stage: Stage) -> Aligned:
-  """B' = g . B (and A' = A folded, where g folds the norm scales), one unit of leaves at a
-  time (``_leaf_units``: an attention site's leaves, or one leaf), read from ``source``:
-  folded where g needs it, B' computed, the distances before and after summed, both rounded to
-  the dtypes they are written in, and written to the folders of ``_writers`` in ``tmp``
-  (none without ``tmp``). The source releases each group once it is done (``release``), so the
-  pass holds a few leaves of each model besides what the source holds.
+  """B' = g . B (and A' = A in canonical form, where g needs it: the norm scales folded, and
+  with ``--residual orthogonal`` the LayerNorm stream's writers projected and biases divided
+  by the gains; B is brought to that form before g acts), a group of leaves read from
+  ``source`` at a time (``_read_group``), then one unit of leaves at a time (``_leaf_units``:
+  an attention site's leaves, or one leaf): B' computed, the distances before and after
+  summed, both rounded to the dtypes they are written in, and written to the folders of
+  ``_writers`` in ``tmp`` (none without ``tmp``). The source releases each group once it is
+  done (``release``), so the pass holds a group of each model besides what the source holds.
 
   A' and B' are kept whole where four float32 models fit the memory budget
   (``_memory.keeps_models``; always with whole models): then the function check
@@ -61,11 +61,13 @@ def apply(source: Source, inputs: Inputs, options: Options, element: dict[str, A
   writers = _writers(inputs, options, folded, tmp)
   kept: tuple[Params, Params] = ({}, {})
   squares = {"before": ({}, 0.0), "after": ({}, 0.0)}
-  group_action.check_model_element(model.spec, element)  # once: each unit below skips it
-  groups = matching.stream_groups(model.spec)
+  spec = element_spec(inputs, options)
+  group_action.check_model_element(spec, element)  # once: each unit below skips it
+  groups = matching.stream_groups(spec)
   for done, paths in enumerate(groups, 1):
-    for unit in _leaf_units(model.spec, paths):
-      a, b, aligned = _apply_unit(model.spec, unit, source.read(unit[0]), element, folded)
+    group = _read_group(spec, paths, source.read(paths), folded)
+    for unit in _leaf_units(spec, paths):
+      a, b, aligned = _apply_unit(spec, unit, group, element)
       for when, other in (("before", b), ("after", aligned)):
         squares[when] = _add_squares(squares[when], _distances.squares(a, other))
       del b
@@ -76,6 +78,7 @@ def apply(source: Source, inputs: Inputs, options: Options, element: dict[str, A
         kept[0].update(a)
         kept[1].update(aligned)
       del a, aligned
+    del group
     source.release(paths)
     stage.tick("apply, B' = g . B", done, len(groups))
   for writer in writers.values():
@@ -87,40 +90,54 @@ def apply(source: Source, inputs: Inputs, options: Options, element: dict[str, A
   return Aligned(element, info, folded, params_a, params, distance, function)
 
 
-def _leaf_units(spec: spec_lib.SymmetrySpec, paths: Sequence[str]) -> list[Unit]:
+def element_spec(inputs: Inputs, options: Options) -> spec_lib.SymmetrySpec:
+  """The spec whose group g belongs to (``matching.residual_spec``): the model's, or with
+  ``--residual orthogonal`` the one whose stream factor is "mean_zero_orthogonal", its
+  LayerNorm gains listed as norm scales (``group_action.canonical_form``)."""
+  residual = options.matching.get("residual", matching.MatchOptions().residual)
+  spec = inputs.model.spec
+  return matching.residual_spec(spec, residual, matching.active_names(spec, inputs.scope))
+
+
+def _read_group(spec: spec_lib.SymmetrySpec, paths: Sequence[str], read: tuple[Params, Params],
+                folded: bool) -> tuple[Params, Params]:
+  """(A's leaves, B's leaves) of one group (``matching.stream_groups``, which keeps each norm
+  scale with its readers and, for a mean-zero orthogonal stream, its LayerNorm bias), flat and
+  in float32; where g needs it, both in ``group_action.canonical_form`` of the group's part of
+  ``spec`` (norm scales folded into their readers; for a LayerNorm stream, writers projected
+  onto 1-perp and biases beta / gamma): A' and the form g acts on."""
+  out = []
+  for flat in read:
+    flat = {p: jnp.asarray(x, jnp.float32) for p, x in flat.items()}
+    if folded:
+      flat = spec_lib.flatten(group_action.canonical_form(spec.part(paths),
+                                                          spec_lib.unflatten(flat)))
+    out.append(flat)
+  return out[0], out[1]
+
+
+def _leaf_units(spec: spec_lib.SymmetrySpec, paths: Sequence[str]) -> list[tuple[str, ...]]:
   """The leaves ``paths`` of one group (``matching.stream_groups``) in the units that ``apply``
-  computes one at a time: (leaves read, leaves written) with the leaves of each attention site
-  written together (its element acts on them jointly) and every other leaf alone; the leaves
-  read add the norm scales that a written leaf reads, to fold them in. A scale is written by
-  its own unit (folded, it is ones)."""
+  computes and writes one at a time: the leaves of each attention site together (its element
+  acts on them jointly) and every other leaf alone."""
   sites = [[p for p in paths if p.startswith(s + "/")] for s in spec.attention]
   units = [u for u in sites if u]
   inside = {p for u in units for p in u}
   units += [[p] for p in paths if p not in inside]
-  scales = {}
-  for scale, readers in spec.norm_scales.items():
-    for reader in readers:
-      scales.setdefault(reader, []).append(scale)
-  return [(tuple(dict.fromkeys([*u, *(s for p in u for s in scales.get(p, ()))])), tuple(u))
-          for u in units]
+  return [tuple(u) for u in units]
 
 
-def _apply_unit(spec: spec_lib.SymmetrySpec, unit: Unit, read: tuple[Params, Params],
-                element: dict[str, Any], folded: bool) -> tuple[Params, Params, Params]:
-  """(A, B, B' = g . B) at the leaves the unit writes, flat and in float32, from the leaves it
-  reads (``read``: A's, B's), both folded first where g needs it
-  (``group_action.fold_norm_scales``)."""
-  computed, emitted = unit
-  a, b = ({p: jnp.asarray(x, jnp.float32) for p, x in flat.items()} for flat in read)
-  part = spec.part(computed)
-  if folded:
-    a, b = (spec_lib.flatten(group_action.fold_norm_scales(part, spec_lib.unflatten(x)))
-            for x in (a, b))
+def _apply_unit(spec: spec_lib.SymmetrySpec, unit: Sequence[str], group: tuple[Params, Params],
+                element: dict[str, Any]) -> tuple[Params, Params, Params]:
+  """(A, B, B' = g . B) at the leaves of ``unit``, flat, from its group's leaves (``group``:
+  A's, B's, as ``_read_group`` gives them)."""
+  a, b = ({p: flat[p] for p in unit} for flat in group)
+  part = spec.part(unit)
   names = set(part.factors) | set(part.attention)
   aligned = spec_lib.flatten(group_action.apply_model(
       part, spec_lib.unflatten(b), {k: v for k, v in element.items() if k in names},
       check_element=False))
-  return tuple({p: x[p] for p in emitted} for x in (a, b, aligned))
+  return a, b, {p: aligned[p] for p in unit}
 
 
 def _add_squares(total: tuple[dict[str, float], float], unit: tuple[dict[str, float], float]

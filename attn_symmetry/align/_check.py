@@ -44,10 +44,6 @@ def check_options(options: Options) -> None:
   if unknown:
     raise InputError(f"unknown matching options {unknown}; known: {', '.join(MATCHING_OPTIONS)}")
   _check_matching_values(options.matching)
-  if options.matching.get("residual", matching.MatchOptions().residual) != "permutation":
-    raise InputError("--residual orthogonal is not written by this command yet (its checkpoint "
-                     "needs the norms in canonical form and an untied head); give --residual "
-                     "permutation, or align in Python with matching.align_model")
   _check_factors(options)
   _check_options_read(options)
   _check_scope(options.scope)
@@ -74,6 +70,12 @@ def check_options(options: Options) -> None:
 
 
 _DATA = (matching.ACTIVATIONS, matching.LOSS)  # the inputs that --match-data supplies
+
+
+def orthogonal_residual(options: Options) -> bool:
+  """Whether the options ask for the O(d - 1) residual of a pre-LayerNorm stream
+  (``--residual orthogonal``)."""
+  return options.matching.get("residual", matching.MatchOptions().residual) == "orthogonal"
 
 
 def _match_data_readers() -> list[str]:
@@ -319,19 +321,42 @@ def _same_tokenizer(a: safetensors_io.Checkpoint, b: safetensors_io.Checkpoint) 
                      f"{', '.join(differ)} (tokenizer.json)")
 
 
-def _read_pair(path_a: str | os.PathLike, path_b: str | os.PathLike
-               ) -> tuple[safetensors_io.Checkpoint, safetensors_io.Checkpoint, Model]:
+def _read_pair(path_a: str | os.PathLike, path_b: str | os.PathLike, *, untie: bool = False
+               ) -> tuple[safetensors_io.Checkpoint, safetensors_io.Checkpoint, Model, bool]:
   """Both folders' configs and tensor tables, checked to be of one architecture whose zoo model
-  their tensors fit (ValueError naming the folder otherwise)."""
+  their tensors fit (ValueError naming the folder otherwise), and whether a head was untied.
+
+  With ``untie`` (``--residual orthogonal``, whose stream must be read through LayerNorms only,
+  and whose ``canonical_form`` projects the embedding that a tied head reads), a tied head of
+  a pre-LayerNorm model is untied first (``safetensors_io.untie_head``), so that a tied A and
+  a B untied by an earlier alignment are one architecture; a post-LayerNorm model stays as it
+  is (``_check_residual`` refuses it)."""
   a = safetensors_io.Checkpoint(path_a, "MODEL_A " + os.fspath(path_a))
   b = safetensors_io.Checkpoint(path_b, "MODEL_B " + os.fspath(path_b))
+  tied = a.config.tied_embeddings or b.config.tied_embeddings
+  if untie and not a.config.post_norm:
+    a, b = safetensors_io.untie_head(a), safetensors_io.untie_head(b)
   difference = _architecture_difference(a, b)
   if difference:
     raise InputError(f"MODEL_A and MODEL_B have different architectures: {difference}")
   model = Model(a.config)
   safetensors_io.check_layout(a, model)
   safetensors_io.check_layout(b, model)
-  return a, b, model
+  return a, b, model, tied and not model.config.tied_embeddings
+
+
+def _check_residual(model: Model, prefixes: list[str]) -> None:
+  """Refuses ``--residual orthogonal`` for a model whose stream in the scope cannot take the
+  O(d - 1) factor (``matching.residual_spec``), in one line naming why."""
+  cfg = model.config
+  if cfg.post_norm:
+    raise InputError(f"--residual orthogonal: {cfg.family} is post-LayerNorm (a LayerNorm sits "
+                     "on the residual stream itself, which only permutations commute with); "
+                     "give --residual permutation")
+  try:
+    matching.residual_spec(model.spec, "orthogonal", matching.active_names(model.spec, prefixes))
+  except ValueError as e:
+    raise InputError(f"--residual orthogonal: {e}; give --residual permutation") from None
 
 
 def _evaluation_batches(options: Options, a: safetensors_io.Checkpoint,
@@ -430,7 +455,7 @@ def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Opti
     InputError: the first problem (every ValueError of the readers becomes one).
   """
   try:
-    a, b, model = _read_pair(path_a, path_b)
+    a, b, model, untied = _read_pair(path_a, path_b, untie=orthogonal_residual(options))
     real = os.path.realpath(a.path)
     if real == os.path.realpath(b.path):
       warnings.warn(f"MODEL_A and MODEL_B are the same folder ({real}): B is aligned to itself",
@@ -439,6 +464,8 @@ def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Opti
     if options.out is not None:
       _check_out(options.out, options.overwrite, (a, b))
     prefixes = _scope(model, options.scope)
+    if orthogonal_residual(options):
+      _check_residual(model, prefixes)
     if "factors" in options.matching:
       factors_in_scope(model, prefixes, options.matching["factors"])
     if options.repair:
@@ -448,12 +475,12 @@ def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Opti
     batches = _evaluation_batches(options, a, b, model)
     match = _match_batches(options, a, b, model)
     if matching.LOSS not in options.needs:
-      return Inputs(a, b, model, prefixes, batches, match=match)
+      return Inputs(a, b, model, prefixes, batches, match=match, untied_head=untied)
     if options.match_data is None:
       return Inputs(a, b, model, prefixes, *split_for_learning(batches, options.method),
-                    match=match)
+                    match=match, untied_head=untied)
     return Inputs(a, b, model, prefixes, batches, *_training_batches(options, a, model),
-                  match=match)
+                  match=match, untied_head=untied)
   except InputError:
     raise
   except ValueError as e:
@@ -470,8 +497,10 @@ def check(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Options
 
 def summary(inputs: Inputs) -> str:
   """The check stage's line: the family, the task, the parameters, both checkpoints' dtypes
-  and sizes."""
+  and sizes; and, where ``--residual orthogonal`` untied the head, that it did."""
   a, b = inputs.a, inputs.b
   return (f"{a.config.family} ({inputs.model.task}), {inputs.parameters / 1e6:.2f}M parameters; "
           f"A {'+'.join(a.dtypes)} {a.nbytes / 1e6:.1f} MB, B {'+'.join(b.dtypes)} "
-          f"{b.nbytes / 1e6:.1f} MB")
+          f"{b.nbytes / 1e6:.1f} MB" +
+          ("; head untied for --residual orthogonal (lm_head.weight a copy of the embedding, "
+           "tie_word_embeddings false in every folder written)" if inputs.untied_head else ""))

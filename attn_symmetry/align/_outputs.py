@@ -152,6 +152,7 @@ def report(inputs: Inputs, options: Options, aligned: Aligned, curves: dict[str,
       "scope_paths": inputs.scope, "merge": options.merge, "repair": options.repair,
       "options": runtime.jsonable(_check.options_used(options.method, dict(options.matching))),
       "folded_norm_scales": aligned.folded, "compare": aligned.compare,
+      "untied_head": inputs.untied_head,
       "rounds": int(info["rounds"]) if "rounds" in info else 0,
       "distance": aligned.distance, "function_check": aligned.function,
   }

@@ -185,6 +185,7 @@ class Inputs:
   train: list[dict[str, np.ndarray]] | None = None  # a method that needs a loss: its training
   holdout: list[dict[str, np.ndarray]] | None = None  # and held-out batches
   match: list[dict[str, np.ndarray]] | None = None  # --match-data's (_eval_files.match_batches)
+  untied_head: bool = False  # --residual orthogonal untied A's and B's tied head (models.untie_head)
 
   @property
   def parameters(self) -> int:
