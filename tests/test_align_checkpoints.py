@@ -615,6 +615,25 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
     assert re.search(message, _refusal(capsys, *args)), (args, message)
   assert _snapshot(tmp_path) == before  # nothing written, nothing created
   assert not os.path.exists(tmp_path / "out")
+  streamed = align.Options(out=str(tmp_path / "out"), method="activation",
+                           match_data=str(tmp_path / "m.txt"), matching={"residual": "orthogonal"})
+  with pytest.raises(align.InputError, match="not read by --method activation streamed"):
+    _check.check_options(streamed)
+
+
+@pytest.mark.slow
+def test_orthogonal_residual_on_vit(tmp_path):
+  """ViT (pre-LayerNorm, no tied head): ``--residual orthogonal`` recovers a pair planted by an
+  O(d - 1) residual; nothing is untied, aligned_a (canonical A) and aligned_b agree tensor for
+  tensor and B's logits are kept."""
+  a = _save_model("vit", str(tmp_path / "a"))
+  b = _plant_residual(a, str(tmp_path / "b"))
+  out = str(tmp_path / "out")
+  report = align.align_checkpoints(a, b, out=out, method="perm", residual="orthogonal").report
+  assert not report["untied_head"] and report["compare"] == ["aligned_a", "aligned_b"]
+  _check_close(*(_read_folder(os.path.join(out, n))[0] for n in ("aligned_a", "aligned_b")))
+  np.testing.assert_allclose(_logits(os.path.join(out, "aligned_b"), "vit"), _logits(b, "vit"),
+                             atol=TOL, rtol=0)
 
 
 @pytest.mark.slow
@@ -839,7 +858,6 @@ def _plant_residual(folder_a, folder_b, seed=3):
   and moved by a random mean-zero orthogonal residual Q (Q 1 = 1) with head and FFN
   permutations. B's head no longer equals its embedding: B is written untied."""
   ckpt = safetensors_io.Checkpoint(folder_a)
-  assert ckpt.config.tied_embeddings
   model, params = models.untie_head(Model(ckpt.config), safetensors_io.load_params(
       ckpt, Model(ckpt.config)))
   spec = model.spec.with_residual("residual", "mean_zero_orthogonal")
