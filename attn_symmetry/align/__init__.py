@@ -42,7 +42,7 @@ announced by one progress line and timed in the report (``_clock.Clock``):
    a method streamed by its activations: one or two passes of both models over the match batches, a layer at a time,
    ``Model.activations_streamed``), then one pass over the groups
    (``_apply.apply``; with whole models inside this stage, streamed as the stage "apply"):
-   each unit of leaves (an attention site's, or one leaf) of A and B read, folded where g
+   each group of leaves of A and B read, brought to ``group_action.canonical_form`` where g
    needs it, B' = g . B computed, the squared distances ||A - B||, ||A - B'|| summed per
    top-level parameter group (``layers_i``, ``embed``, ...), B' and A' rounded to the dtypes
    they are written in and written tensor by tensor into the staging folder
@@ -67,12 +67,14 @@ Last, the report (``_outputs.report``) is written, DIR/report.json, in one place
 (``_outputs.write_report``), and the staging folder's outputs are moved into DIR.
 
 One gauge. RMSNorm models (Llama): an orthogonal map of the residual stream is
-a symmetry only once the norm scales are folded into the weights that read them
-(``group_action.fold_norm_scales``). When the alignment uses one, A is
-re-parametrised too: A' is A folded (the same function, norm weights of one),
-and it is A' and B' that lie close, tensor for tensor, and are compared and
-merged; aligned_a/ holds A'. Otherwise A' is A itself, and aligned_b/ lies
-close to MODEL_A. report.json's "compare" names the two folders: ["aligned_a",
+a symmetry only once the norm scales are folded into the weights that read them;
+pre-LayerNorm models with ``--residual orthogonal`` (GPT-2, ViT, GPT-NeoX): an
+O(d - 1) map only once the writers are mean-free and the gains folded, a tied
+head untied first (report.json's "untied_head"). Both are
+``group_action.canonical_form``. When the alignment uses one, A is
+re-parametrised too: A' is A in that form (the same function), and it is A' and
+B' that lie close, tensor for tensor, and are compared and merged; aligned_a/
+holds A'. Otherwise A' is A itself, and aligned_b/ lies close to MODEL_A. report.json's "compare" names the two folders: ["aligned_a",
 "aligned_b"] or ["MODEL_A", "aligned_b"].
 
 Memory (``_memory``). Streamed, memory holds a few leaves of each model besides the descent's group,
