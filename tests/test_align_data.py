@@ -382,3 +382,23 @@ def test_an_interrupted_run_ends_in_one_line_and_leaves_nothing(gpt2, tmp_path):
   assert proc.wait(timeout=120) == 130, lines
   assert lines[-1] == f"attn-symmetry align: interrupted: nothing written to {out}\n", lines
   assert not any("Traceback" in line for line in lines) and not out.exists()
+
+
+@pytest.mark.slow
+def test_every_option_of_the_learned_method_runs_through_the_command(gpt2, tmp_path, capsys):
+  """One run of the command with every matching option that "learned" reads at a value other
+  than its default (but learn_uniform_lambda, which excludes the band, and residual, which
+  unties GPT-2's head: tests/test_align_checkpoints.py runs it): report.json records each."""
+  values = {"distance": "cosine", "steps": 3, "learning_rate": 0.02, "max_rounds": 2,
+            "init": "best", "refine": "final", "solver": "adam", "learn_init": "activation",
+            "learn_lam_band": 10, "learn_schedule": "warmup_cosine", "learn_patience": 2,
+            "factors": ["attention", "heads"], "learn_steps": 4, "learn_learning_rate": 0.02,
+            "learn_holdout_batches": 2}
+  flags = [a for name, v in values.items()
+           for a in (_check.flag(name), ",".join(v) if isinstance(v, list) else str(v))]
+  heldout = _text(tmp_path / "heldout.txt", 192)
+  report, _ = _run(capsys, gpt2["a"], gpt2["independent"], "--out", str(tmp_path / "out"),
+                   "--method", "learned", "--match-data", gpt2["text"], "--match-batches", "3",
+                   "--eval-text", heldout, *flags)
+  assert {k: report["options"][k] for k in values} == values
+  assert report["learned"]["steps"] <= 4 and report["learned"]["schedule"] == "warmup_cosine"
