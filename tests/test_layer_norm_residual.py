@@ -170,13 +170,40 @@ def test_orthogonal_residual_needs_a_layer_norm_stream(x64):
     matching.residual_spec(llama, "rotation")
 
 
-def test_the_study_refuses_the_orthogonal_residual_until_it_writes_it(tmp_path):
-  """The study applies elements with the model's own spec and folds norm scales only: it
-  refuses residual "orthogonal" in one line, before any work (the align command writes it:
-  tests/test_align_checkpoints.py)."""
+@pytest.mark.slow
+def test_the_study_aligns_with_the_orthogonal_residual(trained_workdir, tmp_path):
+  """study.match_residual "orthogonal" on the quickstart ViT's full-model scope: the full
+  method's element holds the O(d - 1) residual (a matrix that fixes 1), the endpoints it
+  joins are the seeds' models in canonical form and aligned B computes B's function, and the
+  study runs to its results; in a scope without the stream (first attention) it is the
+  permutation residual's study."""
   from experiments.configs import quickstart  # pylint: disable=import-outside-toplevel
+  from experiments.study import path_evaluation  # pylint: disable=import-outside-toplevel
   from experiments.study import scope_study  # pylint: disable=import-outside-toplevel
+  from experiments.study import study  # pylint: disable=import-outside-toplevel
+  from experiments.train import inputs, saved_runs  # pylint: disable=import-outside-toplevel
   config = quickstart.get_config("runlocal")
+  config.reinit.scopes, config.reinit.seeds = ("full", "first_attention"), (1, 2)
+  config.study.methods = ("naive", "full")
+  config.study.permutation_ablation, config.study.distances = False, ()
+  config.study.noise_levels = ()
   config.study.match_residual = "orthogonal"
-  with pytest.raises(ValueError, match="study.match_residual 'orthogonal' is not studied yet"):
-    scope_study.ScopeStudy(config, None, "first_attention", {}, None, str(tmp_path), "")
+  workdir, _ = trained_workdir(config, tmp_path / "w")
+  paths = study.run_study(config, workdir)
+  assert set(study.results_by_scope(paths)) == {"full", "first_attention"}
+  model = inputs.create_model(config)
+  checkpoints = saved_runs.load_checkpoints(config, workdir, require_complete=True)
+  batches = path_evaluation.evaluation_examples(config, config.dataset.name)
+  evaluator = path_evaluation.PathEvaluator(model, batches, chunk_size=1, bits_per_byte=False)
+  scope = scope_study.ScopeStudy(config, model, "full", checkpoints, evaluator, workdir, "")
+  assert scope.element_spec.factors["residual"].kind == "mean_zero_orthogonal"
+  pa, aligned, info = scope.align(1, 2, "full")
+  q = np.asarray(scope._element(1, 2, "full", scope._matching_options("full"))[0]["residual"])  # pylint: disable=protected-access
+  np.testing.assert_allclose(q @ np.ones(len(q)), np.ones(len(q)), atol=1e-5)
+  loss = lambda p: evaluator(p, p, np.zeros(1))["loss"][0]
+  a, b = scope.params[1], scope.params[2]
+  assert loss(pa) == pytest.approx(loss(a), rel=1e-4)
+  assert loss(aligned) == pytest.approx(loss(b), rel=1e-4)
+  first = scope_study.ScopeStudy(config, model, "first_attention", checkpoints, evaluator,
+                                 workdir, "")
+  assert first.element_spec is model.spec

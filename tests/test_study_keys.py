@@ -114,9 +114,8 @@ def study_config() -> ml_collections.ConfigDict:
   config.study.activation_batches = 2
   config.study.noise_levels = (0.5,)
   config.reinit.stop_base = True  # the base model under the rule too (no study stage reads it)
+  config.study.match_residual = "orthogonal"  # no LayerNorm stream in the scope: permutation
   for path, value in fingerprints.UNKEYED_DEFAULTS.items():
-    if path in AT_UNKEYED_DEFAULT:
-      continue
     section, name = path.split(".")
     assert config[section][name] != value, path
   return config
@@ -158,24 +157,17 @@ def run_scope(config, model, evaluator, checkpoints, workdir, monkeypatch,
   return stages
 
 
-# Fields that ``study_config`` leaves at the value where they key nothing (the study refuses
-# any other: ScopeStudy studies residual "permutation" only); at that value a stage is keyed
-# by their absence (``fingerprints.config_fields``).
-AT_UNKEYED_DEFAULT = frozenset({"study.match_residual"})
-
-
 def unkeyed_reads(stages: Mapping[str, Stage]) -> dict[str, list[str]]:
   """{stage: the config fields it read that its fields do not key}. A field is keyed when
   the stage's fields hold it (or its leaves, for a section), when it reaches the stage
   through the data readers only (``config_schema.DATA``), whose examples' content hash the
-  stage keys, or when it is one of ``AT_UNKEYED_DEFAULT``."""
+  stage keys."""
   out = {}
   for name, stage in stages.items():
     missing = sorted(
         path for path in stage.reads
         if path not in stage.fields and not any(k.startswith(path + ".") for k in stage.fields)
-        and config_schema.DATA not in config_schema.BY_PATH[path].study
-        and path not in AT_UNKEYED_DEFAULT)
+        and config_schema.DATA not in config_schema.BY_PATH[path].study)
     if missing:
       out[name] = missing
   return out

@@ -25,6 +25,7 @@ summaries and the robustness table.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -145,6 +146,27 @@ def repaired(method: str) -> str:
 _ENDPOINTS = "each seed's own model, evaluated once"
 
 
+def element_spec(config: ml_collections.ConfigDict, model, scope_paths: Sequence[str]
+                 ) -> SymmetrySpec:
+  """The spec that the descent's elements of this scope belong to: ``model.spec``, or with
+  ``study.match_residual`` "orthogonal" and a pre-LayerNorm stream in the scope,
+  ``matching.residual_spec`` (its O(d - 1) factor; the model's head untied by
+  ``study.run_study``).
+
+  Raises:
+    ValueError: "orthogonal" for a model whose stream cannot take it (a post-LayerNorm BERT),
+      naming the field.
+  """
+  names = matching.active_names(model.spec, scope_paths)
+  if (config.study.match_residual == "permutation"
+      or not any(f in names for f in model.spec.factors if f.startswith("residual"))):
+    return model.spec
+  try:
+    return matching.residual_spec(model.spec, config.study.match_residual, names)
+  except ValueError as e:
+    raise ValueError(f"study.match_residual {config.study.match_residual!r}: {e}") from None
+
+
 def identity_closeness(element: Mapping[str, Any], identity: Mapping[str, Any]
                        ) -> dict[str, dict[str, float]]:
   """How near an alignment element is to the identity, leaf by leaf.
@@ -183,13 +205,10 @@ class ScopeStudy:
                evaluator: path_evaluation.PathEvaluator | None, workdir: str,
                data_fingerprint: str):
     self.config, self.model, self.scope = config, model, scope
-    if config.study.match_residual != "permutation":
-      raise ValueError(f"study.match_residual {config.study.match_residual!r} is not studied "
-                       "yet (the paths need both endpoints in canonical form); use "
-                       "'permutation'")
     self.evaluator = evaluator
     self.dir = os.path.join(workdir, "study", scope)
     self.scope_paths = reinit.scope_paths(model, scope)
+    self.element_spec = element_spec(config, model, self.scope_paths)
     self.learned_overlap = learned_overlap(config, self.dataset)
     self.seeds = list(config.reinit.seeds)
     self.params = {s: checkpoints[f"reinit/{scope}/seed_{s}"] for s in self.seeds}
@@ -206,7 +225,8 @@ class ScopeStudy:
     self._ends: dict[int, dict[str, list[float]]] = {}  # by seed: its loss and accuracy
     self._activation_data: dict[int, list[dict[str, Any]]] = {}  # by count: the batches
     # g.theta compiled once: the ablation applies one element per head permutation.
-    self._apply = path_evaluation.compiled(model)[1]
+    self._apply = (path_evaluation.compiled(model)[1] if self.element_spec is model.spec else
+                   jax.jit(functools.partial(group_action.apply_model, self.element_spec)))
 
   @property
   def dataset(self) -> str:
@@ -324,6 +344,8 @@ class ScopeStudy:
       ValueError: the scope has none of them, naming ``study.learn_factors``.
     """
     options = matching_kwargs(self.config, method, **overrides)
+    if self.element_spec is self.model.spec and "residual" in options:
+      options["residual"] = "permutation"  # no LayerNorm stream in this scope to rotate
     if "factors" in options:
       names = matching.active_names(self.model.spec, self.scope_paths)
       options["factors"] = factors_in_scope(self.model.spec, names, options["factors"])
@@ -354,9 +376,11 @@ class ScopeStudy:
       return pa, pb, {}
     element, info = self._element(a, b, method, options)
     info = runtime.jsonable(dict(info, identity=identity_closeness(
-        element, group_action.identity_model(self.model.spec))))
-    if info.get("folded_norm_scales"):
+        element, group_action.identity_model(self.element_spec))))
+    if info.get("folded_norm_scales") and self.element_spec is self.model.spec:
       pa, pb = (group_action.fold_norm_scales(self.model.spec, p) for p in (pa, pb))
+    elif info.get("folded_norm_scales"):  # the O(d - 1) residual: both in canonical form
+      pa, pb = (group_action.canonical_form(self.element_spec, p) for p in (pa, pb))
     return pa, self._apply(pb, element), info
 
   def _element(self, a: int, b: int, method: str, options: dict[str, Any]):

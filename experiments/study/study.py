@@ -69,6 +69,7 @@ from typing import Any
 import ml_collections
 
 from attn_symmetry import matching
+from attn_symmetry import models
 from attn_symmetry import runtime
 from attn_symmetry import tasks
 from experiments.report import committed
@@ -130,6 +131,8 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
   batches = path_evaluation.evaluation_examples(config, dataset)
   # Host copies: matching runs on one device of each process (the module docstring says why).
   checkpoints = saved_runs.load_checkpoints(config, workdir, require_complete=True, on_host=True)
+  if config.study.match_residual == "orthogonal":  # the O(d - 1) residual reads no tied head
+    model, checkpoints = untied(model, checkpoints)
   data_fp = fingerprints.key({"dataset": dataset,
                               "examples": path_evaluation.examples_digest(batches)})
   info = inputs.dataset_info(config, dataset)
@@ -176,6 +179,14 @@ def run_study(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]
     log.info("study reports written: %s", ", ".join(reports.written))
   processes.barrier("study reports")  # every process returns once process 0 has written them
   return paths
+
+
+def untied(model, checkpoints: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+  """(model, checkpoints) with a tied output head untied (``models.untie_head``: the same
+  functions, the head a copy of the embedding), as the O(d - 1) residual of
+  ``study.match_residual`` "orthogonal" needs; a model without a tied head as it is."""
+  return (models.untie_head(model)[0],
+          {name: models.untie_head(model, params)[1] for name, params in checkpoints.items()})
 
 
 def results_by_scope(paths: Mapping[str, str]) -> dict[str, dict[str, Any]]:
