@@ -110,7 +110,8 @@ def test_activation_method_recovers_a_planted_pair(gpt2, tmp_path, capsys):
   report, lines = _run(capsys, gpt2["a"], gpt2["planted"], "--out", out, "--method",
                        "activation", "--match-data", gpt2["text"], "--match-batches", "2")
   _check_recovered(gpt2["a"], os.path.join(out, "aligned_b"))
-  assert report["method"] == "activation" and report["options"] == {"steps": 200}
+  assert report["method"] == "activation"
+  assert report["options"] == {"steps": 200, "residual": "permutation"}
   assert report["match_data"] == {"path": gpt2["text"], "batches": 2, "batch_shape": [8, 16]}
   assert report["repair"] is False and "merged" not in report
   assert report["function_check"]["aligned_b"]["relative"] <= 1e-5
@@ -261,9 +262,9 @@ def test_whole_models_over_the_budget_are_refused_saying_why(gpt2, tmp_path, cap
 def test_a_family_with_nothing_to_fold_is_refused_naming_it():
   """REPAIR's own check of the family, run by the check stage before any work."""
   toy = types.SimpleNamespace(config=types.SimpleNamespace(family="toy", depth=1),
-                              param_shapes={})
-  with pytest.raises(ValueError, match=r"^REPAIR cannot fold into family 'toy': it has no "
-                                       r"layers_0/attention/out/kernel"):
+                              spec=types.SimpleNamespace(attention={}, writers={}))
+  with pytest.raises(ValueError, match=r"^REPAIR cannot fold into family 'toy': its spec names "
+                                       r"no projection to take the 'attention' point's"):
     _check._check_repair(toy)
 
 
@@ -402,3 +403,13 @@ def test_every_option_of_the_learned_method_runs_through_the_command(gpt2, tmp_p
                    "--eval-text", heldout, *flags)
   assert {k: report["options"][k] for k in values} == values
   assert report["learned"]["steps"] <= 4 and report["learned"]["schedule"] == "warmup_cosine"
+
+
+def test_spearman_is_scipys_with_ties():
+  """The bare-encoder agreement's rank correlation (numpy only) against scipy's."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  from attn_symmetry.align import _agreement  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  x, y = rng.integers(0, 6, 40).astype(float), rng.normal(size=40)
+  assert _agreement.spearman(x, y) == pytest.approx(stats.spearmanr(x, y).statistic, abs=1e-12)
+  np.testing.assert_array_equal(_agreement.ranks(np.array([3.0, 1.0, 3.0])), [1.5, 0.0, 1.5])
