@@ -186,7 +186,9 @@ def main(argv):
     print(f"{name}: {path}")
   print("wall time: " + ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items()))
   print(clock.summary(time.perf_counter() - start))
-  print("\n".join(["", *report.headline(study.results_by_scope(outputs))]))
+  results = study.results_by_scope(outputs)
+  if results:
+    print("\n".join(["", *report.headline(results)]))
 
 
 if __name__ == "__main__":

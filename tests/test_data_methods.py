@@ -70,7 +70,9 @@ def test_the_align_command_supplies_what_a_registered_method_needs(tmp_path):
                                      batch_size=2, num_lambdas=3, out=str(tmp_path / "out"))
   _assert_fed(seen)
   assert result.report["method"] == NAME
-  assert [result.report["eval"][k] for k in ("training_batches", "holdout_batches")] == [1, 1]
+  # it trains on the match data (3 batches of 2 images: 2 to train on, the last held out)
+  assert [result.report["eval"][k] for k in ("training_batches", "holdout_batches")] == [2, 1]
+  assert result.report["eval"]["training_data"] == str(images)
   with pytest.raises(align.InputError, match=f"--method {NAME} trains on the task loss"):
     with registry.scoped():
       _register({})
