@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_symmetry import lmc
 from attn_symmetry.align._records import Aligned, Inputs, Options, Params
 from attn_symmetry.models import Model
 
@@ -78,10 +79,6 @@ def agreement(embeds: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
   return out
 
 
-def _merge(a: Params, b: Params, lam: float) -> Params:
-  return jax.tree.map(lambda x, y: (1 - lam) * x + lam * y, a, b)
-
-
 def evaluate(inputs: Inputs, options: Options, aligned: Aligned, a: Params, b: Params
              ) -> dict[str, Any]:
   """The agreement of A, B, the naive and the aligned merge at lam (module docstring) on the
@@ -97,8 +94,8 @@ def evaluate(inputs: Inputs, options: Options, aligned: Aligned, a: Params, b: P
   if sentences < 3:
     raise ValueError(f"--eval-text {options.eval_text}: {sentences} sentences; the agreement "
                      "of similarity matrices needs at least 3")
-  models = {"a": a, "b": b, "naive_merge": _merge(a, b, lam),
-            "aligned_merge": _merge(aligned.params_a, aligned.params, lam)}
+  models = {"a": a, "b": b, "naive_merge": lmc.interpolate(a, b, lam),
+            "aligned_merge": lmc.interpolate(aligned.params_a, aligned.params, lam)}
   found = agreement({name: embeddings(model, params, batches) for name, params in models.items()})
   spearman = lambda name: (found[name]["spearman_a"] + found[name]["spearman_b"]) / 2
   return {"lambda": lam, "sentences": sentences, "models": found,

@@ -367,18 +367,29 @@ def _check_residual(model: Model, prefixes: list[str]) -> None:
 def _evaluation_batches(options: Options, a: safetensors_io.Checkpoint,
                         b: safetensors_io.Checkpoint, model: Model
                         ) -> list[dict[str, np.ndarray]] | None:
-  """The evaluation file's batches (``_eval_files``, with A's tokenizer or image processor
-  config), or None without one."""
+  """The evaluation file's batches (``_task_batches``), or None without one."""
   if options.eval_text is not None:
     _same_tokenizer(a, b)
-    return _eval_files.text_batches(options.eval_text, a.path, model, a.hf_config,
-                                    batch_size=options.batch_size, seq_len=options.seq_len,
-                                    max_batches=options.eval_batches)
+    return _task_batches(options.eval_text, "--eval-text", options, a, model,
+                         max_batches=options.eval_batches, images=False)
   if options.eval_images is not None:
-    return _eval_files.image_batches(options.eval_images, a.path, model, a.hf_config,
-                                     batch_size=options.batch_size,
-                                     max_batches=options.eval_batches)
+    return _task_batches(options.eval_images, "--eval-images", options, a, model,
+                         max_batches=options.eval_batches, images=True)
   return None
+
+
+def _task_batches(path: str, flag: str, options: Options, a: safetensors_io.Checkpoint,
+                  model: Model, *, max_batches: int, images: bool) -> list[dict[str, np.ndarray]]:
+  """The batches of ``path`` (named ``flag`` in the errors) as an evaluation file is read,
+  labels and all (``_eval_files``, with A's tokenizer or image processor config): an image
+  folder with ``images``, else a text file."""
+  if images:
+    return _eval_files.image_batches(path, a.path, model, a.hf_config,
+                                     batch_size=options.batch_size, max_batches=max_batches,
+                                     flag=flag)
+  return _eval_files.text_batches(path, a.path, model, a.hf_config,
+                                  batch_size=options.batch_size, seq_len=options.seq_len,
+                                  max_batches=max_batches, flag=flag)
 
 
 def _match_batches(options: Options, a: safetensors_io.Checkpoint,
@@ -415,14 +426,8 @@ def _training_batches(options: Options, a: safetensors_io.Checkpoint, model: Mod
   Raises:
     InputError: fewer than 2 batches.
   """
-  if model.input_key == "image":
-    batches = _eval_files.image_batches(options.match_data, a.path, model, a.hf_config,
-                                        batch_size=options.batch_size,
-                                        max_batches=options.match_batches, flag="--match-data")
-  else:
-    batches = _eval_files.text_batches(options.match_data, a.path, model, a.hf_config,
-                                       batch_size=options.batch_size, seq_len=options.seq_len,
-                                       max_batches=options.match_batches, flag="--match-data")
+  batches = _task_batches(options.match_data, "--match-data", options, a, model,
+                          max_batches=options.match_batches, images=model.input_key == "image")
   if len(batches) < 2:
     raise InputError(f"--method {options.method} needs at least 2 batches of --match-data "
                      f"(training, held out); {options.match_data} gives {len(batches)}")

@@ -73,7 +73,8 @@ def method_keys(method: str, options: Iterable[str] | None = None) -> tuple[str,
   m = matching.METHODS[method]
   fields = config_schema.option_fields()
   readers = (f for needed in m.every_input for f in config_schema.study_keyed(needed))
-  return tuple(dict.fromkeys((*(fields[option] for option in (options or m.options)), *readers)))
+  options = m.options if options is None else options
+  return tuple(dict.fromkeys((*(fields[option] for option in options), *readers)))
 
 
 def option_values(config: ml_collections.ConfigDict, options: Iterable[str],
@@ -146,18 +147,17 @@ def repaired(method: str) -> str:
 _ENDPOINTS = "each seed's own model, evaluated once"
 
 
-def element_spec(config: ml_collections.ConfigDict, model, scope_paths: Sequence[str]
+def element_spec(config: ml_collections.ConfigDict, model, names: Sequence[str]
                  ) -> SymmetrySpec:
   """The spec that the descent's elements of this scope belong to: ``model.spec``, or with
   ``study.match_residual`` "orthogonal" and a pre-LayerNorm stream in the scope,
   ``matching.residual_spec`` (its O(d - 1) factor; the model's head untied by
-  ``study.run_study``).
+  ``study.run_study``); ``names`` the scope's (``matching.active_names``).
 
   Raises:
     ValueError: "orthogonal" for a model whose stream cannot take it (a post-LayerNorm BERT),
       naming the field.
   """
-  names = matching.active_names(model.spec, scope_paths)
   if (config.study.match_residual == "permutation"
       or not any(f in names for f in model.spec.factors if f.startswith("residual"))):
     return model.spec
@@ -208,7 +208,8 @@ class ScopeStudy:
     self.evaluator = evaluator
     self.dir = os.path.join(workdir, "study", scope)
     self.scope_paths = reinit.scope_paths(model, scope)
-    self.element_spec = element_spec(config, model, self.scope_paths)
+    self.names = matching.active_names(model.spec, self.scope_paths)
+    self.element_spec = element_spec(config, model, self.names)
     self.learned_overlap = learned_overlap(config, self.dataset)
     self.seeds = list(config.reinit.seeds)
     self.params = {s: checkpoints[f"reinit/{scope}/seed_{s}"] for s in self.seeds}
@@ -347,8 +348,7 @@ class ScopeStudy:
     if self.element_spec is self.model.spec and "residual" in options:
       options["residual"] = "permutation"  # no LayerNorm stream in this scope to rotate
     if "factors" in options:
-      names = matching.active_names(self.model.spec, self.scope_paths)
-      options["factors"] = factors_in_scope(self.model.spec, names, options["factors"])
+      options["factors"] = factors_in_scope(self.model.spec, self.names, options["factors"])
       if not options["factors"]:
         raise ValueError(f"scope {self.scope!r} has none of the factors of "
                          f"study.learn_factors {list(self.config.study.learn_factors)}, which "
@@ -359,8 +359,9 @@ class ScopeStudy:
     """(theta_A, g.theta_B, matching info): B aligned to A in this scope.
 
     When the alignment maps an orthogonal residual factor, both endpoints are
-    returned with their norm scales folded (``group_action.fold_norm_scales``,
-    which keeps each model's function), so the path joins like with like.
+    returned in ``group_action.canonical_form`` (norm scales folded; for the O(d - 1)
+    residual also the writers' means and the gains), which keeps each model's function, so
+    the path joins like with like.
     Alignments are kept for the rest of the run, so every stage that needs one
     (paths, ablations, robustness) matches each pair once.
     """
@@ -377,9 +378,7 @@ class ScopeStudy:
     element, info = self._element(a, b, method, options)
     info = runtime.jsonable(dict(info, identity=identity_closeness(
         element, group_action.identity_model(self.element_spec))))
-    if info.get("folded_norm_scales") and self.element_spec is self.model.spec:
-      pa, pb = (group_action.fold_norm_scales(self.model.spec, p) for p in (pa, pb))
-    elif info.get("folded_norm_scales"):  # the O(d - 1) residual: both in canonical form
+    if info.get("folded_norm_scales"):  # RMSNorm gains folded; the O(d - 1) residual's gauges
       pa, pb = (group_action.canonical_form(self.element_spec, p) for p in (pa, pb))
     return pa, self._apply(pb, element), info
 
