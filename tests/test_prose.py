@@ -21,19 +21,14 @@ OUTCOME = re.compile(
 # state an outcome without linking the verdict row that says it. The list may only shrink: a
 # test fails when one of them is gone from the README and still listed here.
 KNOWN_UNSUPPORTED = (
-    'The findings and the verdict table are generated from the committed per-',
     "The levels differ from the paper's in several settings.",
     "Of the five means, three fall inside the one-core run's intervals over s",
     "That is no surprise: an interval for one run's mean is not a prediction ",
     'In the ViT settings (small data, early stops) the means then move by mor',
-    '`python experiments/reproduce.py --setting=NAME` reruns a setting into `',
     'Every setting runs on one CPU core (`reproduce.py` pins its process befo',
-    'The two runs also differ in code (44f5574 against 02b0f2b), so this is n',
     "Ten seeds narrow Variant 1's interval from 80 to 31 points but not full'",
     'The re-initialised seeds stopped on the plateau rule after 600–1,600 ste',
     'What held in all five runs: the full method far below naive, learned low',
-    'Sized to one core, measured first (about 80, 42 and 19 training steps/s ',
-    'The width-64 model of the sweep, a base model trained 2,000 steps (about',
     'The children are linearly connected and the aligners leave them so: ever',
     '- **Full starts from the Procrustes solution** (`study.match_init="procr',
     'Full model (each seed trained from scratch): naive 1.96 bits per byte; V',
@@ -42,10 +37,7 @@ KNOWN_UNSUPPORTED = (
     'Full and Variant 2 agree within 0.6 point.',
     'Unlike the ViT settings, these hardly move from one trajectory to anothe',
     'The run of both scopes as one setting (58ff8c5, 79 min) agreed as closel',
-    'Every committed study whose pairs hold activation matching (`cpu_paper.D',
     "- **No method reaches the issue's goals.** The best is the learned metho",
-    "(In the first run, from the full method's element, the first pair of eac",
-    '**Which factor holds the rest: an ablation on `lm_gpt2_wiki_full`.** The',
     'So no single factor holds what is left.',
     'What the runs do show is an unfinished optimisation: the best held-out i',
     'For GPT-2 the best held-out iterate is again the last in all three pairs',
@@ -57,7 +49,6 @@ KNOWN_UNSUPPORTED = (
     'There the naive barrier is 3.9 ± 1.4 millionths of a nat (2.0e-6 to 6.0e',
     'Ratios of such small numbers say little: Variant 1 leaves 106 ± 48 % (it',
     '`python experiments/reproduce.py --setting=table1_bert_ape` trained the ',
-    'A classification task that needs the first attention layer is still to b',
     'At initialisation the model is nearly blind to order (for 64 random byte',
 )
 LINK = re.compile(r"\]\(#([a-z0-9-]+)\)")
