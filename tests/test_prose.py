@@ -17,40 +17,6 @@ OUTCOME = re.compile(
     r"\b(holds?|held|no LMC|agrees?|agreed|differs?|differed|rises?|rose|falls?|fell|"
     r"comes? close|explains?|explained|precludes?|is connected|are connected|linearly connected|"
     r"out of reach|reaches full-model LMC|reaches LMC|no method reaches|stays? off)\b", re.I)
-# Hand-written sentences still to rewrite or remove (the first 72 characters of each): they
-# state an outcome without linking the verdict row that says it. The list may only shrink: a
-# test fails when one of them is gone from the README and still listed here.
-KNOWN_UNSUPPORTED = (
-    "The levels differ from the paper's in several settings.",
-    "Of the five means, three fall inside the one-core run's intervals over s",
-    "That is no surprise: an interval for one run's mean is not a prediction ",
-    'In the ViT settings (small data, early stops) the means then move by mor',
-    'Every setting runs on one CPU core (`reproduce.py` pins its process befo',
-    "Ten seeds narrow Variant 1's interval from 80 to 31 points but not full'",
-    'The re-initialised seeds stopped on the plateau rule after 600–1,600 ste',
-    'What held in all five runs: the full method far below naive, learned low',
-    'The children are linearly connected and the aligners leave them so: ever',
-    '- **Full starts from the Procrustes solution** (`study.match_init="procr',
-    'Full model (each seed trained from scratch): naive 1.96 bits per byte; V',
-    'Full leaves 7.7 % here and 6.4 % in GPT-2, with overlapping intervals; t',
-    'Full model: naive 2.78 bits per byte; Variant 1 67.9 %, Variant 2 53.7 %',
-    'Full and Variant 2 agree within 0.6 point.',
-    'Unlike the ViT settings, these hardly move from one trajectory to anothe',
-    'The run of both scopes as one setting (58ff8c5, 79 min) agreed as closel',
-    "- **No method reaches the issue's goals.** The best is the learned metho",
-    'So no single factor holds what is left.',
-    'What the runs do show is an unfinished optimisation: the best held-out i',
-    'For GPT-2 the best held-out iterate is again the last in all three pairs',
-    'For Llama it was the last in one pair and at steps 960 and 1,080 in the ',
-    'The default rate, 0.01, leaves the least of these on both models, and no',
-    'On these three pairs, no single factor (the ablation) and no learning ra',
-    '**Beside the anchor.** The paper reports no LMC for fully re-initialised',
-    'The settings differ in ways these runs do not separate (width 64 against',
-    'There the naive barrier is 3.9 ± 1.4 millionths of a nat (2.0e-6 to 6.0e',
-    'Ratios of such small numbers say little: Variant 1 leaves 106 ± 48 % (it',
-    '`python experiments/reproduce.py --setting=table1_bert_ape` trained the ',
-    'At initialisation the model is nearly blind to order (for 64 random byte',
-)
 LINK = re.compile(r"\]\(#([a-z0-9-]+)\)")
 # The sentences issue 65 quoted, each gone from the README.
 QUOTED = ("holds at no width", "no method reaches full-model LMC",
@@ -105,9 +71,7 @@ def outcomes():
 def test_every_outcome_the_readme_states_by_hand_links_a_row_that_says_it(outcomes):
   with open(README, encoding="utf-8") as f:
     text = f.read()
-  bad = unsupported(text, outcomes)
-  assert [s for s in bad if s[:72] not in KNOWN_UNSUPPORTED] == []
-  assert [p for p in KNOWN_UNSUPPORTED if p not in {s[:72] for s in bad}] == []
+  assert unsupported(text, outcomes) == []
 
 
 def test_the_sentences_the_issue_quoted_are_gone():
@@ -124,9 +88,7 @@ def test_the_sentences_the_issue_quoted_are_gone():
 def test_a_quoted_sentence_put_back_fails(outcomes, sentence):
   with open(README, encoding="utf-8") as f:
     text = f.read()
-  assert unsupported(text + "\n\n" + sentence + "\n", outcomes) == [
-      *unsupported(text, outcomes), sentence]
-  assert sentence[:72] not in KNOWN_UNSUPPORTED
+  assert unsupported(text + "\n\n" + sentence + "\n", outcomes) == [sentence]
 
 
 def test_a_sentence_that_links_its_row_and_repeats_its_outcome_passes(outcomes):
