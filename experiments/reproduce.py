@@ -19,11 +19,12 @@ command, the git commit, wall time, the machine) into
 Files already in the target folder are replaced only by this setting's new
 reports.
 
-A variant of ``cpu_paper.LEARN_VARIANTS`` (the learned method from another start
-or lambda scheme) trains exactly what its base setting trains: when its workdir is
-absent and its base's is in ``--workdir_root``, its workdir starts as a copy of
-the base's (``runner.seed_workdir``, said in the log), so that only its learned
-stages are computed; run it after its base has finished. With the base's workdir
+A variant of ``cpu_paper.STUDY_VARIANTS`` (the learned method from another start
+or lambda scheme, the full-model rows with the O(d-1) residual) trains exactly what
+its base setting trains: when its workdir is absent and its base's is in
+``--workdir_root``, its workdir starts as a copy of the base's
+(``runner.seed_workdir``, said in the log), so that only the study stages its
+fields key are computed; run it after its base has finished. With the base's workdir
 elsewhere, copy it by hand first (``cp -r <base's workdir> <root>/<variant>``).
 
 Each setting runs on one CPU core (``runner.use_one_core``), so that its numbers do

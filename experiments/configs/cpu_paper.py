@@ -166,12 +166,24 @@ Settings:
     workdir as a copy of the base's: no training repeated), studied by naive
     and learned alone, without REPAIR; the base's learned method (from the
     full method's element, lambda 1/2) on the same pairs is what it is set
-    against (experiments/report/learned_variants.py).
+    against (experiments/report/variants.py).
   learn_full_start_{gpt2,llama}_wiki_full: the other way round on the full-model
     language models, whose learned method starts from activation matching's
     element (chosen from learn_activation_start_gpt2_wiki_64): the learned
     method from the full method's element (study.learn_init = "full") on
     lm_gpt2_wiki_full's and lm_llama_wiki_full's pairs, measured the same way.
+  residual_{gpt2_wiki_full,gpt2_wiki_32,gpt2_wiki_64,gpt2_wiki_128,vit_fashion_full}:
+    the full-model rows again with the O(d-1) residual factor of the
+    LayerNorm stream (study.match_residual = "orthogonal": an orthogonal
+    matrix on the mean-zero subspace instead of a permutation, docs/matching.md)
+    in every method, on the pairs of lm_gpt2_wiki_full, the three
+    width_gpt2_wiki_* points and scopes_vit_fashion's full-model scope. Each is
+    its base with its training config unchanged (reproduce.py starts its
+    workdir as a copy of the base's where that is there), studied by the
+    base's methods, with and without REPAIR as the base; the base's
+    permutation residual on the same pairs is what it is set against
+    (experiments/report/variants.py). Llama's RMSNorm stream has its
+    orthogonal residual already: lm_llama_wiki_full has no such variant.
   control_vit_fashion_spawn: the positive control of the width sweep, at
     width 64: a base model trained 2,000 steps (its own warmup and cosine
     decay; about 2.4 epochs), then five children spawned from it (the
@@ -478,6 +490,33 @@ def _learn_variant(config: ml_collections.ConfigDict, base: str, study: dict) ->
 
 SETTINGS.update({name: (lambda c, base=base, study=study: _learn_variant(c, base, study))
                  for name, (base, study) in LEARN_VARIANTS.items()})
+
+
+# The full-model rows with the O(d-1) residual of the LayerNorm stream (module docstring):
+# variant -> (its base setting, the study fields it sets). Llama's RMSNorm stream is aligned
+# by an orthogonal matrix already, so lm_llama_wiki_full has no such variant.
+RESIDUAL_BASES = {"gpt2_wiki_full": "lm_gpt2_wiki_full",
+                  **{f"gpt2_wiki_{w}": s for w, s in LM_WIDTH_SWEEP.items()},
+                  "vit_fashion_full": "scopes_vit_fashion"}
+RESIDUAL_VARIANTS = {f"residual_{short}": (base, {"match_residual": "orthogonal"})
+                     for short, base in RESIDUAL_BASES.items()}
+
+
+def _residual_variant(config: ml_collections.ConfigDict, base: str, study: dict) -> None:
+  """``base``'s setting with ``study`` set, its full-model scope alone: every method of the
+  base, with and without REPAIR as there, on the base's pairs of that scope."""
+  SETTINGS[base](config)
+  config.reinit.scopes = ("full",)
+  for name, value in study.items():
+    config.study[name] = value
+
+
+SETTINGS.update({name: (lambda c, base=base, study=study: _residual_variant(c, base, study))
+                 for name, (base, study) in RESIDUAL_VARIANTS.items()})
+# Every variant that studies its base's trained runs again with other study fields: its
+# workdir starts as a copy of the base's (runner.seed_workdir), the claims judge the base
+# alone, and experiments/report/variants.py sets the two side by side pair by pair.
+STUDY_VARIANTS = {**LEARN_VARIANTS, **RESIDUAL_VARIANTS}
 
 
 def _spawn_control(config: ml_collections.ConfigDict) -> None:

@@ -495,12 +495,12 @@ def _read_scope(run: committed.Run | None, scope: str) -> _Scope | None:
 def _scopes(results_root: str) -> Iterator[tuple[_Scope, _Scope | None]]:
   """Every committed setting's scopes under ``results_root`` (not its reduced rerun's), by
   setting and scope name, each with its run on every core where one exists. The variants of
-  ``cpu_paper.LEARN_VARIANTS`` are left out: they repeat their base's pairs with naive and the
-  learned method alone, and ``learned_variants.py`` reports them. So are the other bases of a
+  ``cpu_paper.STUDY_VARIANTS`` are left out: they repeat their base's pairs with other study
+  fields, and ``variants.py`` sets them against their bases. So are the other bases of a
   Table 1 setting (``cpu_paper.TABLE1_BASE_VARIANTS``): ``bases.py`` judges each setting over
   its bases."""
   for run in committed.runs(results_root):
-    if run.setting in cpu_paper.LEARN_VARIANTS or run.setting in cpu_paper.TABLE1_BASE_VARIANTS:
+    if run.setting in cpu_paper.STUDY_VARIANTS or run.setting in cpu_paper.TABLE1_BASE_VARIANTS:
       continue
     every_core = committed.find(results_root, run.setting, committed.EVERY_CORE)
     for scope in sorted(run.scopes()):

@@ -17,7 +17,7 @@ writes ``config.json`` and, last, ``run.json`` (``run_record``, timed by ``recor
 ``experiments/reproduction/runner.py`` and ``experiments/accelerator_sweep.py`` alike. A folder
 holding both ``config.json`` and ``run.json`` is a committed run; one without them holds no
 finished run and is passed over. Every report (``results_table``, ``claims``, ``from_data``,
-``learned_variants``, ``regime``) and the scheduler's ordering by past wall time read the runs
+``variants``, ``regime``) and the scheduler's ordering by past wall time read the runs
 through ``runs``, ``find`` and ``saved_record``.
 """
 

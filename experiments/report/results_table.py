@@ -8,8 +8,8 @@ runs ended, the wall time, the commit and the command, all read from
 nothing is typed in. It also writes the verdict on each of the paper's claims
 (``claims.verdict_table``), the findings that open the README
 (``claims.findings``), the width sweep and its positive control
-(``regime.py``), the learned method from other starts and lambda schemes
-(``learned_variants.py``), and every method with and without REPAIR in the full-model
+(``regime.py``), the learned method from other starts and lambda schemes and the
+full-model rows with the O(d-1) residual, each against its base (``variants.py``), and every method with and without REPAIR in the full-model
 studies from data (``from_data.py``), and the Table 1 settings over several base
 models (``bases.py``).
 Before that it restates each committed run (``restate``): what its reports derive
@@ -29,9 +29,9 @@ from experiments.report import bases
 from experiments.report import claims
 from experiments.report import committed
 from experiments.report import from_data
-from experiments.report import learned_variants
 from experiments.report import regime
 from experiments.report import report
+from experiments.report import variants
 from experiments.workdir import atomic_io
 
 MARK_BEGIN = "<!-- table: written by experiments/reproduce.py --table; do not edit -->"
@@ -55,8 +55,11 @@ CONTROL_BEGIN = ("<!-- positive control: written by experiments/reproduce.py --t
                  "experiments/report/regime.py; do not edit -->")
 CONTROL_END = "<!-- end of positive control -->"
 LEARNED_BEGIN = ("<!-- learned variants: written by experiments/reproduce.py --table from "
-                 "experiments/report/learned_variants.py; do not edit -->")
+                 "experiments/report/variants.py; do not edit -->")
 LEARNED_END = "<!-- end of learned variants -->"
+RESIDUAL_BEGIN = ("<!-- residual variants: written by experiments/reproduce.py --table from "
+                  "experiments/report/variants.py; do not edit -->")
+RESIDUAL_END = "<!-- end of residual variants -->"
 FROM_DATA_BEGIN = ("<!-- from data: written by experiments/reproduce.py --table from "
                    "experiments/report/from_data.py; do not edit -->")
 FROM_DATA_END = "<!-- end of from data -->"
@@ -257,8 +260,9 @@ def write(results_root: str) -> str:
   sweeps and the positive control (``regime.width_table``, ``regime.other_sweeps_table`` and
   ``regime.control_table``, between ``WIDTH_BEGIN`` and ``WIDTH_END``, ``SWEEPS_BEGIN`` and
   ``SWEEPS_END``, ``CONTROL_BEGIN`` and ``CONTROL_END``), the learned method's variants
-  against their bases (``learned_variants.table``, between ``LEARNED_BEGIN`` and
-  ``LEARNED_END``), and the studies from data with and without REPAIR (``from_data.table``,
+  against their bases (``variants.table``, between ``LEARNED_BEGIN`` and ``LEARNED_END``),
+  the O(d-1) residual against the permutation residual (``variants.table`` of
+  ``variants.RESIDUAL``, between ``RESIDUAL_BEGIN`` and ``RESIDUAL_END``), and the studies from data with and without REPAIR (``from_data.table``,
   between ``FROM_DATA_BEGIN`` and ``FROM_DATA_END``), and the Table 1 settings over several
   base models (``bases.table``, between ``BASES_BEGIN`` and ``BASES_END``)."""
   for run in committed.runs(results_root, reruns=True):
@@ -278,8 +282,9 @@ def write(results_root: str) -> str:
                           regime.other_sweeps_table(results_root), path)
   text = _replace_between(text, CONTROL_BEGIN, CONTROL_END, regime.control_table(results_root),
                           path)
-  text = _replace_between(text, LEARNED_BEGIN, LEARNED_END, learned_variants.table(results_root),
-                          path)
+  text = _replace_between(text, LEARNED_BEGIN, LEARNED_END, variants.table(results_root), path)
+  text = _replace_between(text, RESIDUAL_BEGIN, RESIDUAL_END,
+                          variants.table(results_root, variants.RESIDUAL), path)
   text = _replace_between(text, FROM_DATA_BEGIN, FROM_DATA_END, from_data.table(results_root),
                           path)
   text = _replace_between(text, BASES_BEGIN, BASES_END, bases.table(results_root), path)

@@ -38,11 +38,11 @@ def workdir(root: str, setting: str, *, reduced: bool) -> str:
 
 
 def seed_workdir(root: str, setting: str, *, reduced: bool) -> str | None:
-  """Starts a variant of ``cpu_paper.LEARN_VARIANTS`` from its base setting's workdir.
+  """Starts a variant of ``cpu_paper.STUDY_VARIANTS`` from its base setting's workdir.
 
   A variant's training config is its base's, so the fingerprints of a copy of the base's
   workdir reuse every trained run and every study stage whose fields are unchanged (naive's)
-  and recompute the rest (the learned method's). When the variant's workdir under ``root``
+  and recompute the rest (those the variant's fields key). When the variant's workdir under ``root``
   is absent and its base's is there, the base's is copied to it (into a temporary folder
   first, renamed when whole). Run the variant after its base has finished: a copy of a
   workdir being written holds its runs as they were.
@@ -51,10 +51,10 @@ def seed_workdir(root: str, setting: str, *, reduced: bool) -> str | None:
     The base's workdir when it was copied; None for a setting that is no variant, a variant
     whose workdir exists, or one whose base's workdir does not (it then trains its runs).
   """
-  if setting not in cpu_paper.LEARN_VARIANTS:
+  if setting not in cpu_paper.STUDY_VARIANTS:
     return None
   target = workdir(root, setting, reduced=reduced)
-  source = workdir(root, cpu_paper.LEARN_VARIANTS[setting][0], reduced=reduced)
+  source = workdir(root, cpu_paper.STUDY_VARIANTS[setting][0], reduced=reduced)
   if os.path.exists(target) or not os.path.isdir(source):
     return None
   partial = target + ".copying"

@@ -1,6 +1,6 @@
-"""The learned method's variants (cpu_paper.LEARN_VARIANTS): each trains exactly what its base
-setting trains, its workdir starts as a copy of the base's, and the report sets its learned
-barrier against the base's on the same pairs."""
+"""The study variants (cpu_paper.STUDY_VARIANTS: the learned method's, the O(d-1) residual's):
+each trains exactly what its base setting trains, its workdir starts as a copy of the base's,
+and the report sets its barriers against the base's on the same pairs."""
 
 import itertools
 import json
@@ -10,7 +10,7 @@ import pytest
 
 from experiments.configs import cpu_paper
 from experiments.report import claims
-from experiments.report import learned_variants
+from experiments.report import variants
 from experiments.report import report
 from experiments.report import seed_statistics as ss
 from experiments.reproduction import runner
@@ -43,6 +43,23 @@ def test_a_variant_is_its_base_with_only_the_learned_study_fields_changed(varian
   keyed = [f"study.{k}" for k in study]
   assert (fingerprints.config_fields(configs[0], keyed)
           != fingerprints.config_fields(configs[1], keyed))
+
+
+@pytest.mark.parametrize("variant", sorted(cpu_paper.RESIDUAL_VARIANTS))
+def test_a_residual_variant_is_its_bases_full_model_scope_with_the_orthogonal_residual(variant):
+  base, study = cpu_paper.RESIDUAL_VARIANTS[variant]
+  assert study == {"match_residual": "orthogonal"}
+  configs = [cpu_paper.get_config(name) for name in (variant, base)]
+  fields = [dict(_leaves(c.to_dict())) for c in configs]
+  changed = {k for k in fields[0].keys() | fields[1].keys() if fields[0].get(k) != fields[1].get(k)}
+  assert changed <= {".study.match_residual", ".reinit.scopes"}
+  assert configs[0].study.match_residual == "orthogonal"
+  assert tuple(configs[0].reinit.scopes) == ("full",) and "full" in configs[1].reinit.scopes
+  assert (fingerprints.config_fields(configs[0], TRAINED_BY)
+          == fingerprints.config_fields(configs[1], TRAINED_BY))
+  assert os.path.exists(os.path.join(REPO, "results", base, "full", "results.json")), base
+  assert configs[0].model.family in ("gpt2", "vit")  # pre-LayerNorm streams: the O(d-1) factor
+  assert variant in cpu_paper.STUDY_VARIANTS and variant not in cpu_paper.ACCELERATOR_ONLY
 
 
 def test_each_base_is_a_committed_setting_with_the_learned_method():
@@ -95,7 +112,7 @@ def _commit(root, setting, barriers, seeds=5):
 
 def test_the_report_pairs_each_variant_with_its_base_and_names_what_is_left_out(tmp_path):
   root = str(tmp_path)
-  assert learned_variants.table(root).startswith("No variant of the learned method is committed")
+  assert variants.table(root).startswith("No variant of the learned method is committed")
   variant, (base, _) = next(iter(cpu_paper.LEARN_VARIANTS.items()))
   naive = lambda a, b: 1.0 + 0.1 * a + 0.01 * b
   base_pairs = _commit(root, base, {"naive": naive, "full": lambda a, b: 0.5,
@@ -104,27 +121,58 @@ def test_the_report_pairs_each_variant_with_its_base_and_names_what_is_left_out(
   variant_pairs = _commit(root, variant, {
       "naive": naive, "learned": lambda a, b: (0.2 + 0.01 * a) - (0.03 if b < 5 else 0.0)
       * naive(a, b)})
-  rows, left_out = learned_variants.comparisons(root)
-  assert [(r.variant, r.base, r.scope) for r in rows] == [(variant, base, "full")]
+  rows, left_out = variants.comparisons(root)
+  assert [(r.variant, r.base, r.scope, r.method) for r in rows] == [
+      (variant, base, "full", "learned")]  # the learned family compares the learned method
   (row,) = rows
   expected = ss.paired_difference(report.ratio_pairs(variant_pairs, "learned"),
                                   report.ratio_pairs(base_pairs, "learned"))
   assert row.difference == expected
   assert row.difference.mean == pytest.approx(-3.0 * 6 / 10)
   assert (row.difference.below, row.difference.above) == (6, 0)
-  assert row.base_learned == ss.jackknife(report.ratio_pairs(base_pairs, "learned"))
+  assert row.base_ratio == ss.jackknife(report.ratio_pairs(base_pairs, "learned"))
   assert row.naive_gap == 0.0
-  assert row.change == learned_variants.change_of(variant)
+  assert row.change == variants.change_of(variant)
   assert left_out == [f"{v} (not committed)" for v in cpu_paper.LEARN_VARIANTS if v != variant]
-  table = learned_variants.table(root)
+  table = variants.table(root)
   (line,) = [t for t in table.splitlines() if t.startswith(f"| {variant} |")]
-  assert f"| {base} | full | `{row.change}` | 10 |" in line and line.endswith("| 6 / 0 | 0 |")
+  assert (f"| {base} | full | learned | `{row.change}` | 10 |" in line
+          and line.endswith("| 6 / 0 | 0 |"))
   assert "Not in the table: " in table
   # a variant whose base is not committed gives no row and says so
   other = next(v for v, (b, _) in cpu_paper.LEARN_VARIANTS.items() if b != base)
   _commit(root, other, {"naive": naive, "learned": naive})
   assert (f"{other} (its base {cpu_paper.LEARN_VARIANTS[other][0]} is not committed)"
-          in learned_variants.comparisons(root)[1])
+          in variants.comparisons(root)[1])
   # the claims judge the base, not the variants that repeat its pairs
   settings = {r.setting for r in claims.verdict_rows(root)}
   assert base in settings and not settings & set(VARIANTS)
+
+
+def test_the_residual_family_compares_every_method_both_runs_hold(tmp_path):
+  root = str(tmp_path)
+  assert variants.table(root, variants.RESIDUAL).startswith(
+      "No variant of the O(d-1) residual is committed")
+  variant, (base, _) = next(iter(cpu_paper.RESIDUAL_VARIANTS.items()))
+  naive = lambda a, b: 2.0 + 0.1 * a
+  _commit(root, base, {"naive": naive, "full": lambda a, b: 1.0, "activation": lambda a, b: 0.8,
+                       "learned": lambda a, b: 0.6})
+  # the variant has no activation matching: full and learned are compared, in its order;
+  # its naive barrier differs by 1e-3 (endpoints trained again, not bit for bit)
+  _commit(root, variant, {"naive": lambda a, b: naive(a, b) + 1e-3,
+                          "learned": lambda a, b: 0.4, "full": lambda a, b: 0.5})
+  rows, _ = variants.comparisons(root, variants.RESIDUAL)
+  assert [(r.variant, r.method) for r in rows] == [(variant, "learned"), (variant, "full")]
+  assert all(r.difference.below == 10 for r in rows)
+  assert rows[0].naive_gap == pytest.approx(1e-3)
+  assert rows[0].change == 'study.match_residual = "orthogonal"'
+  table = variants.table(root, variants.RESIDUAL)
+  assert sum(t.startswith(f"| {variant} |") for t in table.splitlines()) == 2
+  # a variant without any method but naive is left out, named
+  other = list(cpu_paper.RESIDUAL_VARIANTS)[1]
+  _commit(root, cpu_paper.RESIDUAL_VARIANTS[other][0], {"naive": naive, "full": naive})
+  _commit(root, other, {"naive": naive})
+  assert any(note.startswith(f"{other} (") for note in variants.comparisons(
+      root, variants.RESIDUAL)[1])
+  settings = {r.setting for r in claims.verdict_rows(root)}
+  assert not settings & set(cpu_paper.RESIDUAL_VARIANTS)
