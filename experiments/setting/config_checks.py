@@ -123,9 +123,12 @@ def _model_size(config: ml_collections.ConfigDict, name: str) -> Any:
 
 
 def _check_heads_divide_width(config: ml_collections.ConfigDict) -> None:
-  """Each head reads width / num_heads of the residual stream: a width that the head count
-  does not divide has no head dimension. Names the overridden field (the width when both are)."""
+  """Each head reads width / num_heads of the residual stream, unless ``head_width`` sets its
+  width: a width that the head count does not divide has no head dimension. Names the
+  overridden field (the width when both are)."""
   width, heads = _model_size(config, "width"), _model_size(config, "num_heads")
+  if _model_size(config, "head_width") is not None:
+    return
   if isinstance(width, int) and isinstance(heads, int) and heads > 0 and width % heads:
     field = "width" if "width" in config.model.overrides else "num_heads"
     _fail(f"model.overrides.{field}", f"gives a width of {width}, which {heads} heads do not "
