@@ -80,6 +80,11 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
           f"got {tuple(config.study.methods)}")
   _check_heads_divide_width(config)
   _check_rule_can_stop(config)
+  if config.study.circuit_path and _model_size(config, "pos_encoding") in ("rope", "rope2d"):
+    _fail("study.circuit_path", "is not defined for a RoPE model (model pos_encoding "
+          f"{_model_size(config, 'pos_encoding')!r}): the widened heads of the circuit path "
+          "would rotate with the frequencies of a head twice as wide "
+          "(attn_symmetry.circuit_path)")
   d = config.dataset
   if config.reinit.patience and not d.validation_split:
     _fail("dataset.validation_split", "must name a held-out split when reinit.patience > 0 "
