@@ -63,18 +63,23 @@ def barrier(lams: np.ndarray, values: np.ndarray, *, higher_is_better: bool = Fa
   return float(max(gap.max(), 0.0))
 
 
-def path_evaluator(metric_fn: MetricFn) -> Callable[..., Mapping[str, jax.Array]]:
+def path_evaluator(metric_fn: MetricFn, *,
+                   interpolation: Callable[[Params, Params, jax.Array], Params] = interpolate
+                   ) -> Callable[..., Mapping[str, jax.Array]]:
   """One jitted function that evaluates a chunk of interpolation points on one batch.
 
   Args:
     metric_fn: pure ``(params, batch) -> {name: scalar sum}``, e.g. summed
       loss, correct predictions and their count.
+    interpolation: ``(params_a, params_b, lam) -> the path's point at lam``, traceable in
+      lam: ``interpolate`` (the straight line, the default), or another path, such as the
+      circuit path (``circuit_path.path_evaluator``), whose points ``metric_fn`` reads.
 
   Returns:
     jitted ``(params_a, params_b, lams [C], batch) -> {name: [C] sums}``.
   """
   def one(params_a, params_b, lam, batch):
-    return metric_fn(interpolate(params_a, params_b, lam), batch)
+    return metric_fn(interpolation(params_a, params_b, lam), batch)
   return jax.jit(jax.vmap(one, in_axes=(None, None, 0, None)))
 
 

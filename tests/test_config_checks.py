@@ -370,6 +370,16 @@ def test_a_band_of_lambda_and_a_uniform_lambda_are_refused_together():
   config_checks.validate(_config(**{"study.learn_lam_band": 10}))
 
 
+def test_the_circuit_path_is_refused_for_a_rope_model_before_any_work():
+  config = _config(**{"study.circuit_path": True, "model.overrides.pos_encoding": "rope2d"})
+  with pytest.raises(ValueError, match=r"^config.study.circuit_path is not defined for a RoPE "
+                     r"model \(model pos_encoding 'rope2d'\)"):
+    config_checks.validate(config)
+  config_checks.validate(_config(**{"study.circuit_path": True}))  # the quickstart's ViT: APE
+  config_checks.validate(_config(**{"model.overrides.head_width": 12,
+                                    "model.overrides.num_heads": 5}))  # 5 heads of width 12
+
+
 def test_eval_split_must_be_a_split_of_the_studied_data_set():
   """Checked with the other splits before training (data_checks.check_data) and before the study
   reads it (path_evaluation.evaluation_examples)."""

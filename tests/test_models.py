@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+from attn_symmetry import attention
 from attn_symmetry import group_action as ga
 from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
@@ -380,12 +381,33 @@ def test_bert_mask_hides_padding():
     ("vit", dict(image_size=10), "patch_size 4 does not divide config.image_size 10"),
     ("gpt2", dict(head="classifier"), "not available for family 'gpt2'"),
     ("gpt2", dict(pos_encoding="alibi"), "config.pos_encoding must be one of"),
+    ("gpt2", dict(head_width=0), "config.head_width must be positive or None, got 0"),
 ])
 def test_bad_config_raises(family, overrides, match):
   overrides = dict(overrides)
   preset = overrides.pop("preset", "tiny")
   with pytest.raises(ValueError, match=match):
     models.build(family, preset, **overrides)
+
+
+def test_head_width_decouples_the_heads_from_the_stream(x64):
+  """``Config.head_width`` sets H whatever D / N (default: D / N, as before): the projections
+  are [D, N, H] and [N, H, D], and the layer is ``attention.multi_head_attention``, whose
+  softmax scale is 1 / sqrt(H)."""
+  assert models.make_config("gpt2").head_dim == 8 and models.make_config("gpt2").head_width is None
+  model = models.build("gpt2", "tiny", width=30, num_heads=4, head_width=5, depth=1)
+  assert model.param_shapes["layers_0/attention/query/kernel"] == (30, 4, 5)
+  assert model.param_shapes["layers_0/attention/out/kernel"] == (4, 5, 30)
+  assert model.spec.attention["layers_0/attention"].head_dim == 5
+  params = _params64(model, 0)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (B, T)), jnp.int32)
+  _, inter = model.apply(params, tokens)
+  layer = params["layers_0"]  # the layer reads the pre-LayerNorm of the embedded tokens
+  normed = inter["embed"] - inter["embed"].mean(-1, keepdims=True)
+  normed = normed / jnp.sqrt((normed ** 2).mean(-1, keepdims=True) + model.config.norm_eps)
+  normed = normed * layer["attention_norm"]["scale"] + layer["attention_norm"]["bias"]
+  want = attention.multi_head_attention(layer["attention"], normed, causal=True)
+  np.testing.assert_allclose(inter["layers_0/attention"], want, atol=1e-10, rtol=0)
 
 
 def test_bad_params_and_inputs_raise():

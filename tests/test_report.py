@@ -233,3 +233,31 @@ def test_headline_sets_each_scope_beside_each_method_in_percent_of_naive():
   assert lines[1].split() == ["scope", "full"]
   assert lines[2].split() == ["first_attention", "9.8", "[7.8,", "11.8]"]
   assert lines[3].startswith("full") and "under the floor" in lines[3]
+
+
+def test_the_circuit_path_is_summarised_beside_each_method_against_the_ordinary_naive():
+  """``study.circuit_path``: every method's "circuit" entry is summarised under "circuit_*"
+  keys, its ratio to the ordinary naive barrier of the pair; summary.md adds its two columns
+  and a note, and nothing without it."""
+  pairs = PAIRS[:2]
+  plain = report.pair_statistics(pairs)
+  assert not any(k.startswith("circuit") for row in plain["methods"].values() for k in row)
+  circuits = {"naive": [0.3, 0.1], "full": [0.02, 0.05]}
+  with_circuit = [dict(p, methods={m: dict(v, circuit={"loss_barrier": circuits[m][i],
+                                                       "accuracy_barrier": 0.0})
+                                   for m, v in p["methods"].items()})
+                  for i, p in enumerate(pairs)]
+  stats = report.pair_statistics(with_circuit)
+  naive, full = stats["methods"]["naive"], stats["methods"]["full"]
+  assert full["circuit_loss_barrier_mean"] == pytest.approx(0.035)
+  assert full["circuit_loss_barrier_ratio_pct"] == pytest.approx((5.0 + 25.0) / 2)  # of 0.4, 0.2
+  assert naive["circuit_loss_barrier_ratio_pct"] == pytest.approx((75.0 + 50.0) / 2)
+  assert {k: v for k, v in full.items() if not k.startswith("circuit_")} == plain["methods"]["full"]
+  res = dict(_results(), pairs=with_circuit, methods=stats["methods"])
+  lines = report.markdown_summary("LMC study", {"first_attention": res}).splitlines()
+  assert any(line.endswith("| circuit path: loss barrier | circuit path: loss barrier / naive "
+                           "(%) |") for line in lines)
+  assert any(line.startswith("| full (+ gradient refinement) |")
+             and line.endswith("| 0.0350 ± 0.0150 | 15.0 ± 10.0 |") for line in lines)
+  assert report.CIRCUIT_COLUMNS_NOTE in lines
+  assert "circuit" not in report.markdown_summary("LMC study", {"first_attention": _results()})

@@ -216,6 +216,33 @@ def test_unkeyed_fields_recompute_nothing(used, tmp_path, caplog):
   _assert_close(*(_measured(o) for o in (fresh, outcome(used))))
 
 
+@pytest.mark.slow
+def test_the_circuit_path_adds_its_stages_and_recomputes_none(used, tmp_path):
+  """``study.circuit_path`` adds a stage per method (its aligned pair on the circuit path) and
+  leaves every stored stage, and every number of results.json but the circuit path's, as it
+  was; turned off again, results.json is the used workdir's."""
+  workdir = _copy(used, tmp_path)
+  before = _stage_stamps(workdir)
+  run_all(make_config(**{"study.circuit_path": True}), workdir)
+  assert recomputed(workdir, before) == (set(), set())
+  pairs = os.path.join(workdir, "study", SCOPE, "pairs", "seed_1-seed_2")
+  assert all(os.path.exists(os.path.join(pairs, f"{m}+circuit.json"))
+             for m in ("naive", "perm", "full"))
+  res, old = outcome(workdir)["results"], outcome(used)["results"]
+  assert res.pop(report.CIRCUIT_PATH) == report.CIRCUIT_NOTE
+  for method, row in res["methods"].items():
+    assert row["circuit_loss_barrier_mean"] is not None
+    assert {k: v for k, v in row.items() if not k.startswith("circuit_")} == (
+        old["methods"][method])
+  for pair, old_pair in zip(res["pairs"], old["pairs"]):
+    for method, entry in pair["methods"].items():
+      circuit = entry.pop(report.CIRCUIT)
+      assert circuit["loss"][0] == entry["loss"][0] and circuit["loss"][-1] == entry["loss"][-1]
+      assert entry == old_pair["methods"][method]
+  run_all(make_config(), workdir)
+  assert outcome(workdir) == outcome(used)
+
+
 def _measured(out):
   """``outcome`` without what the report derives from the pairs ("methods", "differences"),
   once each is seen to be exactly ``report.pair_statistics`` of its own pairs. The measured

@@ -296,3 +296,32 @@ def test_the_activation_and_repair_stages_key_every_field_they_read(tmp_path, mo
   assert repaired["repair"]["no_bias"] == "second_moment"
   assert set(counts["gaps"]) == set(repaired["repair"]["points"])
   assert all(set(g) == {"mean_gap", "scale_gap"} for g in counts["gaps"].values())
+
+
+def test_the_circuit_path_stages_key_the_methods_fields(tmp_path, monkeypatch):
+  """With ``study.circuit_path`` each method has a second stage, its aligned pair on the circuit
+  path, keyed by the method's fields and reading no other; its ends are the method's, and
+  "perm" and "ortho", whose elements differ in the GL(H) matrices alone on the first
+  attention layer, give the same circuit path (circuit space quotients them out)."""
+  config = study_config()
+  config.study.methods = ("naive", "perm", "ortho")
+  config.study.permutation_ablation = False
+  config.study.distances = ()
+  config.study.noise_levels = ()
+  config.study.circuit_path = True
+  config = RecordingConfig(config)
+  model = inputs.create_model(config)
+  checkpoints = {f"reinit/{SCOPE}/seed_{s}": model.init(jax.random.key(s))
+                 for s in config.reinit.seeds}
+  batches = path_evaluation.evaluation_examples(config, config.dataset.name)
+  evaluator = path_evaluation.PathEvaluator(model, batches, chunk_size=1, bits_per_byte=False)
+  stages = run_scope(config, model, evaluator, checkpoints, str(tmp_path), monkeypatch)
+  assert set(stages) == {"naive", "perm", "ortho", "naive+circuit", "perm+circuit",
+                         "ortho+circuit"}
+  assert stages["perm+circuit"].reads == stages["perm"].reads
+  assert unkeyed_reads(stages) == {}
+  circuit, plain = stages["ortho+circuit"].result, stages["ortho"].result
+  assert circuit["loss"][0] == plain["loss"][0] and circuit["loss"][-1] == plain["loss"][-1]
+  assert circuit["loss"][1] != plain["loss"][1]
+  assert circuit["loss"][1] == pytest.approx(stages["perm+circuit"].result["loss"][1], rel=1e-5)
+  assert plain["loss"][1] != pytest.approx(stages["perm"].result["loss"][1], rel=1e-3)

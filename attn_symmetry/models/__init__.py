@@ -15,7 +15,7 @@ A family registers itself next to its code, with its Hugging Face mapping
 
 from attn_symmetry.models.config import FAMILIES, PRESETS, Config, Family, make_config
 from attn_symmetry.models.config import get_family, register_family
-from attn_symmetry.models.model import SCOPES, Model, build, untie_head
+from attn_symmetry.models.model import SCOPES, Model, build, circuit_model, untie_head
 # The built-in families register themselves on import (in this order: FAMILIES, and the HF
 # model types that convert.model_types lists).
 from attn_symmetry.models import decoder, bert, vit  # pylint: disable=unused-import
@@ -23,5 +23,5 @@ from attn_symmetry.models import config
 
 config._REGISTRY.mark_built_in()  # pylint: disable=protected-access
 
-__all__ = ["FAMILIES", "PRESETS", "SCOPES", "Config", "Family", "Model", "build", "get_family",
-           "make_config", "register_family", "untie_head"]
+__all__ = ["FAMILIES", "PRESETS", "SCOPES", "Config", "Family", "Model", "build",
+           "circuit_model", "get_family", "make_config", "register_family", "untie_head"]

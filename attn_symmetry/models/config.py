@@ -151,8 +151,15 @@ class Config:
       "llama", "gpt_neox", ...), which chooses the module, inputs and heads.
     width: D, the residual stream width.
     depth: L, the number of Transformer layers.
-    num_heads: N query heads; must divide ``width`` (head dim H = D / N).
+    num_heads: N query heads; must divide ``width`` (head dim H = D / N) unless
+      ``head_width`` sets H.
     num_kv_heads: K key/value heads (grouped-query attention); None means N.
+    head_width: H, the width of every attention head; None (the default) is
+      D / N. Another value decouples the heads from the stream: the query, key and
+      value projections map D to N x H (K x H) and the output projection N x H back
+      to D, and the softmax scale is 1 / sqrt(H). The circuit path evaluates its
+      points on a model whose heads are twice as wide (``models.circuit_model``,
+      docs/lmc.md, 'The circuit path'). ``head_dim`` reads H either way.
     mlp_dim: F, hidden units of each FFN.
     pos_encoding: "none", "sinusoidal" or "learned" (added to the input
       embeddings), "rope" (rotary, 1-D token positions) or "rope2d" (ViT only:
@@ -196,6 +203,7 @@ class Config:
   depth: int = 2
   num_heads: int = 4
   num_kv_heads: int | None = None
+  head_width: int | None = None
   mlp_dim: int = 64
   pos_encoding: str = "learned"
   rope_pairing: str = "half"
@@ -238,8 +246,11 @@ class Config:
                  "patch_size", "num_channels", "num_classes"):
       if getattr(self, name) < 1:
         raise ValueError(f"config.{name} must be positive, got {getattr(self, name)}")
-    if self.width % self.num_heads:
-      raise ValueError(f"config.num_heads {self.num_heads} does not divide config.width {self.width}")
+    if self.head_width is not None and self.head_width < 1:
+      raise ValueError(f"config.head_width must be positive or None, got {self.head_width}")
+    if self.head_width is None and self.width % self.num_heads:
+      raise ValueError(f"config.num_heads {self.num_heads} does not divide config.width "
+                       f"{self.width} (or set config.head_width)")
     if self.num_heads % self.kv_heads:
       raise ValueError(f"config.num_kv_heads {self.kv_heads} does not divide config.num_heads "
                        f"{self.num_heads}")
@@ -261,7 +272,8 @@ class Config:
 
   @property
   def head_dim(self) -> int:
-    return self.width // self.num_heads
+    """H: ``head_width``, or D / N when it is None."""
+    return self.width // self.num_heads if self.head_width is None else self.head_width
 
   @property
   def kv_heads(self) -> int:

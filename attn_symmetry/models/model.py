@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from attn_symmetry import circuit_path
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.models import core
 from attn_symmetry.models.config import Config, get_family, make_config
@@ -404,3 +405,16 @@ def untie_head(model: Model, params: Params | None = None) -> tuple[Model, Param
   flat["head/kernel"] = flat["embed/embedding"].T
   return untied, spec_lib.unflatten(flat)
 
+
+
+def circuit_model(model: Model) -> Model:
+  """The model that evaluates the circuit path's points (``circuit_path.interpolate`` of
+  ``model``'s parameters): ``model``'s config with every attention head of width
+  ``circuit_path.head_width(model.spec)`` = 2H (``Config.head_width``), all else as it is.
+  Its parameters are ``model``'s but for the attention layers' q, k, v kernels and biases
+  [D, N|K, 2H], [N|K, 2H] and output kernels [N, 2H, D] (docs/lmc.md, 'The circuit path').
+
+  Raises:
+    ValueError: a model that the circuit path does not apply to (RoPE), naming its sites.
+  """
+  return Model(dataclasses.replace(model.config, head_width=circuit_path.head_width(model.spec)))

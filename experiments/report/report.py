@@ -26,6 +26,17 @@ RATIO_FLOOR = 0.02
 DIFFERENCES = (("ortho", "perm"), ("full", "ortho"), ("learned", "full"),
                ("activation", "full"), ("learned", "activation"))
 REPAIRED = "+repair"  # the suffix of a method's REPAIRed path (the study's ``study.repair``)
+# A method's circuit path (the study's ``study.circuit_path``): its entry in a pair's method, and
+# the prefix of its summaries in the method's row ("circuit_loss_barrier_mean", ...).
+CIRCUIT = "circuit"
+CIRCUIT_PATH = "circuit_path"  # the key of ``CIRCUIT_NOTE`` in a scope's results.json
+CIRCUIT_NOTE = (
+    "a comparison measure: each method's aligned pair (A, g.B) on the path that interpolates "
+    "every attention head's circuits W_Q W_K^T and W_V W_O (Theus et al.), every other "
+    "parameter on the straight line (attn_symmetry.circuit_path); its interior points are "
+    "models of twice the head width, not of the original architecture, and it is blind to the "
+    "GL(H) matrices of the attention group. circuit_*_ratio_pct divides by the ordinary "
+    "(straight-line) naive barrier (docs/lmc.md, 'The circuit path').")
 COLORS = {"naive": "tab:gray", "perm": "tab:orange", "ortho": "tab:blue", "full": "tab:green",
            "activation": "tab:purple", "learned": "tab:red"}
 
@@ -142,10 +153,31 @@ def summarise_methods(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str,
   return out
 
 
+def circuit_statistics(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+  """The circuit path's summaries of every method whose every pair holds one (``CIRCUIT``,
+  the study's ``study.circuit_path``): ``summarise_methods``' row of its circuit barriers, each
+  ratio to the pair's ordinary (straight-line) naive barrier, as Theus et al. measure their
+  naive barrier in ordinary weights; the keys prefixed "circuit_" ("circuit_loss_barrier_mean",
+  "circuit_loss_barrier_ratio_pct", ...). Empty when no method has a circuit path."""
+  held = [m for m in (pairs[0]["methods"] if pairs else {})
+          if all(CIRCUIT in p["methods"][m] for p in pairs)]
+  out = {}
+  for m in held:
+    circuit_pairs = [dict(p, methods={"naive": p["methods"]["naive"],
+                                      CIRCUIT: p["methods"][m][CIRCUIT]}) for p in pairs]
+    row = summarise_methods(circuit_pairs)[CIRCUIT]
+    out[m] = {f"{CIRCUIT}_{k}": v for k, v in row.items() if k not in ("num_pairs", "num_seeds")}
+  return out
+
+
 def pair_statistics(pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
   """What a study's results.json derives from its pairs: {"methods": ``summarise_methods``,
+  with the circuit path's summaries of the methods that have one (``circuit_statistics``),
   "differences": ``paired_differences``} (``results_table.restate`` rewrites these)."""
-  return {"methods": summarise_methods(pairs), "differences": paired_differences(pairs)}
+  methods = summarise_methods(pairs)
+  for m, row in circuit_statistics(pairs).items():
+    methods[m] |= row
+  return {"methods": methods, "differences": paired_differences(pairs)}
 
 
 def paired_differences(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -231,14 +263,40 @@ INTERVALS_NOTE = (
     "few seeds it is wide, and two settings whose intervals overlap are not told apart.")
 
 
+def _circuit_cells(row: Mapping[str, Any], floor: float | None) -> list[str]:
+  """A method's circuit path columns: its loss barrier, and as % of the ordinary naive barrier
+  (none under the floor); empty cells for a method without one (a REPAIRed path)."""
+  if f"{CIRCUIT}_loss_barrier_mean" not in row:
+    return ["", ""]
+  prefix = f"{CIRCUIT}_"
+  circuit = {k.removeprefix(prefix): v for k, v in row.items() if k.startswith(prefix)}
+  circuit["num_pairs"] = row["num_pairs"]
+  ratio = "no ratio" if floor is not None else _fmt(circuit["loss_barrier_ratio_pct"],
+                                                    circuit["loss_barrier_ratio_pct_std"], 1)
+  return [_fmt_barrier(circuit, "loss_barrier"), ratio]
+
+
+CIRCUIT_COLUMNS_NOTE = (
+    "Circuit path: a comparison measure, not a path between models of this architecture. Each "
+    "method's aligned pair on the path that interpolates every attention head's circuits "
+    "W_Q W_K^T and W_V W_O (Theus et al.), every other parameter on the straight line; its "
+    "interior points have heads twice as wide, and it does not see the GL(H) matrices of the "
+    "attention group. Its ratio divides by the ordinary naive barrier (docs/lmc.md, 'The "
+    "circuit path').")
+
+
 def _method_table(methods: Mapping[str, Mapping[str, Any]]) -> list[str]:
   """Rows of every method: barriers, ratios to naive with their seed-level intervals, the
-  median and the ratio of means; no loss ratio under the floor."""
+  median and the ratio of means; no loss ratio under the floor; the circuit path's loss
+  barrier and its ratio to naive where a method has one (``CIRCUIT``)."""
   floor = below_floor(methods)
+  circuit = any(f"{CIRCUIT}_loss_barrier_mean" in row for row in methods.values())
   lines = ["| method | loss barrier | accuracy barrier | loss barrier / naive (%) | "
            "95 % interval over seeds | median (%) | ratio of means (%) | "
-           "accuracy barrier / naive (%) | 95 % interval over seeds |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "accuracy barrier / naive (%) | 95 % interval over seeds |"
+           + (" circuit path: loss barrier | circuit path: loss barrier / naive (%) |"
+              if circuit else ""),
+           "|---|---|---|---|---|---|---|---|---|" + "---|---|" * circuit]
   for m, row in methods.items():
     cells = [_fmt_barrier(row, "loss_barrier"), _fmt_barrier(row, "accuracy_barrier")]
     if floor is None:
@@ -250,8 +308,10 @@ def _method_table(methods: Mapping[str, Mapping[str, Any]]) -> list[str]:
       cells += ["no ratio", "", "", ""]
     cells += [_fmt(row["accuracy_barrier_ratio_pct"], row["accuracy_barrier_ratio_pct_std"], 1),
               _fmt_interval(row.get("accuracy_barrier_ratio_pct_seed_ci"))]
+    if circuit:
+      cells += _circuit_cells(row, floor)
     lines.append(f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells) + " |")
-  lines += ["", INTERVALS_NOTE, ""]
+  lines += ["", INTERVALS_NOTE, ""] + [CIRCUIT_COLUMNS_NOTE, ""] * circuit
   if floor is not None:
     lines += [f"The mean naive loss barrier, {floor:.4f}, is under the floor of {RATIO_FLOOR} "
               "below which a ratio to it would divide float32 noise by noise: no loss ratio is "

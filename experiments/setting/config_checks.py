@@ -80,6 +80,11 @@ def _check_relations(config: ml_collections.ConfigDict) -> None:
           f"got {tuple(config.study.methods)}")
   _check_heads_divide_width(config)
   _check_rule_can_stop(config)
+  if config.study.circuit_path and _model_size(config, "pos_encoding") in ("rope", "rope2d"):
+    _fail("study.circuit_path", "is not defined for a RoPE model (model pos_encoding "
+          f"{_model_size(config, 'pos_encoding')!r}): the widened heads of the circuit path "
+          "would rotate with the frequencies of a head twice as wide "
+          "(attn_symmetry.circuit_path)")
   d = config.dataset
   if config.reinit.patience and not d.validation_split:
     _fail("dataset.validation_split", "must name a held-out split when reinit.patience > 0 "
@@ -123,9 +128,12 @@ def _model_size(config: ml_collections.ConfigDict, name: str) -> Any:
 
 
 def _check_heads_divide_width(config: ml_collections.ConfigDict) -> None:
-  """Each head reads width / num_heads of the residual stream: a width that the head count
-  does not divide has no head dimension. Names the overridden field (the width when both are)."""
+  """Each head reads width / num_heads of the residual stream, unless ``head_width`` sets its
+  width: a width that the head count does not divide has no head dimension. Names the
+  overridden field (the width when both are)."""
   width, heads = _model_size(config, "width"), _model_size(config, "num_heads")
+  if _model_size(config, "head_width") is not None:
+    return
   if isinstance(width, int) and isinstance(heads, int) and heads > 0 and width % heads:
     field = "width" if "width" in config.model.overrides else "num_heads"
     _fail(f"model.overrides.{field}", f"gives a width of {width}, which {heads} heads do not "

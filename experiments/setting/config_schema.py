@@ -502,6 +502,13 @@ FIELDS: tuple[Field, ...] = (
           "what REPAIR's scale matches at a point with no bias to take the shift (Llama): "
           "'std' (REPAIR's rule) or 'second_moment' (the uncentred E[x^2]); "
           "attn_symmetry.repair.repair's no_bias", study=(REPAIR,), unkeyed_default="std"),
+    Field("study.circuit_path", False, _BOOLEAN, Role.NOT_KEYED,
+          "also measure each method's aligned pair on the circuit path, a comparison measure "
+          "(attn_symmetry.circuit_path: each head's circuits W_Q W_K^T and W_V W_O "
+          "interpolated, as Theus et al.; its interior points are models of twice the head "
+          "width, not of the original architecture), recorded beside the ordinary barrier as "
+          "the method's 'circuit' entry and 'circuit_*' summaries (docs/lmc.md, 'The circuit "
+          "path'); refused for RoPE models"),
     Field("study.activation_batches", 8, _AT_LEAST_1, Role.STUDY,
           "training batches (dataset.train_split, not augmented) on which the methods that "
           "read activations measure them: REPAIR's statistics and activation matching "

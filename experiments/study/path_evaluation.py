@@ -4,8 +4,9 @@
 ``study.eval_split``, the test split by default), ``examples_digest`` hashes
 it, and ``PathEvaluator`` evaluates the path
 theta(lambda) = (1 - lambda) theta_A + lambda theta_B on it with one compiled
-function per model config (``lmc.path_evaluator``). ``curve_result`` adds the
-barriers of a curve.
+function per model config (``lmc.path_evaluator``), or, as ``circuits()``, the
+circuit path (``attn_symmetry.circuit_path``, ``study.circuit_path``).
+``curve_result`` adds the barriers of a curve.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import jax
 import ml_collections
 import numpy as np
 
+from attn_symmetry import circuit_path
 from attn_symmetry import group_action
 from attn_symmetry import lmc
+from attn_symmetry import models
 from experiments.setting import fingerprints
 from experiments.train import evaluation
 from experiments.train import inputs
@@ -38,6 +41,24 @@ def compiled(model) -> tuple[Callable, Callable]:
         lmc.path_evaluator(lambda p, b: evaluation.batch_metrics(model, p, b)),
         jax.jit(functools.partial(group_action.apply_model, model.spec)))
   return _COMPILED[model.config]
+
+
+_CIRCUITS: dict[Any, Callable] = {}
+
+
+def compiled_circuits(model) -> Callable:
+  """``circuit_path.path_evaluator`` of the model's metrics, which reads each point with the
+  model of twice the head width (``models.circuit_model``), made once per model config in this
+  process (as ``compiled``).
+
+  Raises:
+    ValueError: a model that the circuit path does not apply to (RoPE).
+  """
+  if model.config not in _CIRCUITS:
+    wide = models.circuit_model(model)
+    _CIRCUITS[model.config] = circuit_path.path_evaluator(
+        model.spec, lambda p, b: evaluation.batch_metrics(wide, p, b))
+  return _CIRCUITS[model.config]
 
 
 _LOSSES: dict[Any, Callable] = {}
@@ -62,17 +83,27 @@ class PathEvaluator:
     batches: the evaluation batches (with "valid").
     chunk_size: lambdas evaluated per compiled call.
     bits_per_byte: report the loss in bits (a byte-level language model).
+    circuit: evaluate the circuit path between the endpoints (``compiled_circuits``) instead
+      of the straight line.
   """
 
   def __init__(self, model, batches: list[Mapping[str, np.ndarray]], *, chunk_size: int,
-               bits_per_byte: bool):
+               bits_per_byte: bool, circuit: bool = False):
     self.model = model
     self.batches = batches
     self.chunk_size = chunk_size
     self.bits_per_byte = bits_per_byte
-    self._evaluator = compiled(model)[0]
+    self._evaluator = compiled_circuits(model) if circuit else compiled(model)[0]
     self._mesh = inputs.create_mesh()
     self._put = lambda b: inputs.shard_batch(b, self._mesh, whole=True)
+    self._circuits: PathEvaluator | None = self if circuit else None
+
+  def circuits(self) -> PathEvaluator:
+    """The same evaluation of the circuit path (``circuit=True``), made on first use."""
+    if self._circuits is None:
+      self._circuits = PathEvaluator(self.model, self.batches, chunk_size=self.chunk_size,
+                                     bits_per_byte=self.bits_per_byte, circuit=True)
+    return self._circuits
 
   def __call__(self, params_a: Params, params_b: Params, lams: np.ndarray,
                batches: Iterable[Mapping[str, np.ndarray]] | None = None) -> dict[str, list[float]]:

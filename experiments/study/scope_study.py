@@ -8,7 +8,9 @@ result kept by ``result_cache.cached`` under ``workdir/study/<scope>/pairs/``:
 
 * the interpolation path of every method (``path_evaluation``) and its barriers, and with
   ``study.repair`` the same path with every interior point REPAIRed (``attn_symmetry.repair``,
-  reported as the method "<method>+repair");
+  reported as the method "<method>+repair"); with ``study.circuit_path`` the method's aligned
+  pair on the circuit path too (``attn_symmetry.circuit_path``, a comparison measure,
+  reported in the method's entry as "circuit");
 * for the "first_attention" scope: Stage 2 after every head permutation (the
   paper's Table 1 ablation) and the full method under every Stage 1 distance;
 * the accuracy of the endpoints and of each method's midpoint under input
@@ -140,6 +142,16 @@ REPAIRED = report.REPAIRED  # the suffix of a method's REPAIRed path in the resu
 def repaired(method: str) -> str:
   """The name of ``method``'s REPAIRed path in the results: "full+repair"."""
   return method + REPAIRED
+
+
+def circuit_stage(method: str) -> str:
+  """The name of the stage of ``method``'s circuit path: "full+circuit" (its result is the
+  method's entry "circuit", ``report.CIRCUIT``)."""
+  return f"{method}+{report.CIRCUIT}"
+
+
+# What a circuit stage evaluates (a field of its key).
+_CIRCUIT_PATH = "each head's circuits interpolated (attn_symmetry.circuit_path)"
 
 
 # How a path's endpoints are measured (``ScopeStudy._path``): a stage result computed
@@ -337,6 +349,18 @@ class ScopeStudy:
     return dict(path, repair={"points": sorted(points), "no_bias": no_bias,
                               "per_lambda": counts})
 
+  def _circuit_path(self, a: int, b: int, method: str) -> dict[str, Any]:
+    """``_path`` on the circuit path from theta_A to ``method``'s g.theta_B
+    (``path_evaluation.PathEvaluator.circuits``): the same ends, the seeds' own models, as the
+    circuit path's ends compute them. Stage ``circuit_stage(method)``, keyed by the method's
+    fields."""
+    def compute():
+      pa, aligned, _ = self.align(a, b, method)
+      evaluator = self.evaluator.circuits()
+      return self._path(a, b, pa, aligned, interior=lambda lams: evaluator(pa, aligned, lams))
+    return self._cached(circuit_stage(method), compute, a=a, b=b, keyed=method_keys(method),
+                        method=method, path=_CIRCUIT_PATH)
+
   def _matching_options(self, method: str, **overrides) -> dict[str, Any]:
     """``matching_kwargs`` of ``method``, a study-wide ``factors`` list narrowed to the factors
     that this scope has (``factors_in_scope``: the first attention layer has no FFN factor).
@@ -429,8 +453,9 @@ class ScopeStudy:
                 key=jax.random.key(1000 * a + b), progress=progress)
 
   def pair(self, a: int, b: int) -> dict[str, Any]:
-    """Every method's path of pair (a, b), and with ``study.repair`` every method's REPAIRed
-    path ("<method>+repair" in ``REPAIRED``)."""
+    """Every method's path of pair (a, b), with ``study.circuit_path`` its circuit path in its
+    entry ("circuit"), and with ``study.repair`` every method's REPAIRed path ("<method>+repair"
+    in ``REPAIRED``)."""
     methods = {}
     for method in self.config.study.methods:
       def compute(method=method):
@@ -438,6 +463,9 @@ class ScopeStudy:
         return dict(self._path(a, b, pa, aligned), matching=info)
       methods[method] = self._cached(method, compute, a=a, b=b, keyed=method_keys(method),
                                      method=method)
+      if self.config.study.circuit_path:
+        methods[method] = dict(methods[method],
+                               **{report.CIRCUIT: self._circuit_path(a, b, method)})
       if self.config.study.repair:
         def compute_repaired(method=method):
           return self._repaired_path(a, b, *self.align(a, b, method)[:2])
@@ -448,6 +476,9 @@ class ScopeStudy:
     for method, m in methods.items():
       log.info("%s seed %d-%d %-5s loss barrier %.4f accuracy barrier %.4f", self.scope, a, b,
                method, m["loss_barrier"], m["accuracy_barrier"])
+      if report.CIRCUIT in m:
+        log.info("%s seed %d-%d %-5s circuit path (comparison): loss barrier %.4f", self.scope,
+                 a, b, method, m[report.CIRCUIT]["loss_barrier"])
     return {"a": f"seed_{a}", "b": f"seed_{b}", "methods": methods}
 
   def permutation_ablation(self, a: int, b: int, naive: Mapping[str, float]) -> dict | None:
@@ -556,6 +587,7 @@ class ScopeStudy:
         "eval_split": self.config.study.eval_split,
         "eval_examples": sum(int(np.sum(b["valid"])) for b in self.evaluator.batches),
         "learned_overlap": self.learned_overlap,
+        **({report.CIRCUIT_PATH: report.CIRCUIT_NOTE} if self.config.study.circuit_path else {}),
         "endpoints": endpoints, "pairs": pairs,
         **report.pair_statistics(pairs), "ablation": {}}
     if ablations:
