@@ -48,11 +48,11 @@ def test_a_variant_is_its_base_with_only_the_learned_study_fields_changed(varian
 @pytest.mark.parametrize("variant", sorted(cpu_paper.RESIDUAL_VARIANTS))
 def test_a_residual_variant_is_its_bases_full_model_scope_with_the_orthogonal_residual(variant):
   base, study = cpu_paper.RESIDUAL_VARIANTS[variant]
-  assert study == {"match_residual": "orthogonal"}
+  assert study == {"match_residual": "orthogonal", "circuit_path": True}
   configs = [cpu_paper.get_config(name) for name in (variant, base)]
   fields = [dict(_leaves(c.to_dict())) for c in configs]
   changed = {k for k in fields[0].keys() | fields[1].keys() if fields[0].get(k) != fields[1].get(k)}
-  assert changed <= {".study.match_residual", ".reinit.scopes"}
+  assert changed <= {".study.match_residual", ".study.circuit_path", ".reinit.scopes"}
   assert configs[0].study.match_residual == "orthogonal"
   assert tuple(configs[0].reinit.scopes) == ("full",) and "full" in configs[1].reinit.scopes
   assert (fingerprints.config_fields(configs[0], TRAINED_BY)
@@ -92,9 +92,9 @@ def test_a_variants_workdir_starts_as_a_copy_of_its_bases(tmp_path):
   assert runner.workdir(root, variant, reduced=True) == os.path.join(root, variant + "_reduced")
 
 
-def _commit(root, setting, barriers, seeds=5):
+def _commit(root, setting, barriers, seeds=5, circuit=None):
   """results/<setting> holding the "full" scope's pairs of seeds 1..``seeds``, each method's
-  loss barrier ``barriers[method](a, b)``."""
+  loss barrier ``barriers[method](a, b)`` (and its circuit path's, ``circuit[method](a, b)``)."""
   folder = os.path.join(root, setting)
   os.makedirs(os.path.join(folder, "full"))
   with open(os.path.join(folder, "run.json"), "w") as f:
@@ -105,6 +105,10 @@ def _commit(root, setting, barriers, seeds=5):
       m: {"loss_barrier": barrier(a, b), "accuracy_barrier": 0.0}
       for m, barrier in barriers.items()}}
            for a, b in itertools.combinations(range(1, seeds + 1), 2)]
+  for p in pairs:
+    for m, barrier in (circuit or {}).items():
+      p["methods"][m]["circuit"] = {"loss_barrier": barrier(int(p["a"][5:]), int(p["b"][5:])),
+                                    "accuracy_barrier": 0.0}
   with open(os.path.join(folder, "full", "results.json"), "w") as f:
     json.dump({"pairs": pairs}, f)
   return pairs
@@ -137,7 +141,7 @@ def test_the_report_pairs_each_variant_with_its_base_and_names_what_is_left_out(
   table = variants.table(root)
   (line,) = [t for t in table.splitlines() if t.startswith(f"| {variant} |")]
   assert (f"| {base} | full | learned | `{row.change}` | 10 |" in line
-          and line.endswith("| 6 / 0 | 0 |"))
+          and line.endswith("| 6 / 0 | n/a | 0 |"))
   assert "Not in the table: " in table
   # a variant whose base is not committed gives no row and says so
   other = next(v for v, (b, _) in cpu_paper.LEARN_VARIANTS.items() if b != base)
@@ -160,12 +164,16 @@ def test_the_residual_family_compares_every_method_both_runs_hold(tmp_path):
   # the variant has no activation matching: full and learned are compared, in its order;
   # its naive barrier differs by 1e-3 (endpoints trained again, not bit for bit)
   _commit(root, variant, {"naive": lambda a, b: naive(a, b) + 1e-3,
-                          "learned": lambda a, b: 0.4, "full": lambda a, b: 0.5})
+                          "learned": lambda a, b: 0.4, "full": lambda a, b: 0.5},
+          circuit={"learned": lambda a, b: 0.1 * (naive(a, b) + 1e-3)})
   rows, _ = variants.comparisons(root, variants.RESIDUAL)
   assert [(r.variant, r.method) for r in rows] == [(variant, "learned"), (variant, "full")]
   assert all(r.difference.below == 10 for r in rows)
   assert rows[0].naive_gap == pytest.approx(1e-3)
-  assert rows[0].change == 'study.match_residual = "orthogonal"'
+  # the circuit path's barrier of learned is 10 % of the (ordinary) naive one in every pair
+  assert rows[0].variant_circuit.estimate == pytest.approx(10.0)
+  assert rows[1].variant_circuit is None
+  assert rows[0].change == 'study.match_residual = "orthogonal", study.circuit_path = true'
   table = variants.table(root, variants.RESIDUAL)
   assert sum(t.startswith(f"| {variant} |") for t in table.splitlines()) == 2
   # a variant without any method but naive is left out, named

@@ -182,7 +182,9 @@ Settings:
     workdir as a copy of the base's where that is there), studied by the
     base's methods, with and without REPAIR as the base; the base's
     permutation residual on the same pairs is what it is set against
-    (experiments/report/variants.py). Llama's RMSNorm stream has its
+    (experiments/report/variants.py). Each also evaluates every method's pair
+    on the circuit path (study.circuit_path: Theus et al.'s measure, for
+    comparison only; docs/lmc.md). Llama's RMSNorm stream has its
     orthogonal residual already: lm_llama_wiki_full has no such variant.
   control_vit_fashion_spawn: the positive control of the width sweep, at
     width 64: a base model trained 2,000 steps (its own warmup and cosine
@@ -498,7 +500,8 @@ SETTINGS.update({name: (lambda c, base=base, study=study: _learn_variant(c, base
 RESIDUAL_BASES = {"gpt2_wiki_full": "lm_gpt2_wiki_full",
                   **{f"gpt2_wiki_{w}": s for w, s in LM_WIDTH_SWEEP.items()},
                   "vit_fashion_full": "scopes_vit_fashion"}
-RESIDUAL_VARIANTS = {f"residual_{short}": (base, {"match_residual": "orthogonal"})
+RESIDUAL_VARIANTS = {f"residual_{short}": (base, {"match_residual": "orthogonal",
+                                                   "circuit_path": True})
                      for short, base in RESIDUAL_BASES.items()}
 
 

@@ -20,6 +20,9 @@ that pair's naive barrier (``report.ratio_pairs``):
 * the paired difference d_p = r_p(variant) - r_p(base), matched by the pair's seeds, its mean
   and interval (``seed_statistics.paired_difference``; d < 0 where the variant leaves less)
   and the pairs on each side of 0;
+* where the variant's study evaluated the circuit path too (``study.circuit_path``), the
+  method's circuit barrier in % of the pair's ordinary naive barrier, mean and interval: a
+  comparison measure only (docs/lmc.md, 'The circuit path');
 * the largest |naive_p(variant) - naive_p(base)| over those pairs: 0 when the variant's
   endpoints are its base's runs (its workdir a copy of the base's, or the same runs trained
   again bit for bit), else how far apart the two studies' endpoints are.
@@ -65,6 +68,8 @@ class Comparison(NamedTuple):
     base_ratio, variant_ratio: the method's mean ratio in % of naive and its seed-level
       interval (None with too few seeds).
     difference: variant - base, pair by pair, in points of % of naive.
+    variant_circuit: the variant's circuit barrier in % of the ordinary naive barrier, with
+      its seed-level interval; None where its pairs hold no circuit path.
     naive_gap: the largest |naive barrier of the variant - of the base| over the pairs both
       have (None when they share no pair).
   """
@@ -76,6 +81,7 @@ class Comparison(NamedTuple):
   base_ratio: ss.Interval | None
   variant_ratio: ss.Interval | None
   difference: ss.Difference
+  variant_circuit: ss.Interval | None
   naive_gap: float | None
 
 
@@ -89,6 +95,16 @@ def _naive_gap(variant: list[dict[str, Any]], base: list[dict[str, Any]]) -> flo
   gaps = [abs(naive(p) - by_seeds[p["a"], p["b"]]) for p in variant
           if (p["a"], p["b"]) in by_seeds]
   return max(gaps) if gaps else None
+
+
+def _circuit_ratios(pairs: list[dict[str, Any]], method: str) -> ss.Interval | None:
+  """The seed-level interval of ``method``'s circuit barrier in % of naive's (ordinary)
+  barrier; None unless every pair holds its circuit path."""
+  if not all(report.CIRCUIT in p["methods"][method] for p in pairs):
+    return None
+  return ss.jackknife(report.ratio_pairs(
+      [dict(p, methods={"naive": p["methods"]["naive"],
+                        method: p["methods"][method][report.CIRCUIT]}) for p in pairs], method))
 
 
 def change_of(variant: str) -> str:
@@ -131,7 +147,8 @@ def comparisons(results_root: str, family: Family = LEARNED
         ratios = [report.ratio_pairs(p, method) for p in pairs]
         rows.append(Comparison(variant, base, scope, method, change_of(variant),
                                ss.jackknife(ratios[1]), ss.jackknife(ratios[0]),
-                               ss.paired_difference(*ratios), _naive_gap(*pairs)))
+                               ss.paired_difference(*ratios), _circuit_ratios(pairs[0], method),
+                               _naive_gap(*pairs)))
   return rows, left_out
 
 
@@ -144,12 +161,14 @@ def table(results_root: str, family: Family = LEARNED) -> str:
     return f"No variant of {family.what} is committed yet. {note}"
   lines = ["| variant | base setting | scope | method | the variant sets | pairs | base (% of "
            "naive) | variant (% of naive) | variant − base (points) | pairs below / above 0 | "
-           "naive barrier: largest difference to the base's |", "|" + "---|" * 11]
+           "variant on the circuit path (% of naive) | naive barrier: largest difference to the "
+           "base's |", "|" + "---|" * 12]
   for r in rows:
     d = r.difference
     gap = "n/a" if r.naive_gap is None else f"{r.naive_gap:.2g}"
     lines.append(f"| {r.variant} | {r.base} | {r.scope} | {r.method} | `{r.change}` | "
                  f"{d.above + d.below + d.zero} | {regime.show_interval(r.base_ratio, 1)} | "
                  f"{regime.show_interval(r.variant_ratio, 1)} | "
-                 f"{regime.show_interval(d.interval, 1)} | {d.below} / {d.above} | {gap} |")
+                 f"{regime.show_interval(d.interval, 1)} | {d.below} / {d.above} | "
+                 f"{regime.show_interval(r.variant_circuit, 1)} | {gap} |")
   return "\n".join(lines + (["", note] if note else []))
