@@ -38,7 +38,7 @@ Settings:
     64 bytes, a base model of 2,000 steps of 16. With learned absolute
     positions on 64-byte windows BERT does not learn this task within such
     a budget: it stays at the loss of the byte frequencies for at least
-    4,000 steps (pilots in results/README.md), where RoPE leaves it after
+    4,000 steps (pilot runs, described in results/README.md), where RoPE leaves it after
     about 300. So the APE twin reads windows of 32 bytes, with a base model
     of 4,000 steps of 32: it leaves the byte frequencies' loss after about
     2,000 steps (validation loss 3.30 nats at step 2,000, 3.01 at 4,000),
