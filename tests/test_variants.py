@@ -45,21 +45,28 @@ def test_a_variant_is_its_base_with_only_the_learned_study_fields_changed(varian
           != fingerprints.config_fields(configs[1], keyed))
 
 
-@pytest.mark.parametrize("variant", sorted(cpu_paper.RESIDUAL_VARIANTS))
-def test_a_residual_variant_is_its_bases_full_model_scope_with_the_orthogonal_residual(variant):
-  base, study = cpu_paper.RESIDUAL_VARIANTS[variant]
-  assert study == {"match_residual": "orthogonal", "circuit_path": True}
+@pytest.mark.parametrize("variant", sorted({**cpu_paper.RESIDUAL_VARIANTS,
+                                            **cpu_paper.REPAIR_VARIANTS}))
+def test_a_full_model_variant_is_its_bases_full_scope_with_only_its_fields_changed(variant):
+  base, study = cpu_paper.STUDY_VARIANTS[variant]
+  if variant in cpu_paper.RESIDUAL_VARIANTS:
+    assert study == {"match_residual": "orthogonal", "circuit_path": True}
   configs = [cpu_paper.get_config(name) for name in (variant, base)]
   fields = [dict(_leaves(c.to_dict())) for c in configs]
   changed = {k for k in fields[0].keys() | fields[1].keys() if fields[0].get(k) != fields[1].get(k)}
-  assert changed <= {".study.match_residual", ".study.circuit_path", ".reinit.scopes"}
-  assert configs[0].study.match_residual == "orthogonal"
+  assert {f".study.{k}" for k in study} <= changed <= {
+      *(f".study.{k}" for k in study), ".reinit.scopes"}
+  assert {k: configs[0].study[k] for k in study} == study
   assert tuple(configs[0].reinit.scopes) == ("full",) and "full" in configs[1].reinit.scopes
+  assert tuple(configs[0].study.methods) == tuple(configs[1].study.methods)
   assert (fingerprints.config_fields(configs[0], TRAINED_BY)
           == fingerprints.config_fields(configs[1], TRAINED_BY))
   assert os.path.exists(os.path.join(REPO, "results", base, "full", "results.json")), base
-  assert configs[0].model.family in ("gpt2", "vit")  # pre-LayerNorm streams: the O(d-1) factor
-  assert variant in cpu_paper.STUDY_VARIANTS and variant not in cpu_paper.ACCELERATOR_ONLY
+  if variant in cpu_paper.RESIDUAL_VARIANTS:  # pre-LayerNorm streams: the O(d-1) factor
+    assert configs[0].model.family in ("gpt2", "vit")
+  else:  # REPAIR's rule without biases: a family without them, with REPAIR
+    assert configs[0].model.family == "llama" and configs[0].study.repair
+  assert variant not in cpu_paper.ACCELERATOR_ONLY
 
 
 def test_each_base_is_a_committed_setting_with_the_learned_method():

@@ -186,6 +186,11 @@ Settings:
     on the circuit path (study.circuit_path: Theus et al.'s measure, for
     comparison only; docs/lmc.md). Llama's RMSNorm stream has its
     orthogonal residual already: lm_llama_wiki_full has no such variant.
+  repair_second_moment_llama_wiki_full: lm_llama_wiki_full's pairs with REPAIR
+    matching each channel's uncentred second moment where the family has no
+    bias to carry a mean (study.repair_no_bias = "second_moment") instead of
+    its standard deviation; every method with and without REPAIR, set against
+    the base's REPAIR on the same pairs (experiments/report/variants.py).
   control_vit_fashion_spawn: the positive control of the width sweep, at
     width 64: a base model trained 2,000 steps (its own warmup and cosine
     decay; about 2.4 epochs), then five children spawned from it (the
@@ -507,7 +512,8 @@ RESIDUAL_VARIANTS = {f"residual_{short}": (base, {"match_residual": "orthogonal"
 
 def _residual_variant(config: ml_collections.ConfigDict, base: str, study: dict) -> None:
   """``base``'s setting with ``study`` set, its full-model scope alone: every method of the
-  base, with and without REPAIR as there, on the base's pairs of that scope."""
+  base, with and without REPAIR as there, on the base's pairs of that scope (the residual and
+  the REPAIR variants)."""
   SETTINGS[base](config)
   config.reinit.scopes = ("full",)
   for name, value in study.items():
@@ -516,10 +522,16 @@ def _residual_variant(config: ml_collections.ConfigDict, base: str, study: dict)
 
 SETTINGS.update({name: (lambda c, base=base, study=study: _residual_variant(c, base, study))
                  for name, (base, study) in RESIDUAL_VARIANTS.items()})
+# REPAIR's rule for a family without biases (module docstring): variant -> (its base setting,
+# the study fields it sets); every method of the base, with and without REPAIR.
+REPAIR_VARIANTS = {"repair_second_moment_llama_wiki_full": ("lm_llama_wiki_full",
+                                                            {"repair_no_bias": "second_moment"})}
+SETTINGS.update({name: (lambda c, base=base, study=study: _residual_variant(c, base, study))
+                 for name, (base, study) in REPAIR_VARIANTS.items()})
 # Every variant that studies its base's trained runs again with other study fields: its
 # workdir starts as a copy of the base's (runner.seed_workdir), the claims judge the base
 # alone, and experiments/report/variants.py sets the two side by side pair by pair.
-STUDY_VARIANTS = {**LEARN_VARIANTS, **RESIDUAL_VARIANTS}
+STUDY_VARIANTS = {**LEARN_VARIANTS, **RESIDUAL_VARIANTS, **REPAIR_VARIANTS}
 
 
 def _spawn_control(config: ml_collections.ConfigDict) -> None:

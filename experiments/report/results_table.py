@@ -60,6 +60,9 @@ LEARNED_END = "<!-- end of learned variants -->"
 RESIDUAL_BEGIN = ("<!-- residual variants: written by experiments/reproduce.py --table from "
                   "experiments/report/variants.py; do not edit -->")
 RESIDUAL_END = "<!-- end of residual variants -->"
+REPAIR_BEGIN = ("<!-- repair variants: written by experiments/reproduce.py --table from "
+                "experiments/report/variants.py; do not edit -->")
+REPAIR_END = "<!-- end of repair variants -->"
 FROM_DATA_BEGIN = ("<!-- from data: written by experiments/reproduce.py --table from "
                    "experiments/report/from_data.py; do not edit -->")
 FROM_DATA_END = "<!-- end of from data -->"
@@ -262,7 +265,9 @@ def write(results_root: str) -> str:
   ``SWEEPS_END``, ``CONTROL_BEGIN`` and ``CONTROL_END``), the learned method's variants
   against their bases (``variants.table``, between ``LEARNED_BEGIN`` and ``LEARNED_END``),
   the O(d-1) residual against the permutation residual (``variants.table`` of
-  ``variants.RESIDUAL``, between ``RESIDUAL_BEGIN`` and ``RESIDUAL_END``), and the studies from data with and without REPAIR (``from_data.table``,
+  ``variants.RESIDUAL``, between ``RESIDUAL_BEGIN`` and ``RESIDUAL_END``), REPAIR's rule
+  without biases against the base's (``variants.REPAIR``, between ``REPAIR_BEGIN`` and
+  ``REPAIR_END``), and the studies from data with and without REPAIR (``from_data.table``,
   between ``FROM_DATA_BEGIN`` and ``FROM_DATA_END``), and the Table 1 settings over several
   base models (``bases.table``, between ``BASES_BEGIN`` and ``BASES_END``)."""
   for run in committed.runs(results_root, reruns=True):
@@ -285,6 +290,8 @@ def write(results_root: str) -> str:
   text = _replace_between(text, LEARNED_BEGIN, LEARNED_END, variants.table(results_root), path)
   text = _replace_between(text, RESIDUAL_BEGIN, RESIDUAL_END,
                           variants.table(results_root, variants.RESIDUAL), path)
+  text = _replace_between(text, REPAIR_BEGIN, REPAIR_END,
+                          variants.table(results_root, variants.REPAIR), path)
   text = _replace_between(text, FROM_DATA_BEGIN, FROM_DATA_END, from_data.table(results_root),
                           path)
   text = _replace_between(text, BASES_BEGIN, BASES_END, bases.table(results_root), path)

@@ -2,7 +2,7 @@
 
 A variant of ``cpu_paper.STUDY_VARIANTS`` is a committed setting (its base) with the base's
 trained runs, studied again with some study fields changed. Base and variant measure the same
-pairs of the same endpoints, so ``table`` sets them side by side pair by pair. Two families:
+pairs of the same endpoints, so ``table`` sets them side by side pair by pair. Three families:
 
 * ``LEARNED`` (``cpu_paper.LEARN_VARIANTS``): naive and the learned method alone, with the
   learned method's start (``study.learn_init``) or its lambda (``study.learn_lam_band``)
@@ -11,6 +11,9 @@ pairs of the same endpoints, so ``table`` sets them side by side pair by pair. T
   residual of the LayerNorm stream (``study.match_residual = "orthogonal"``) instead of the
   base's permutation, every method of the base; each method both runs hold but naive is
   compared.
+* ``REPAIR`` (``cpu_paper.REPAIR_VARIANTS``): the full-model scope with REPAIR's rule for a
+  family without biases changed (``study.repair_no_bias``); compared as ``RESIDUAL``, so that
+  each method's REPAIRed path ("naive+repair", ...) is set against the base's.
 
 Per variant, scope and compared method, with r_p the method's loss barrier of pair p in % of
 that pair's naive barrier (``report.ratio_pairs``):
@@ -57,6 +60,7 @@ class Family(NamedTuple):
 
 LEARNED = Family("the learned method", cpu_paper.LEARN_VARIANTS, ("learned",))
 RESIDUAL = Family("the O(d-1) residual", cpu_paper.RESIDUAL_VARIANTS, None)
+REPAIR = Family("REPAIR's rule without biases", cpu_paper.REPAIR_VARIANTS, None)
 
 
 class Comparison(NamedTuple):
