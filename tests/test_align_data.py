@@ -176,6 +176,26 @@ def test_repair_at_lambda_0_is_a(gpt2, tmp_path, capsys):
                              atol=1e-5 * np.abs(want).max())
 
 
+def test_repair_with_the_orthogonal_residual_keeps_a_at_lambda_0(gpt2, tmp_path, capsys):
+  """``--residual orthogonal --merge 0 --repair``: REPAIR reads the canonical, untied models
+  that the O(d - 1) residual aligns (the writers' means projected out, the gains folded), and
+  the merged model at lambda 0 still computes A's logits, written as an untied checkpoint."""
+  out = str(tmp_path / "out")
+  report, lines = _run(capsys, gpt2["a"], gpt2["independent"], "--out", out, "--method",
+                       "perm", "--residual", "orthogonal", "--merge", "0", "--repair",
+                       "--match-data", gpt2["text"], "--match-batches", "1")
+  assert report["untied_head"] and report["repair"] is True
+  assert set(report["merged"]) == {"lambda", "repair"}
+  assert any(line.startswith("REPAIRed merged model (lambda 0):") for line in lines)
+  model, merged = _load(os.path.join(out, "merged"))
+  a_model, a = _load(gpt2["a"])
+  assert not model.config.tied_embeddings and a_model.config.tied_embeddings
+  tokens = np.random.default_rng(1).integers(0, 64, (2, 16))
+  want = a_model.apply(a, tokens)[0]
+  np.testing.assert_allclose(model.apply(merged, tokens)[0], want, rtol=0,
+                             atol=1e-4 * np.abs(want).max())
+
+
 def test_vit_matches_and_repairs_on_an_image_folder(tmp_path, capsys):
   """A planted ViT pair: the image folder's images, in whole batches of 3, recover A; the
   REPAIRed merge of A with itself is A's merge (every channel's statistics already the
