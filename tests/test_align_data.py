@@ -176,6 +176,7 @@ def test_repair_at_lambda_0_is_a(gpt2, tmp_path, capsys):
                              atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_repair_with_the_orthogonal_residual_keeps_a_at_lambda_0(gpt2, tmp_path, capsys):
   """``--residual orthogonal --merge 0 --repair``: REPAIR reads the canonical, untied models
   that the O(d - 1) residual aligns (the writers' means projected out, the gains folded), and
