@@ -49,6 +49,13 @@ Statistics stream: one jitted pass per batch returns, per point, the batch's cou
 the host merges batches in float64 (Chan et al.'s pairwise update). A constant channel gives
 exactly zero variance. No activations are kept beyond one batch.
 
+Inside a trace (``repair_batch``, ``BatchRepair``): the same procedure on one batch, for a
+caller that repairs as part of a jitted, differentiated function (the learned method's
+objective with ``learn_repair``). The per-batch statistics (``_batch_moments``), the
+correction (``_solve``, written once for numpy and jax.numpy arrays) and the fold
+(``_fold``) are those of ``repair``; only the merge over batches (float64, on the host) and
+the checks that need concrete values (finite activations, the gaps) are the host's alone.
+
 This module imports jax and numpy only; the model (``models.Model``) is an argument.
 """
 
@@ -57,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,12 +86,13 @@ class Moments:
 
   Attributes:
     count: the number of positions counted (mask True; every position without a mask).
-    mean: [C] float64 channel means.
-    var: [C] float64 population variances.
+    mean: [C] channel means: float64 numpy from ``statistics``, jax arrays of the
+      activations' dtype inside ``repair_batch``.
+    var: [C] population variances, likewise.
   """
-  count: float
-  mean: np.ndarray
-  var: np.ndarray
+  count: Any
+  mean: Any
+  var: Any
 
   @property
   def std(self) -> np.ndarray:
@@ -151,32 +159,38 @@ def moments_fn(model: Any, names: Sequence[str]) -> Callable[..., dict[str, tupl
 
 @functools.lru_cache(maxsize=8)
 def _moments_fn(model: Any, names: tuple[str, ...]) -> Callable[..., dict[str, tuple]]:
-  """The jitted statistics of one batch: ``(params, inputs, mask, segments) -> {name: (n,
-  shift [C], mean [C], m2 [C])}``.
+  """``_batch_moments`` of (``model``, ``names``) jitted: ``(params, inputs, mask, segments)
+  -> {name: (n, shift, mean, m2)}``. One compilation serves every model of the same shapes
+  and dtypes."""
+  return jax.jit(functools.partial(_batch_moments, model, names))
 
-  For the intermediate x [..., C] of each name, over the positions with mask True (all when
-  mask is None): n the count, shift the first counted position's x, mean the mean of x - shift
-  and m2 the sum of squares of x - shift about it, in the activations' dtype. Pure; one
-  compilation serves every model of the same shapes and dtypes.
+
+def _batch_moments(model: Any, names: Sequence[str], params: Params, inputs: jax.Array,
+                   mask: jax.Array | None, segments: jax.Array | None
+                   ) -> dict[str, tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
+  """The statistics of one batch: ``{name: (n, shift [C], mean [C], m2 [C])}``.
+
+  For the intermediate x [..., C] of each name of ``model.apply(params, inputs, mask=mask,
+  segments=segments)``, over the positions with mask True (all when mask is None): n the
+  count, shift the first counted position's x, mean the mean of x - shift and m2 the sum of
+  squares of x - shift about it, in the activations' dtype. Pure and traceable: both
+  ``statistics`` (jitted, merged over batches on the host) and ``repair_batch`` (inside a
+  caller's trace) read it.
   """
-
-  def moments(params, inputs, mask, segments):
-    _, inter = model.apply(params, inputs, mask=mask, segments=segments)
-    out = {}
-    for name in names:
-      x = inter[name]
-      x = x.reshape(-1, x.shape[-1])
-      w = (jnp.ones(x.shape[:1], x.dtype) if mask is None
-           else jnp.reshape(mask, (-1,)).astype(x.dtype))
-      shift = x[jnp.argmax(w > 0)]
-      y = x - shift
-      n = jnp.sum(w)
-      mean = jnp.sum(w[:, None] * y, 0) / jnp.maximum(n, 1)
-      m2 = jnp.sum(w[:, None] * jnp.square(y - mean), 0)
-      out[name] = (n, shift, mean, m2)
-    return out
-
-  return jax.jit(moments)
+  _, inter = model.apply(params, inputs, mask=mask, segments=segments)
+  out = {}
+  for name in names:
+    x = inter[name]
+    x = x.reshape(-1, x.shape[-1])
+    w = (jnp.ones(x.shape[:1], x.dtype) if mask is None
+         else jnp.reshape(mask, (-1,)).astype(x.dtype))
+    shift = x[jnp.argmax(w > 0)]
+    y = x - shift
+    n = jnp.sum(w)
+    mean = jnp.sum(w[:, None] * y, 0) / jnp.maximum(n, 1)
+    m2 = jnp.sum(w[:, None] * jnp.square(y - mean), 0)
+    out[name] = (n, shift, mean, m2)
+  return out
 
 
 def _accumulate(fn: Callable[..., dict[str, tuple]], model: Any, params: Params,
@@ -219,11 +233,11 @@ def statistics(model: Any, params: Params, batches: Iterable[Any],
   return _accumulate(moments_fn(model, names), model, params, batches, names)
 
 
-def _flat(m: Moments, eps: float) -> np.ndarray:
+def _flat(m: Moments, eps: float, xp: Any = np) -> Any:
   """bool [C]: channels whose standard deviation is at the rounding level of the activations,
-  eps (|mean| + the point's RMS standard deviation), zero included."""
-  std = m.std
-  return std <= eps * (np.abs(m.mean) + np.sqrt(np.mean(m.var)))
+  eps (|mean| + the point's RMS standard deviation), zero included. ``xp``: numpy for host
+  ``Moments``, jax.numpy inside a trace (a comparison: no gradient flows through it)."""
+  return xp.sqrt(m.var) <= eps * (xp.abs(m.mean) + xp.sqrt(xp.mean(m.var)))
 
 
 def _check_finite(stats: Mapping[str, Moments], names: Sequence[str], which: str) -> None:
@@ -233,8 +247,15 @@ def _check_finite(stats: Mapping[str, Moments], names: Sequence[str], which: str
       raise ValueError(f"REPAIR: the activations at {name} of {which} are not finite")
 
 
-def _fold(params: Params, point: _Point, a: np.ndarray, c: np.ndarray | None) -> Params:
-  """``params`` with h -> a h + c at ``point`` folded into its writer (module docstring)."""
+def _check_no_bias(no_bias: Any) -> None:
+  if no_bias not in NO_BIAS_RULES:
+    raise ValueError(f"repair no_bias must be one of {', '.join(NO_BIAS_RULES)}, got "
+                     f"{no_bias!r}")
+
+
+def _fold(params: Params, point: _Point, a: Any, c: Any | None) -> Params:
+  """``params`` with h -> a h + c at ``point`` folded into its writer (module docstring); a
+  and c [C] are numpy or jax arrays (traced, inside ``repair_batch``)."""
   flat = dict(spec_lib.flatten(params))
   kernel = flat[point.kernel]
   dtype = kernel.dtype
@@ -251,30 +272,60 @@ def _fold(params: Params, point: _Point, a: np.ndarray, c: np.ndarray | None) ->
   return spec_lib.unflatten(flat)
 
 
-def _correction(ma: Moments, mb: Moments, ml: Moments, lam: float, degenerate: np.ndarray,
-                shift: bool, no_bias: str) -> tuple[np.ndarray, np.ndarray | None, dict]:
-  """(a [C], c [C] or None, gaps) of one point: the map h -> a h + c that moves the
-  interpolated model's channels (``ml``) to the targets interpolated from A's (``ma``) and B's
-  (``mb``) at ``lam`` (module docstring), identity on the ``degenerate`` channels. ``shift``:
-  the family has the bias that takes c (else c is None and ``no_bias`` says what a matches).
-  gaps: {"mean_gap", "scale_gap"}, the RMS over the moved channels of the repaired mean's and
-  standard deviation's distance to the targets, relative to sigma_t (0.0 for no channel;
-  "mean_gap" is 0 where the shift folds)."""
+class _Solved(NamedTuple):
+  """One point's correction (``_solve``), each [C]: the map h -> a h + c (c None where no bias
+  takes the shift), the channels left as they are, and the targets mu_t and sigma_t."""
+  a: Any
+  c: Any | None
+  degenerate: Any
+  mu_t: Any
+  sigma_t: Any
+
+
+def _solve(ma: Moments, mb: Moments, ml: Moments, lam: Any, eps: float, shift: bool,
+           no_bias: str, xp: Any = np) -> _Solved:
+  """The map h -> a h + c that moves the interpolated model's channels (``ml``) to the
+  targets interpolated from A's (``ma``) and B's (``mb``) at ``lam`` (module docstring),
+  identity (a = 1, c = 0) on the degenerate channels (``_flat`` at ``eps`` in A, B or the
+  interpolated model). ``shift``: the family has the bias that takes c (else c is None and
+  ``no_bias`` says what a matches).
+
+  The one implementation of the maths, array-generic: ``xp`` numpy on the host's float64
+  ``Moments`` (``repair``), jax.numpy inside a trace (``repair_batch``). A degenerate
+  channel's variances are replaced by 1 before any square root or division, so that its
+  value (a = 1, c = 0, as selected) and its gradient stay finite (no 0 x inf under
+  ``jax.grad``); the other channels' values are unchanged by it, bit for bit.
+  """
+  degenerate = _flat(ma, eps, xp) | _flat(mb, eps, xp) | _flat(ml, eps, xp)
+  safe = lambda x: xp.where(degenerate, 1.0, x)
+  std = lambda m: xp.sqrt(safe(m.var))
   mu_t = (1 - lam) * ma.mean + lam * mb.mean
-  sigma_t = (1 - lam) * ma.std + lam * mb.std
-  safe = lambda x: np.where(degenerate, 1.0, x)
+  sigma_t = (1 - lam) * std(ma) + lam * std(mb)
   if shift or no_bias == "std":
-    a = np.where(degenerate, 1.0, sigma_t / safe(ml.std))
+    a = xp.where(degenerate, 1.0, sigma_t / std(ml))
   else:
     second = lambda m: m.var + m.mean ** 2
-    a = np.where(degenerate, 1.0, np.sqrt(((1 - lam) * second(ma) + lam * second(mb))
-                                          / safe(second(ml))))
-  c = np.where(degenerate, 0.0, mu_t - a * ml.mean) if shift else None
+    a = xp.where(degenerate, 1.0, xp.sqrt(safe(((1 - lam) * second(ma) + lam * second(mb))
+                                                / safe(second(ml)))))
+  c = xp.where(degenerate, 0.0, mu_t - a * ml.mean) if shift else None
+  return _Solved(a, c, degenerate, mu_t, sigma_t)
+
+
+def _gaps(solved: _Solved, ml: Moments) -> dict[str, float]:
+  """{"mean_gap", "scale_gap"} of a point solved on the host (``_solve`` with numpy): the RMS
+  over the moved channels of the repaired mean's and standard deviation's distance to the
+  targets, relative to sigma_t (0.0 for no channel; "mean_gap" is 0 where the shift folds)."""
+  a, c, degenerate, mu_t, sigma_t = solved
   moved = ~degenerate
+  safe_sigma = np.where(degenerate, 1.0, sigma_t)
   rms = lambda x: float(np.sqrt(np.mean(x[moved] ** 2))) if moved.any() else 0.0
-  gaps = dict(zip(GAPS, (0.0 if shift else rms((a * ml.mean - mu_t) / safe(sigma_t)),
-                         rms((a * ml.std - sigma_t) / safe(sigma_t)))))
-  return a, c, gaps
+  return dict(zip(GAPS, (0.0 if c is not None else rms((a * ml.mean - mu_t) / safe_sigma),
+                         rms((a * ml.std - sigma_t) / safe_sigma))))
+
+
+def _eps(params: Params, point: _Point) -> float:
+  """The epsilon of the dtype of ``point``'s writer in ``params`` (``_flat``'s rounding)."""
+  return float(jnp.finfo(spec_lib.flatten(params)[point.kernel].dtype).eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,9 +403,7 @@ def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: 
   lam = float(lam)
   if not 0.0 <= lam <= 1.0:
     raise ValueError(f"repair lam must lie in [0, 1], got {lam}")
-  if no_bias not in NO_BIAS_RULES:
-    raise ValueError(f"repair no_bias must be one of {', '.join(NO_BIAS_RULES)}, got "
-                     f"{no_bias!r}")
+  _check_no_bias(no_bias)
   found = _points(model, points)
   names = [p.name for p in found]
   batches = list(batches)
@@ -374,12 +423,108 @@ def repair(model: Any, params_a: Params, params_b: Params, lam: float, batches: 
     stats = _accumulate(fn, model, params, batches, names)
     _check_finite(stats, [point.name], f"the interpolated model at lam = {lam}")
     ma, mb, ml = stats_a[point.name], stats_b[point.name], stats[point.name]
-    eps = float(jnp.finfo(spec_lib.flatten(params)[point.kernel].dtype).eps)
-    degenerate = _flat(ma, eps) | _flat(mb, eps) | _flat(ml, eps)
-    a, c, gaps = _correction(ma, mb, ml, lam, degenerate, point.bias is not None, no_bias)
-    params = _fold(params, point, a, c)
+    solved = _solve(ma, mb, ml, lam, _eps(params, point), point.bias is not None, no_bias)
+    params = _fold(params, point, solved.a, solved.c)
+    a, c, degenerate = solved.a, solved.c, solved.degenerate
     info[point.name] = {
         "channels": int(a.size), "corrected": int((~degenerate).sum()),
         "degenerate": int(degenerate.sum()), "shift_folded": c is not None,
-        "no_bias": no_bias, **gaps, "scale": a, "offset": np.zeros_like(a) if c is None else c}
+        "no_bias": no_bias, **_gaps(solved, ml), "scale": a,
+        "offset": np.zeros_like(a) if c is None else c}
   return params, info
+
+
+# ----------------------------------------------------------------------------- inside a trace
+
+
+def _batch_statistics(model: Any, params: Params, parts: tuple[Any, Any, Any],
+                      names: Sequence[str]) -> dict[str, Moments]:
+  """``Moments`` of ``names`` on one batch, (inputs, mask, segments) = ``parts``, as jax arrays
+  of the activations' dtype: ``_batch_moments`` combined as ``statistics`` combines one batch
+  (mean = shift + shifted mean, var = m2 / n). Traceable."""
+  out = {}
+  for name, (n, shift, mean, m2) in _batch_moments(model, names, params, *parts).items():
+    out[name] = Moments(n, shift + mean, m2 / jnp.maximum(n, 1))
+  return out
+
+
+def repair_batch(model: Any, params_a: Params, params_b: Params, params: Params, lam: Any,
+                 batch: Any, *, points: Sequence[str] = POINTS,
+                 no_bias: str = NO_BIAS_RULES[0]) -> Params:
+  """``params``, the interpolated model at ``lam``, REPAIRed on one batch: the procedure of
+  ``repair`` (the same ``_batch_moments``, ``_solve`` and ``_fold``) with every statistic
+  measured on ``batch`` alone, in the parameters' dtype, and no check that needs the host.
+
+  Pure and traceable (under ``jax.jit`` and ``jax.grad``): it is the REPAIR inside the
+  learned method's objective (``learn_repair``). Gradients flow through the statistics (of
+  B and of the interpolated model; A's have none), as through a batch normalisation's in
+  training: the value is the repaired model's, and so is its derivative. It runs
+  ``model.apply`` 2 + len(points) x depth times: A, B, then the interpolated model once per
+  point, each point measured with the earlier ones repaired. Activations that are not finite
+  are not refused here (no host check): they give a non-finite result, which the caller
+  sees (the learned method skips such a step). With ``batches=[batch]``, ``repair`` computes
+  the same parameters up to rounding (bit for bit in float64 but for the order of sums).
+
+  Args:
+    model: a ``models.Model``.
+    params_a, params_b: the endpoints (B aligned to A), nested like the model's parameters.
+    params: the interpolated model (1 - lam) params_a + lam params_b, as the caller forms it.
+    lam: the point of the path, a scalar (traced or not) in [0, 1].
+    batch: as ``statistics`` reads one: the inputs, or a mapping with them under "inputs" or
+      the model's input key, optional "mask" [B, T] and "segments".
+    points, no_bias: as ``repair``'s.
+
+  Returns:
+    The repaired parameters: the tree, shapes and dtypes of ``params``.
+  """
+  found = _points(model, points)
+  names = [p.name for p in found]
+  parts = _batch_parts(model, batch)
+  stats_a, stats_b = (_batch_statistics(model, p, parts, names) for p in (params_a, params_b))
+  for point in found:
+    ml = _batch_statistics(model, params, parts, [point.name])[point.name]
+    solved = _solve(stats_a[point.name], stats_b[point.name], ml, lam, _eps(params, point),
+                    point.bias is not None, no_bias, jnp)
+    params = _fold(params, point, solved.a, solved.c)
+  return params
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRepair:
+  """``repair_batch`` with its settings bound, for a caller that repairs inside its own trace
+  (the learned method: ``matching.learn_alignment``'s ``repair``). Hashable, so that it can
+  be a static argument of a compiled function: two are equal when they hold the same model
+  object, the same ``model_inputs`` object, rule and points.
+
+  Attributes:
+    model: a ``models.Model``.
+    model_inputs: ``batch -> `` what ``repair_batch`` reads of a batch (the inputs under
+      "inputs" or the model's input key, "mask", "segments"), traceable; None: the batch
+      itself. A caller's training batch may hold more than the model reads (a language
+      model's window of T + 1 tokens, of which it reads T).
+    no_bias: one of ``NO_BIAS_RULES`` (``repair``'s).
+    points: which of ``POINTS`` to repair in every layer.
+
+  Raises:
+    ValueError (on construction, before any work): an unknown rule or point, or a family with
+    nothing to fold a point into (``check_model``'s line).
+  """
+  model: Any
+  model_inputs: Callable[[Any], Any] | None = None
+  no_bias: str = NO_BIAS_RULES[0]
+  points: tuple[str, ...] = POINTS
+
+  def __post_init__(self):
+    _check_no_bias(self.no_bias)
+    object.__setattr__(self, "points", tuple(self.points))
+    if self.model_inputs is not None and not callable(self.model_inputs):
+      raise ValueError(f"repair model_inputs must be callable(batch) or None, got "
+                       f"{self.model_inputs!r}")
+    _points(self.model, self.points)
+
+  def __call__(self, params_a: Params, params_b: Params, params: Params, lam: Any,
+               batch: Any) -> Params:
+    """``repair_batch`` of ``params`` at ``lam`` on ``batch`` (read by ``model_inputs``)."""
+    batch = batch if self.model_inputs is None else self.model_inputs(batch)
+    return repair_batch(self.model, params_a, params_b, params, lam, batch,
+                        points=self.points, no_bias=self.no_bias)

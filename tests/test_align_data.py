@@ -415,7 +415,7 @@ def test_every_option_of_the_learned_method_runs_through_the_command(gpt2, tmp_p
             "init": "best", "refine": "final", "solver": "adam", "learn_init": "activation",
             "learn_lam_band": 10, "learn_schedule": "warmup_cosine", "learn_patience": 2,
             "factors": ["attention", "heads"], "learn_steps": 4, "learn_learning_rate": 0.02,
-            "learn_holdout_batches": 2}
+            "learn_holdout_batches": 2, "learn_repair": True}
   flags = [a for name, v in values.items()
            for a in (_check.flag(name), ",".join(v) if isinstance(v, list) else str(v))]
   heldout = _text(tmp_path / "heldout.txt", 192)
@@ -424,6 +424,8 @@ def test_every_option_of_the_learned_method_runs_through_the_command(gpt2, tmp_p
                    "--eval-text", heldout, *flags)
   assert {k: report["options"][k] for k in values} == values
   assert report["learned"]["steps"] <= 4 and report["learned"]["schedule"] == "warmup_cosine"
+  # --learn-repair true: the objective REPAIRed with the rule of --repair
+  assert report["learned"]["repair"] == {"no_bias": "std", "points": ["attention", "mlp"]}
 
 
 def test_spearman_is_scipys_with_ties():

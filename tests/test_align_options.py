@@ -88,7 +88,7 @@ def test_good_options_pass_without_reading_a_file(changes, no_file_access):
      r"unknown matching options \['lr', 'temperature'\]; known: distance, steps, learning_rate, "
      r"max_rounds, init, refine, solver, residual, learn_init, learn_lam_band, learn_schedule, "
      r"learn_patience, factors, learn_steps, learn_learning_rate, learn_uniform_lambda, "
-     r"learn_holdout_batches"),
+     r"learn_holdout_batches, learn_repair"),
     (dict(matching=dict(factors=("ffn",))),
      r"--factors chooses what --method learned trains; --method is 'full'"),
     (dict(method="learned", matching=dict(factors=("ffn", "norms"))),

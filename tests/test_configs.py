@@ -275,6 +275,7 @@ def test_fingerprint_groups_derive_from_the_schema():
                                            "study.match_residual": "permutation",
                                            "study.learn_schedule": "constant",
                                            "study.learn_patience": 0,
+                                           "study.learn_repair": False,
                                            "study.activation_batches": 8,
                                            "study.repair_no_bias": "std"}
   for field in config_schema.FIELDS:

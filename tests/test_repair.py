@@ -291,3 +291,64 @@ def test_refusals(x64):
   bare = types.SimpleNamespace(config=types.SimpleNamespace(family="meanpool", depth=1), spec=ffn)
   with pytest.raises(ValueError, match="REPAIR cannot fold into family 'meanpool'.*attention"):
     repair_lib.repair(bare, params_a, params_b, 0.5, batches)
+
+
+@pytest.mark.parametrize("family, rule", [("gpt2", "std"), ("llama", "second_moment")])
+def test_one_batch_inside_a_trace_is_repair_of_that_batch(x64, family, rule):
+  """``repair_batch``, jitted, on one batch: ``repair``'s parameters on that batch to float64
+  rounding (both run ``_solve``), a constant FFN unit (degenerate) included; its gradient is
+  finite there and agrees with a central difference along a direction that keeps the unit
+  constant (the gradient flows through the statistics)."""
+  model = models.build(family, "tiny", depth=1, width=16, num_heads=2, num_kv_heads=None,
+                       mlp_dim=24)
+  params_a, params_b = _params64(model, 0), _params64(model, 1)
+  flat = spec_lib.flatten(params_b)
+  up = "layers_0/mlp/" + ("up" if model.config.gated_mlp else "wi") + "/kernel"
+  flat[up] = flat[up].at[:, 3].set(0.0)  # unit 3 of B: constant
+  params_b = spec_lib.unflatten(flat)
+  (batch,) = _batches(model, num=1)
+  lam = 0.4
+  expected, info = repair_lib.repair(model, params_a, params_b, lam, [batch], no_bias=rule)
+  assert info["layers_0/mlp"]["degenerate"] == 1
+
+  def repaired(b):
+    return repair_lib.repair_batch(model, params_a, b, lmc.interpolate(params_a, b, lam), lam,
+                                   batch, no_bias=rule)
+
+  got = jax.jit(repaired)(params_b)
+  for path, value in spec_lib.flatten(expected).items():
+    np.testing.assert_allclose(spec_lib.flatten(got)[path], value, rtol=1e-12, atol=1e-14,
+                               err_msg=path)
+  loss = jax.jit(lambda b: jnp.sum(jnp.tanh(model.apply(repaired(b), batch)[0])))
+  grad = jax.grad(loss)(params_b)
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grad))
+  rng = np.random.default_rng(2)
+  direction = {p: rng.normal(size=x.shape) for p, x in flat.items()}
+  direction[up][:, 3] = 0.0  # unit 3 stays constant: its a = 1 is not moved off by the step
+  direction = spec_lib.unflatten(direction)
+  step = lambda t: jax.tree.map(lambda x, d: x + t * d, params_b, direction)
+  difference = (loss(step(1e-6)) - loss(step(-1e-6))) / 2e-6
+  analytic = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grad), jax.tree.leaves(direction)))
+  np.testing.assert_allclose(analytic, difference, rtol=1e-6)
+
+
+def test_a_batch_repair_is_checked_when_made_and_hashable():
+  """``BatchRepair`` refuses a bad rule or point and a family with nothing to fold into when
+  made; equal settings give equal (hashable) objects, a compiled step's static argument."""
+  model = models.build("gpt2", "tiny")
+  points = ["attention", "mlp"]  # a list: kept as a tuple, equal to the default
+  assert repair_lib.BatchRepair(model) == repair_lib.BatchRepair(model, None, "std", points)
+  assert len({repair_lib.BatchRepair(model), repair_lib.BatchRepair(model)}) == 1
+  assert repair_lib.BatchRepair(model) != repair_lib.BatchRepair(model, no_bias="second_moment")
+  with pytest.raises(ValueError, match="no_bias must be one of std, second_moment, got 'rms'"):
+    repair_lib.BatchRepair(model, no_bias="rms")
+  with pytest.raises(ValueError, match="repair points must be"):
+    repair_lib.BatchRepair(model, points=("residual",))
+  with pytest.raises(ValueError, match="model_inputs must be callable"):
+    repair_lib.BatchRepair(model, model_inputs="tokens")
+  ffn = spec_lib.SymmetrySpec({"layers_0/mlp": spec_lib.Factor(4)},
+                             {"layers_0/mlp/wo/kernel": ("layers_0/mlp", None)},
+                             writers={"layers_0/mlp": ("layers_0/mlp/wo/kernel", None)})
+  bare = types.SimpleNamespace(config=types.SimpleNamespace(family="meanpool", depth=1), spec=ffn)
+  with pytest.raises(ValueError, match="REPAIR cannot fold into family 'meanpool'.*attention"):
+    repair_lib.BatchRepair(bare)

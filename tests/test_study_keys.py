@@ -12,7 +12,8 @@ parameters' values, and every stage reads the same fields of any parameters. Wha
 reads when it is set up (which seeds, the data set, the model, the evaluation examples, the
 options of the compiled program that "perm", "ortho" and "full" share) is outside the stages;
 it reaches them through the fields every stage keys and the content hashes of the endpoints
-and of the evaluation examples. The module takes about 15 s on one core.
+and of the evaluation examples. The module takes about 30 s on one core (the "learned"
+stage compiles its REPAIRed objective too: study.learn_repair).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def study_config() -> ml_collections.ConfigDict:
   config.study.learn_lam_band = 10
   config.study.learn_schedule = "warmup_cosine"
   config.study.learn_patience = 1
+  config.study.learn_repair = True  # its objective REPAIRed, with repair_no_bias's rule
   config.study.repair_no_bias = "second_moment"
   config.study.activation_batches = 2
   config.study.noise_levels = (0.5,)
@@ -201,6 +203,9 @@ def test_every_field_a_stage_reads_is_keyed(recorded):
           "train.eval_batch_size", "study.learn_factors"} <= stages["learned"].reads
   assert {"seed", "study.noise_levels", "study.methods"} <= stages["robustness"].reads
   assert stages["perm"].reads == {"study.distance", "study.num_lambdas", "study.match_residual"}
+  # study.learn_repair: the learned objective REPAIRs with study.repair_no_bias's rule
+  assert "study.repair_no_bias" in stages["learned"].reads
+  assert stages["learned"].result["matching"]["learned"]["repair"]["no_bias"] == "second_moment"
   assert unkeyed_reads(stages) == {}
 
 

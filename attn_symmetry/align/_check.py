@@ -436,8 +436,9 @@ def _training_batches(options: Options, a: safetensors_io.Checkpoint, model: Mod
 
 
 def _check_repair(model: Model) -> None:
-  """Refuses ``--repair`` for a family with nothing to fold REPAIR's correction into (one line
-  naming the family: ``repair.repair``'s own check, run before any work)."""
+  """Refuses ``--repair``, and ``--learn-repair true`` (REPAIR inside the learned objective),
+  for a family with nothing to fold REPAIR's correction into (one line naming the family:
+  ``repair.repair``'s own check, run before any work)."""
   repair_lib.check_model(model)
 
 
@@ -478,7 +479,7 @@ def _inspect(path_a: str | os.PathLike, path_b: str | os.PathLike, options: Opti
       _check_residual(model, prefixes)
     if "factors" in options.matching:
       factors_in_scope(model, prefixes, options.matching["factors"])
-    if options.repair:
+    if options.repair or matching.REPAIR in options.needs:
       _check_repair(model)
     if matching.LOSS in options.needs:
       _check_task_loss(model, options.method)

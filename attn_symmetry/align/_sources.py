@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_symmetry import matching
+from attn_symmetry import repair as repair_lib
 from attn_symmetry import runtime
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.align import _eval_files, _function_check, _memory
@@ -124,9 +125,14 @@ def provide(inputs: Inputs, options: Options, needed: str, say: Callable[[str], 
   else the evaluation file's first half: ``_check.split_for_learning``), the held-out batches
   (that last quarter, or the evaluation file's next quarter), the key of ``--seed`` and a
   progress line to the stage.
+  ``REPAIR``: the model, whose training batches it reads as they are (their "inputs" and
+  "mask"), and REPAIR's default rule, the one ``--repair`` uses.
   """
   if needed == matching.ACTIVATIONS:
     return dict(activations=inputs.model.batch_activations, match_batches=inputs.match)
+  if needed == matching.REPAIR:
+    return dict(model=inputs.model, model_inputs=None,
+                repair_no_bias=repair_lib.NO_BIAS_RULES[0])
   metrics = _eval_files.metric_fn(inputs.model)
 
   def loss_fn(params, batch):

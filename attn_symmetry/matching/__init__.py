@@ -16,8 +16,9 @@ method "activation", every factor and site from the two models' activations.
   learn_alignment             an element's factors fitted to a task loss.
   register_method             a whole-model method of one's own, next to the built-in ones.
   INPUTS                      what a method may need beyond the weights (``ACTIVATIONS``,
-                              ``LOSS``): ``Method.needs`` says which, and a caller supplies
-                              them through one provider (``provided_arguments``).
+                              ``LOSS``, ``REPAIR``): ``Method.needs`` says which, and a
+                              caller supplies them through one provider
+                              (``provided_arguments``).
   MatchOptions                align_model's matching options, one field each: default, doc,
                               range (``AtLeast``, ``Positive``, ``OneOf``, ``SomeOf``, ``Flag``) and which
                               methods read it; ``OPTIONS`` its rows (``Option``). The align
@@ -46,8 +47,8 @@ stages of one computation, and ``align_model`` compiles one program for the thre
 starts from "full" and trains the factors in scope that ``factors`` names (QK
 and VO matrices, head and FFN permutations, the residual factor; all by
 default) on the task loss of the interpolated model (``learn_alignment``); ``learn_init``
-("full" or "activation") picks its start and ``learn_lam_band`` a band of lambda around
-1/2. "activation" (``align_model`` only) decides every factor and site from the two
+("full" or "activation") picks its start, ``learn_lam_band`` a band of lambda around
+1/2 and ``learn_repair`` fits it on the REPAIRed path (``repair.repair_batch``). "activation" (``align_model`` only) decides every factor and site from the two
 models' activations on ``match_batches`` (``activations(params, batch)``, keyed as
 ``ACTIVATION_KEYS`` says; ``Model.activations`` for the built-in families): correlations
 and the exact assignment for permutations, Procrustes for an orthogonal residual, and per
@@ -90,6 +91,7 @@ from attn_symmetry.matching._methods import ALIGN_OPTIONS
 from attn_symmetry.matching._methods import INPUTS
 from attn_symmetry.matching._methods import LOSS
 from attn_symmetry.matching._methods import METHODS
+from attn_symmetry.matching._methods import REPAIR
 from attn_symmetry.matching._methods import WEIGHTS
 from attn_symmetry.matching._methods import Method
 from attn_symmetry.matching._methods import provided_arguments

@@ -79,6 +79,32 @@ steps move away from it (the loss is invariant along the orbit of theta_A, so
 the identity correction is a stationary point of L, but not a minimum unless
 theta_A minimises the loss). The test split is never an argument.
 
+REPAIR in the objective. With ``repair`` (option ``learn_repair``, a
+``repair.BatchRepair`` of the model), every model on the path is REPAIRed on the batch
+it is evaluated on before its loss is taken, at every step and every held-out evaluation:
+
+    L(g_c; lambda, batch) = loss_fn(R_batch(theta(lambda)), batch),
+    theta(lambda) = (1 - lambda) theta_A + lambda (g_c . g0 . theta_B),
+
+R_batch the REPAIR of ``repair.repair_batch``: on the batch itself, the statistics of
+theta_A, of g_c . g0 . theta_B and of the interpolated model at every repair point (each
+point measured with the earlier ones repaired), the correction that ``repair.repair``
+computes (the same code, ``repair._solve``, and REPAIR's ``no_bias`` rule) folded into the
+writers. The element is then fitted to the path that is evaluated with REPAIR after
+learning (the study's ``<method>+repair``), not to the plain path. The held-out barrier that
+picks the iterate is the REPAIRed path's too, each held-out batch repaired on its own
+statistics (at lambda 0 and 1 REPAIR is the identity: the endpoints are unchanged).
+Gradients flow through the statistics (of g . theta_B and of the interpolated model;
+theta_A's have none), as through a batch normalisation's in training: the step descends
+the function whose value it reports and whose held-out barrier picks the iterate. Held
+fixed (stop_gradient), the step would descend the loss of the model with the correction
+frozen, which credits a change of a channel's scale or offset that the next REPAIR undoes
+and misses how a change of g moves the targets. Each loss then costs 2 + P forward passes
+more (P = 2 x depth points; A, B, then the interpolated model once per point), and the
+step their backward passes. The statistics are one batch's, not those of the batches that
+REPAIR reads after learning (``study.activation_batches``), as a batch normalisation's in
+training are.
+
 Parameters in half precision are cast to float32 for all of it (the element
 comes back in float32, as the full method's does); the loss is evaluated on
 those float32 parameters. One compiled step and one compiled evaluation per
@@ -87,7 +113,7 @@ is keyed by the loss function object, so pass the same function for every
 pair (not a new lambda or ``functools.partial`` per call).
 
 This module imports jax, numpy and optax only (and the standard library's
-logging, for progress).
+logging, for progress; ``repair``, which takes the model as an argument).
 """
 
 from __future__ import annotations
@@ -105,6 +131,7 @@ import numpy as np
 import optax
 
 from attn_symmetry import group_action
+from attn_symmetry import repair as repair_lib
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _correction
@@ -123,6 +150,7 @@ WARMUP_FRACTION = 0.1  # of the step budget: the warm-up of "warmup_cosine"
 
 Params = dict[str, Any]
 LossFn = Callable[[Params, Any], jax.Array]
+Repair = repair_lib.BatchRepair  # REPAIR inside the objective (module docstring)
 log = logging.getLogger(__name__)
 
 
@@ -132,7 +160,7 @@ log = logging.getLogger(__name__)
 def check_options(*, loss_fn: Any, batches: Any, holdout_batches: Any, steps: Any,
                   learning_rate: Any, lam: Any, key: Any, eval_every: Any, progress: Any,
                   lam_band: Any = 0.0, schedule: Any = OPTIONS["schedule"],
-                  patience: Any = OPTIONS["patience"]) -> None:
+                  patience: Any = OPTIONS["patience"], repair: Any = None) -> None:
   """ValueError naming the argument that cannot work (before any computation)."""
   if not callable(loss_fn):
     raise ValueError("method 'learned' needs loss_fn(params, batch) -> scalar, a pure JAX loss; "
@@ -176,6 +204,9 @@ def check_options(*, loss_fn: Any, batches: Any, holdout_batches: Any, steps: An
                      f"{schedule!r}")
   if not isinstance(patience, (int, np.integer)) or isinstance(patience, bool) or patience < 0:
     raise ValueError(f"patience must be a non-negative integer, got {patience!r}")
+  if repair is not None and not isinstance(repair, Repair):
+    raise ValueError("repair must be a repair.BatchRepair (the model and REPAIR's rule) or None, "
+                     f"got {repair!r}")
 
 
 def learning_rates(schedule: str, learning_rate: float, steps: int) -> np.ndarray:
@@ -212,10 +243,16 @@ class _Data(NamedTuple):
   start: tuple[tuple[jax.Array, jax.Array], ...]  # per site group, g0's (A0, B0) [S, K, H, H]
 
 
-def _interpolate(params: Params, data: _Data, lam: jax.Array, plan: _correction.Plan) -> Params:
-  """(1 - lam) theta_A + lam (g_c . g0 . theta_B), nested like the parameters."""
+def _interpolate(params: Params, data: _Data, lam: jax.Array, plan: _correction.Plan,
+                 batch: Any = None, repair: Repair | None = None) -> Params:
+  """(1 - lam) theta_A + lam (g_c . g0 . theta_B), nested like the parameters; with
+  ``repair``, that model REPAIRed on ``batch`` (module docstring, 'REPAIR in the
+  objective')."""
   moved = _correction.act(data.b, params, plan)
-  return spec_lib.unflatten({p: (1 - lam) * a + lam * moved[p] for p, a in data.a.items()})
+  mixed = spec_lib.unflatten({p: (1 - lam) * a + lam * moved[p] for p, a in data.a.items()})
+  if repair is None:
+    return mixed
+  return repair(spec_lib.unflatten(data.a), spec_lib.unflatten(moved), mixed, lam, batch)
 
 
 class _State(NamedTuple):
@@ -227,16 +264,16 @@ class _State(NamedTuple):
 
 def _step(state: _State, data: _Data, batch: Any, key: jax.Array, step: jax.Array,
           learning_rate: jax.Array, lam: jax.Array, limit: jax.Array, *, loss_fn: LossFn,
-          plan: _correction.Plan, uniform: bool, band: float
+          plan: _correction.Plan, uniform: bool, band: float, repair: Repair | None
           ) -> tuple[_State, jax.Array, jax.Array]:
-  """One guarded optimiser step on the interpolated loss (module docstring); (state, loss,
-  skipped)."""
+  """One guarded optimiser step on the interpolated loss, REPAIRed on the batch with
+  ``repair`` (module docstring); (state, loss, skipped)."""
   if uniform:
     lam = jax.random.uniform(jax.random.fold_in(key, step), (), lam.dtype)
   elif band:
     lam = jax.random.uniform(jax.random.fold_in(key, step), (), lam.dtype, lam - band,
                              lam + band)
-  objective = lambda q: loss_fn(_interpolate(q, data, lam, plan), batch)
+  objective = lambda q: loss_fn(_interpolate(q, data, lam, plan, batch, repair), batch)
   loss, grad = jax.value_and_grad(objective)(state.params)
   updates, opt_state = _correction.optimizer(learning_rate).update(grad, state.opt_state,
                                                                    state.params)
@@ -254,17 +291,18 @@ def _step(state: _State, data: _Data, batch: Any, key: jax.Array, step: jax.Arra
 
 
 def _holdout(params: Params, data: _Data, batch: Any, lam: jax.Array, *, loss_fn: LossFn,
-             plan: _correction.Plan) -> jax.Array:
-  """The interpolated loss on one batch at ``lam`` (a scalar of its dtype)."""
-  return loss_fn(_interpolate(params, data, lam, plan), batch).astype(lam.dtype)
+             plan: _correction.Plan, repair: Repair | None) -> jax.Array:
+  """The interpolated loss on one batch at ``lam`` (a scalar of its dtype), REPAIRed on that
+  batch with ``repair``."""
+  return loss_fn(_interpolate(params, data, lam, plan, batch, repair), batch).astype(lam.dtype)
 
 
 def _loss(params: Params, batch: Any, *, loss_fn: LossFn) -> jax.Array:
   return loss_fn(params, batch)
 
 
-_step_jit = jax.jit(_step, static_argnames=("loss_fn", "plan", "uniform", "band"))
-_holdout_jit = jax.jit(_holdout, static_argnames=("loss_fn", "plan"))
+_step_jit = jax.jit(_step, static_argnames=("loss_fn", "plan", "uniform", "band", "repair"))
+_holdout_jit = jax.jit(_holdout, static_argnames=("loss_fn", "plan", "repair"))
 _loss_jit = jax.jit(_loss, static_argnames="loss_fn")
 
 
@@ -310,11 +348,14 @@ def _prepare(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
 
 
 def _mean_holdout(params: Params, data: _Data, batches: Sequence[Any], lams: Sequence[float],
-                  dtype, *, loss_fn: LossFn, plan: _correction.Plan) -> np.ndarray:
-  """The interpolated loss at each of ``lams`` averaged over ``batches`` (each read once)."""
+                  dtype, *, loss_fn: LossFn, plan: _correction.Plan,
+                  repair: Repair | None) -> np.ndarray:
+  """The interpolated loss at each of ``lams`` averaged over ``batches`` (each read once),
+  each point REPAIRed on the batch it is evaluated on with ``repair``."""
   lams = [jnp.asarray(x, dtype) for x in lams]
-  return np.mean([[np.asarray(_holdout_jit(params, data, b, x, loss_fn=loss_fn, plan=plan),
-                              np.float64) for x in lams] for b in batches], axis=0)
+  return np.mean([[np.asarray(_holdout_jit(params, data, b, x, loss_fn=loss_fn, plan=plan,
+                                           repair=repair), np.float64)
+                   for x in lams] for b in batches], axis=0)
 
 
 def _check_function(aligned: Params, params_b: Params, batch: Any, dtype: Any, *,
@@ -355,8 +396,8 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
                     key: jax.Array | None = None,
                     eval_every: int | None = None,
                     progress: Callable[[dict[str, Any]], None] | None = None,
-                    schedule: str = OPTIONS["schedule"], patience: int = OPTIONS["patience"]
-                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+                    schedule: str = OPTIONS["schedule"], patience: int = OPTIONS["patience"],
+                    repair: Repair | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
   """Trains the ``factors`` of ``names`` from ``start`` (module docstring).
 
   Args:
@@ -396,6 +437,9 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
     progress: called at every held-out evaluation with {"step", "steps", "train_loss" (mean
       since the last call), "holdout_loss", "holdout_barrier", "best_holdout_barrier",
       "skipped", "seconds"}; the same line goes to ``logging`` (INFO).
+    repair: a ``repair.BatchRepair`` of the model that ``params_a`` belongs to: every loss,
+      of the steps and of the held-out evaluations, is that of the interpolated model
+      REPAIRed on its own batch (module docstring, 'REPAIR in the objective'); None: not.
 
   Returns:
     (element, info): the element for ``group_action.apply_model`` on ``params_b`` (folded if
@@ -406,7 +450,8 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
     {"loss" (mean over the interior lambdas), "barrier", "endpoints" (the losses at lambda 0
     and 1)}, "best_step" (0: the start), "curve" ([(step, held-out barrier)] of every
     evaluation, the start's first), "stopped" (by patience before the budget), "schedule",
-    "patience", "lambda", "function_check" (``_check_function``), "seconds"}; or
+    "patience", "lambda", "function_check" (``_check_function``), "seconds", and with
+    ``repair`` "repair": {"no_bias", "points"}}; or
     info["learned"] = {"factors": [], "sites": [], "steps": 0, "note"} when ``names`` is
     empty (``start`` is returned, no batch is read).
 
@@ -417,7 +462,8 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
   """
   check_options(loss_fn=loss_fn, batches=batches, holdout_batches=holdout_batches, steps=steps,
                 learning_rate=learning_rate, lam=lam, key=key, eval_every=eval_every,
-                progress=progress, lam_band=lam_band, schedule=schedule, patience=patience)
+                progress=progress, lam_band=lam_band, schedule=schedule, patience=patience,
+                repair=repair)
   element, info = start
   _check_names(spec, names)
   trained, info = _correction.resolve(spec, names, factors), dict(info)
@@ -425,7 +471,26 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
     info["learned"] = {"factors": [], "sites": [], "steps": 0,
                        "note": "no symmetry in scope: the start element is returned"}
     return element, info
+  element, info = _fit(spec, params_a, params_b, element, info, names=names, trained=trained,
+                       loss_fn=loss_fn, batches=batches, holdout_batches=holdout_batches,
+                       rates=learning_rates(schedule, learning_rate, steps), lam=lam,
+                       lam_band=lam_band, key=key, eval_every=eval_every, progress=progress,
+                       patience=patience, repair=repair)
+  info["learned"] |= {"schedule": schedule, "patience": patience}
+  return element, info
 
+
+def _fit(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
+         element: dict[str, Any], info: dict[str, Any], *, names: Sequence[str],
+         trained: Sequence[str], loss_fn: LossFn, batches: Iterable[Any],
+         holdout_batches: Sequence[Any], rates: np.ndarray, lam: float | str, lam_band: float,
+         key: jax.Array | None, eval_every: int | None,
+         progress: Callable[[dict[str, Any]], None] | None, patience: int,
+         repair: Repair | None) -> tuple[dict[str, Any], dict[str, Any]]:
+  """``learn_alignment`` once its options are checked and the ``trained`` factors resolved
+  (non-empty): the models cast (and folded), the steps at ``rates`` from the identity
+  correction, the best iterate composed with ``element``, B's function checked. Returns
+  (element, info), info["learned"] from ``_summary``."""
   begin = time.perf_counter()
   params_a, params_b = _upcast(spec, params_a, params_b, bool(info.get("folded_norm_scales")))
   plan = _correction.plan(spec, names, trained, spec_lib.flatten(params_a))
@@ -434,17 +499,16 @@ def learn_alignment(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Par
   params = _correction.init(plan, dtype)
   tracker = _Tracker(params, data, holdout_batches,
                      UNIFORM_HOLDOUT_LAMBDAS if lam == UNIFORM else (lam,), dtype, loss_fn, plan,
-                     steps, begin, progress)
-  run = _train(params, data, plan, tracker, batches, dtype,
-               rates=learning_rates(schedule, learning_rate, steps), patience=patience, lam=lam,
-               lam_band=lam_band, key=key, eval_every=eval_every, loss_fn=loss_fn)
+                     len(rates), begin, progress, repair)
+  run = _train(params, data, plan, tracker, batches, dtype, rates=rates, patience=patience,
+               lam=lam, lam_band=lam_band, key=key, eval_every=eval_every, loss_fn=loss_fn,
+               repair=repair)
   element = _correction.compose(tracker.best, plan, element)
   moved = _apply_moving(spec, params_b, element)
   check = _check_function(moved, params_b, holdout_batches[0], dtype, loss_fn=loss_fn)
   info["distance"] = _distances(info.get("distance", {}), data, moved)
   info["learned"] = _summary(names, trained, plan, tracker, run, lam=lam, lam_band=lam_band,
-                             check=check, begin=begin) | {"schedule": schedule,
-                                                          "patience": patience}
+                             check=check, begin=begin, repair=repair)
   return element, info
 
 
@@ -470,12 +534,12 @@ def _upcast(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, fol
 def _train(params: Params, data: _Data, plan: _correction.Plan, tracker: _Tracker,
            batches: Iterable[Any], dtype: Any, *, rates: np.ndarray, patience: int,
            lam: float | str, lam_band: float, key: jax.Array | None, eval_every: int | None,
-           loss_fn: LossFn) -> tuple[int, int, bool]:
+           loss_fn: LossFn, repair: Repair | None) -> tuple[int, int, bool]:
   """The guarded Adam steps (``_step``) from the correction ``params`` on ``batches``
-  (``learn_alignment``'s arguments), step i at learning rate ``rates[i]`` (the budget is
-  len(rates) steps), ``tracker`` evaluating the iterate every ``eval_every`` steps and after
-  the last; with ``patience`` > 0, the steps end once that many evaluations in a row set no
-  new best (``_Tracker.stale``).
+  (``learn_alignment``'s arguments, ``repair`` among them), step i at learning rate
+  ``rates[i]`` (the budget is len(rates) steps), ``tracker`` evaluating the iterate every
+  ``eval_every`` steps and after the last; with ``patience`` > 0, the steps end once that
+  many evaluations in a row set no new best (``_Tracker.stale``).
 
   Returns:
     (the steps taken: the budget, or fewer if the batches run out or patience ends it; the
@@ -502,7 +566,8 @@ def _train(params: Params, data: _Data, plan: _correction.Plan, tracker: _Tracke
                        "batch shape (drop or pad the remainder)")
     state, loss, skip = _step_jit(state, data, batch, key, jnp.int32(i),
                                   jnp.asarray(rates[i], dtype), loss_fn=loss_fn, plan=plan,
-                                  uniform=uniform, band=float(lam_band), **options)
+                                  uniform=uniform, band=float(lam_band), repair=repair,
+                                  **options)
     tracker.losses.append(loss)
     skipped, taken = skipped + skip, i + 1
     if taken % eval_every == 0 or taken == steps:
@@ -520,12 +585,13 @@ def _train(params: Params, data: _Data, plan: _correction.Plan, tracker: _Tracke
 
 def _summary(names: Sequence[str], trained: Sequence[str], plan: _correction.Plan,
              tracker: _Tracker, run: tuple[int, int, bool], *, lam: float | str,
-             lam_band: float, check: dict[str, float], begin: float) -> dict[str, Any]:
+             lam_band: float, check: dict[str, float], begin: float,
+             repair: Repair | None) -> dict[str, Any]:
   """info["learned"] of a training (``learn_alignment``'s Returns): the ``trained`` factors,
   the sites and ``names`` trained (``plan``'s), the ``run`` of ``_train`` (steps taken,
   skipped, stopped by patience), the
   ``tracker``'s held-out results, ``lam`` (and ``lam_band`` when not 0), the function
-  ``check`` and the seconds since ``begin``."""
+  ``check``, the seconds since ``begin`` and, with ``repair``, its rule and points."""
   trained_names = [*plan.site_names, *(n for g in plan.factors for n in g.names)]
   taken, skipped, stopped = run
   learned = {"factors": list(trained), "sites": list(plan.site_names),
@@ -538,6 +604,8 @@ def _summary(names: Sequence[str], trained: Sequence[str], plan: _correction.Pla
              "seconds": time.perf_counter() - begin}
   if lam_band:
     learned["lambda_band"] = lam_band
+  if repair is not None:
+    learned["repair"] = {"no_bias": repair.no_bias, "points": list(repair.points)}
   return learned
 
 
@@ -546,14 +614,17 @@ class _Tracker:
 
   The endpoints' held-out losses are measured once, with the start (``params``): they are the
   same for every iterate (module docstring). An iterate becomes the best when its held-out
-  barrier is below the best one by more than sqrt(eps) of the endpoints' losses.
+  barrier is below the best one by more than sqrt(eps) of the endpoints' losses. With
+  ``repair``, every held-out loss is the REPAIRed model's, each batch repaired on its own
+  statistics (at lambda 0 and 1 REPAIR is the identity, so the endpoints are the same).
   """
 
   def __init__(self, params: Params, data: _Data, holdout_batches: Sequence[Any],
                lams: Sequence[float], dtype: Any, loss_fn: LossFn, plan: _correction.Plan,
-               steps: int, begin: float, progress: Callable[[dict[str, Any]], None] | None):
+               steps: int, begin: float, progress: Callable[[dict[str, Any]], None] | None,
+               repair: Repair | None):
     self._losses_at = lambda q, xs: _mean_holdout(q, data, holdout_batches, xs, dtype,
-                                                  loss_fn=loss_fn, plan=plan)
+                                                  loss_fn=loss_fn, plan=plan, repair=repair)
     self._lams, self._steps, self._begin, self._progress = lams, steps, begin, progress
     curve = self._losses_at(params, (0.0, *lams, 1.0))
     self._ends = (curve[0], curve[-1])
@@ -602,7 +673,8 @@ def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
           batches: Iterable[Any] | None = None, holdout_batches: Iterable[Any] | None = None,
           activations: Any = None, match_batches: Sequence[Any] | None = None,
           key: jax.Array | None = None, eval_every: int | None = None,
-          progress: Callable[[dict[str, Any]], None] | None = None,
+          progress: Callable[[dict[str, Any]], None] | None = None, model: Any = None,
+          model_inputs: Callable[[Any], Any] | None = None, repair_no_bias: str | None = None,
           **matching) -> tuple[dict[str, Any], dict[str, Any]]:
   """Method "learned" (``align_model(method="learned")``): checks every option, then runs
   its start, the method that ``learn_init`` names ("full" or "activation", with every option
@@ -610,7 +682,9 @@ def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
   ``learn_alignment`` from it: ``learn_steps`` steps at ``learn_learning_rate``, lambda 1/2
   (from U(0, 1) with ``learn_uniform_lambda``; a band of ``learn_lam_band`` hundredths around
   1/2), the best iterate chosen on the first ``learn_holdout_batches`` of
-  ``holdout_batches``, the rate following ``learn_schedule``, stopped by ``learn_patience``.
+  ``holdout_batches``, the rate following ``learn_schedule``, stopped by ``learn_patience``;
+  with ``learn_repair``, every loss on the path REPAIRed (``_path_repair``: ``model``,
+  ``model_inputs`` and ``repair_no_bias``, the input ``_methods.REPAIR``).
 
   ``matching``: every matching option (``MatchOptions``); the rest as ``learn_alignment``,
   whose spec is ``_model.residual_spec`` under ``residual`` (the start's element's group).
@@ -625,7 +699,9 @@ def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
                  steps=o.learn_steps, learning_rate=o.learn_learning_rate,
                  lam=UNIFORM if o.learn_uniform_lambda else OPTIONS["lam"],
                  lam_band=o.learn_lam_band / 100, key=key, eval_every=eval_every,
-                 progress=progress, schedule=o.learn_schedule, patience=o.learn_patience)
+                 progress=progress, schedule=o.learn_schedule, patience=o.learn_patience,
+                 repair=_path_repair(o.learn_repair, model, model_inputs, repair_no_bias,
+                                     params_a))
   check_options(**options)
   names = _model.active_names(spec, scope)
   _correction.resolve(spec, names, o.factors)
@@ -637,7 +713,29 @@ def align(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params, *,
                          factors=o.factors, **options)
 
 
+def _path_repair(learn_repair: bool, model: Any, model_inputs: Callable[[Any], Any] | None,
+                 no_bias: str | None, params_a: Params) -> Repair | None:
+  """The ``repair.BatchRepair`` of option ``learn_repair`` (None when it is False): ``model``,
+  the ``models.Model`` of the parameters, its ``model_inputs`` and REPAIR's rule ``no_bias``
+  (None: ``repair.repair``'s default).
+
+  Raises:
+    ValueError: before any work: no ``model``; an unknown rule; a family with nothing to fold
+      REPAIR into (``repair.check_model``'s line); parameters that do not fit the model.
+  """
+  if not learn_repair:
+    return None
+  if model is None:
+    raise ValueError("learn_repair=True fits the element on the REPAIRed path: pass model, the "
+                     "models.Model that the parameters belong to (and model_inputs, "
+                     "repair_no_bias: the input 'repair')")
+  repair = Repair(model, model_inputs, repair_lib.NO_BIAS_RULES[0] if no_bias is None else no_bias)
+  model.check_params(params_a)
+  return repair
+
+
 _methods.register_built_in(
     "learned", align, inputs=(_methods.LOSS,), arguments=("eval_every",),
-    when=(_methods.When("learn_init", "activation", (_methods.ACTIVATIONS,)),),
+    when=(_methods.When("learn_init", "activation", (_methods.ACTIVATIONS,)),
+          _methods.When("learn_repair", True, (_methods.REPAIR,))),
     doc="its start's element trained on the loss of the interpolated model")

@@ -37,11 +37,17 @@ Align = Callable[..., tuple[dict[str, Any], dict[str, Any]]]
 #   LOSS: ``loss_fn(params, batch)`` -> a scalar, ``batches`` (an iterable of training
 #     batches), ``holdout_batches`` (an iterable of held-out batches), ``key`` (a
 #     ``jax.random`` key, for what the method draws at random) and ``progress`` (called
-#     with a dict of figures at each evaluation; may be None).
+#     with a dict of figures at each evaluation; may be None);
+#   REPAIR: what REPAIRs a model of the path on a batch of the loss's (``repair.BatchRepair``):
+#     ``model`` (the ``models.Model`` that the parameters belong to), ``model_inputs`` (batch
+#     -> what the model reads of it, traceable; None: the batch itself) and
+#     ``repair_no_bias`` (REPAIR's rule, one of ``repair.NO_BIAS_RULES``; None: its default).
 ACTIVATIONS = "activations"
 LOSS = "loss"
+REPAIR = "repair"
 INPUTS = {ACTIVATIONS: ("activations", "match_batches"),
-          LOSS: ("loss_fn", "batches", "holdout_batches", "key", "progress")}
+          LOSS: ("loss_fn", "batches", "holdout_batches", "key", "progress"),
+          REPAIR: ("model", "model_inputs", "repair_no_bias")}
 # How the align command can read a method's models a group of leaves at a time
 # (``Method.streamed``): WEIGHTS by ``align_model_streamed``, ACTIVATIONS by
 # ``align_activations_streamed`` (both models run a group of leaves at a time).

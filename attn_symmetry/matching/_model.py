@@ -735,6 +735,9 @@ def align_model(spec: spec_lib.SymmetrySpec, params_a: Params, params_b: Params,
       built-in methods:
     loss_fn, batches, holdout_batches, lam, key, eval_every, progress: for "learned"
       (``learn_alignment``).
+    model, model_inputs, repair_no_bias: for "learned" with ``learn_repair`` (the input
+      ``matching.REPAIR``): the ``models.Model`` of the parameters, what it reads of a
+      training batch (None: the batch itself) and REPAIR's rule (None: "std").
     activations, match_batches: for "activation", and "learned" from it:
       ``activations(params, batch) -> {key: array}`` keyed by the spec's names
       (``matching.ACTIVATION_KEYS``; ``Model.activations``), pure and jittable, and the

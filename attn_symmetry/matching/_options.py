@@ -256,6 +256,10 @@ class MatchOptions:
   learn_holdout_batches: int = option(
       4, "held-out batches on which 'learned' picks its best iterate (the first that many)",
       AtLeast(1), methods=_LEARNED)
+  learn_repair: bool = option(
+      False, "'learned' fits its element on the REPAIRed path: the loss of every step, and the "
+      "held-out barrier that picks the iterate, are those of the interpolated model REPAIRed "
+      "on that batch (with the caller's REPAIR rule)", Flag(), methods=_LEARNED)
 
 
 @dataclasses.dataclass(frozen=True)

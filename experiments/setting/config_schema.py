@@ -264,7 +264,7 @@ class Role(enum.Enum):
 EVERY_STAGE = "every stage"
 LOSS = matching.LOSS
 ROBUSTNESS = "robustness"
-REPAIR = "repair"
+REPAIR = matching.REPAIR
 ACTIVATIONS = matching.ACTIVATIONS
 DATA = "data"
 STUDY_READERS = {
@@ -272,7 +272,8 @@ STUDY_READERS = {
     LOSS: "the study stages of the methods that train on a loss (their paths and the "
           "robustness check)",
     ROBUSTNESS: "the study's robustness check",
-    REPAIR: "the study stages of each method's path with REPAIR (study.repair)",
+    REPAIR: "the study stages of each method's path with REPAIR (study.repair), and those of "
+            "the methods that REPAIR inside their objective ('learned' with learn_repair)",
     ACTIVATIONS: "the study stages of the methods that read activations",
     DATA: "the study through its data readers (keyed by the examples' content, not by value)",
 }
@@ -360,6 +361,7 @@ _STUDY_OPTIONS = {
     "residual": dict(unkeyed_default="permutation"),
     "learn_schedule": dict(unkeyed_default="constant"),
     "learn_patience": dict(unkeyed_default=0),
+    "learn_repair": dict(unkeyed_default=False),
 }
 
 
@@ -501,7 +503,8 @@ FIELDS: tuple[Field, ...] = (
           Role.STUDY,
           "what REPAIR's scale matches at a point with no bias to take the shift (Llama): "
           "'std' (REPAIR's rule) or 'second_moment' (the uncentred E[x^2]); "
-          "attn_symmetry.repair.repair's no_bias", study=(REPAIR,), unkeyed_default="std"),
+          "attn_symmetry.repair.repair's no_bias; also the rule of 'learned' with "
+          "study.learn_repair", study=(REPAIR,), unkeyed_default="std"),
     Field("study.circuit_path", False, _BOOLEAN, Role.NOT_KEYED,
           "also measure each method's aligned pair on the circuit path, a comparison measure "
           "(attn_symmetry.circuit_path: each head's circuits W_Q W_K^T and W_V W_O "

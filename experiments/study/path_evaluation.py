@@ -75,6 +75,18 @@ def mean_loss(model) -> Callable[[Params, Mapping[str, Any]], jax.Array]:
   return _LOSSES[model.config]
 
 
+_MODEL_INPUTS: dict[Any, Callable] = {}
+
+
+def model_inputs(model) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+  """batch -> ``evaluation.model_inputs(model, batch)``, what the model reads of a training
+  batch (REPAIR inside a method's objective, ``matching.REPAIR``), traceable; one function
+  object per model config, as ``mean_loss``."""
+  if model.config not in _MODEL_INPUTS:
+    _MODEL_INPUTS[model.config] = functools.partial(evaluation.model_inputs, model)
+  return _MODEL_INPUTS[model.config]
+
+
 class PathEvaluator:
   """Loss and accuracy along interpolation paths on a fixed evaluation set.
 

@@ -434,11 +434,16 @@ class ScopeStudy:
     pair's own; the held-out batches of its validation slice; a key of the pair's own; a
     progress line in the log. The evaluation examples are not read, unless
     ``study.eval_split`` shares records with these slices (``learned_overlap``, which the
-    result records and summary.md reports).
+    result records and summary.md reports). ``REPAIR``: the model, what it reads of a
+    training batch (``path_evaluation.model_inputs``) and ``study.repair_no_bias``'s rule, the
+    one that the REPAIRed paths (``study.repair``) use.
     """
     if needed == matching.ACTIVATIONS:
       return dict(activations=self.model.batch_activations,
                   match_batches=self._activation_batches())
+    if needed == matching.REPAIR:
+      return dict(model=self.model, model_inputs=path_evaluation.model_inputs(self.model),
+                  repair_no_bias=self.config.study.repair_no_bias)
 
     def progress(line):
       log.info("%s seed %d-%d %s: step %d/%d, train loss %.4f, held-out barrier %.4f "
