@@ -34,10 +34,15 @@ import pytest
 # test over the workers, so that no worker is left with all of them at the end of the run.
 SPREAD_OVER_WORKERS = frozenset({"test_colabs.py", "test_learned.py",
                                  "test_streamed_alignment.py"})
-# Files that hold a test of several minutes: handed out first (a spread file test by test), so
-# that the run does not end with one worker on such a test and the other idle (xdist hands out
-# the files with the most tests first, these hold few).
-RUN_FIRST = ("test_processes.py", "test_reproduce.py", "test_streamed_alignment.py")
+# The longest units, longest first (measured on an idle 2-core AMD EPYC, `--durations`): handed
+# out before every other unit (a spread file test by test), so that the run ends on short units
+# and no worker idles while the other finishes a long one. xdist hands out the files with the
+# most tests first, and these hold few: unsorted, the few-test end-to-end files made the tail.
+# The longest unit first, whatever the rest: the "longest processing time first" rule.
+RUN_FIRST = ("test_processes.py", "test_colabs.py", "test_reproduce.py",
+             "test_streamed_alignment.py", "test_study.py", "test_accelerator_sweep.py",
+             "test_learned.py", "test_train.py", "test_extending.py", "test_stopping.py",
+             "test_device_check.py", "test_tiers.py", "test_layer_norm_residual.py")
 
 
 def xdist_scope(nodeid: str) -> str:
@@ -47,14 +52,20 @@ def xdist_scope(nodeid: str) -> str:
   return nodeid if os.path.basename(path) in SPREAD_OVER_WORKERS else path
 
 
+def run_first_rank(scope: str) -> int:
+  """A unit's place in ``RUN_FIRST`` (its file's), ``len(RUN_FIRST)`` for the other units."""
+  name = os.path.basename(scope.split("::", 1)[0])
+  return RUN_FIRST.index(name) if name in RUN_FIRST else len(RUN_FIRST)
+
+
 def pytest_xdist_make_scheduler(config, log):
   """``--dist loadfile`` with the files of ``SPREAD_OVER_WORKERS`` spread test by test.
 
   xdist's own ``--dist loadgroup`` (an ``xdist_group`` mark per file) no longer groups under
   pytest 9.2, where a test's node id cannot be renamed: every test went to whichever worker was
   free, and both workers set up (and trained) the module fixtures of most files. The scheduler
-  groups node ids itself (``xdist_scope``), and hands out the files of ``RUN_FIRST`` first;
-  tests/test_tiers.py checks that it groups."""
+  groups node ids itself (``xdist_scope``), and hands out the units of ``RUN_FIRST`` first, in
+  its order (``run_first_rank``); tests/test_tiers.py checks that it groups."""
   if config.getvalue("dist") != "loadfile":
     return None
   from xdist.scheduler import LoadFileScheduling  # pylint: disable=import-outside-toplevel
@@ -64,10 +75,9 @@ def pytest_xdist_make_scheduler(config, log):
       return xdist_scope(nodeid)
 
     def _assign_work_unit(self, node) -> None:
-      for scope in self.workqueue:
-        if os.path.basename(scope.split("::", 1)[0]) in RUN_FIRST:
-          self.workqueue.move_to_end(scope, last=False)
-          break
+      first = min(self.workqueue, key=run_first_rank)
+      if run_first_rank(first) < len(RUN_FIRST):
+        self.workqueue.move_to_end(first, last=False)
       super()._assign_work_unit(node)
 
   return FileScheduling(config, log)

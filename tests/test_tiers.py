@@ -27,6 +27,9 @@ def test_each_file_is_one_unit_but_the_spread_ones():
   spread = f"tests/{sorted(conftest.SPREAD_OVER_WORKERS)[0]}::test_c[p]"
   assert conftest.xdist_scope(spread) == spread
   assert set(conftest.RUN_FIRST) <= set(os.listdir(os.path.join(ROOT, "tests")))
+  ranks = [conftest.run_first_rank(f"tests/{name}::test_x") for name in conftest.RUN_FIRST]
+  assert ranks == list(range(len(conftest.RUN_FIRST)))  # in its order, the longest first
+  assert conftest.run_first_rank("tests/test_no_such_file.py") == len(conftest.RUN_FIRST)
 
 
 def test_the_commands_use_the_suites_scheduler():
