@@ -311,11 +311,15 @@ def test_scope_prose_quotes_the_committed_paired_differences():
 @pytest.mark.slow
 def test_table_command_rewrites_the_committed_readme_byte_for_byte(tmp_path):
   """``reproduce.py --table`` on a copy of results/ leaves its README as committed, and puts
-  the generated table back between the markers after the table text was changed."""
+  the generated table and the learned curves' block back between their markers after their
+  text was changed: every other block and the hand-written text stay byte for byte."""
   root = tmp_path / "results"
   shutil.copytree(os.path.join(REPO, "results"), root, ignore=shutil.ignore_patterns("*.png"))
   committed = (root / "README.md").read_bytes()
-  (root / "README.md").write_bytes(committed.replace(b"| table1_vit_mnist_ape |", b"| x |"))
+  begin, end = (m.encode() for m in (results_table.LEARNED_CURVES_BEGIN,
+                                     results_table.LEARNED_CURVES_END))
+  head, rest = committed.replace(b"| table1_vit_mnist_ape |", b"| x |").split(begin, 1)
+  (root / "README.md").write_bytes(head + begin + b"\nx\n" + end + rest.split(end, 1)[1])
   done = subprocess.run([sys.executable, "experiments/reproduce.py", "--table",
                          f"--results={root}"], cwd=REPO, capture_output=True, text=True,
                         env=dict(os.environ, PYTHONPATH=REPO))

@@ -9,7 +9,9 @@ nothing is typed in. It also writes the verdict on each of the paper's claims
 (``claims.verdict_table``), the findings that open the README
 (``claims.findings``), the width sweep and its positive control
 (``regime.py``), the learned method from other starts and lambda schemes and the
-full-model rows with the O(d-1) residual, each against its base (``variants.py``), and every method with and without REPAIR in the full-model
+full-model rows with the O(d-1) residual, each against its base (``variants.py``), the
+learned method's held-out barrier against its steps, one pair per row
+(``learned_curves.py``), and every method with and without REPAIR in the full-model
 studies from data (``from_data.py``), and the Table 1 settings over several base
 models (``bases.py``).
 Before that it restates each committed run (``restate``): what its reports derive
@@ -29,6 +31,7 @@ from experiments.report import bases
 from experiments.report import claims
 from experiments.report import committed
 from experiments.report import from_data
+from experiments.report import learned_curves
 from experiments.report import regime
 from experiments.report import report
 from experiments.report import variants
@@ -57,6 +60,9 @@ CONTROL_END = "<!-- end of positive control -->"
 LEARNED_BEGIN = ("<!-- learned variants: written by experiments/reproduce.py --table from "
                  "experiments/report/variants.py; do not edit -->")
 LEARNED_END = "<!-- end of learned variants -->"
+LEARNED_CURVES_BEGIN = ("<!-- learned curves: written by experiments/reproduce.py --table from "
+                        "experiments/report/learned_curves.py; do not edit -->")
+LEARNED_CURVES_END = "<!-- end of learned curves -->"
 RESIDUAL_BEGIN = ("<!-- residual variants: written by experiments/reproduce.py --table from "
                   "experiments/report/variants.py; do not edit -->")
 RESIDUAL_END = "<!-- end of residual variants -->"
@@ -264,6 +270,8 @@ def write(results_root: str) -> str:
   ``regime.control_table``, between ``WIDTH_BEGIN`` and ``WIDTH_END``, ``SWEEPS_BEGIN`` and
   ``SWEEPS_END``, ``CONTROL_BEGIN`` and ``CONTROL_END``), the learned method's variants
   against their bases (``variants.table``, between ``LEARNED_BEGIN`` and ``LEARNED_END``),
+  the learned method's held-out barrier against its steps (``learned_curves.table``, between
+  ``LEARNED_CURVES_BEGIN`` and ``LEARNED_CURVES_END``),
   the O(d-1) residual against the permutation residual (``variants.table`` of
   ``variants.RESIDUAL``, between ``RESIDUAL_BEGIN`` and ``RESIDUAL_END``), REPAIR's rule
   without biases against the base's (``variants.REPAIR``, between ``REPAIR_BEGIN`` and
@@ -288,6 +296,8 @@ def write(results_root: str) -> str:
   text = _replace_between(text, CONTROL_BEGIN, CONTROL_END, regime.control_table(results_root),
                           path)
   text = _replace_between(text, LEARNED_BEGIN, LEARNED_END, variants.table(results_root), path)
+  text = _replace_between(text, LEARNED_CURVES_BEGIN, LEARNED_CURVES_END,
+                          learned_curves.table(results_root), path)
   text = _replace_between(text, RESIDUAL_BEGIN, RESIDUAL_END,
                           variants.table(results_root, variants.RESIDUAL), path)
   text = _replace_between(text, REPAIR_BEGIN, REPAIR_END,
