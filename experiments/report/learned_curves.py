@@ -29,8 +29,9 @@ None (n/a) when b(s_q) is 0 or s_q is the last evaluation.
 Scopes of the learned method whose pairs hold no curve (runs stored before the curve was
 saved) are named in one note under the table. ``table`` writes the markdown (the block of
 ``results/README.md`` that ``results_table.write`` fills); ``plot`` draws one panel per row
-(``python -m experiments.report.learned_curves`` writes ``results/learned_curves.png`` when a
-committed run holds a curve).
+(``python experiments/reproduce.py --table`` writes ``results/learned_curves.png`` with the
+README, when a committed run holds a curve; ``python -m experiments.report.learned_curves``
+writes the figure alone).
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def table(results_root: str) -> str:
            "best step | ended by | held-out barrier at the start (nats) | at the best step | "
            "at the end | change over the last quarter |", "|" + "---|" * 12]
   lines += [_cells(r) for r in found]
-  lines += ["", f"Figure: [{FIGURE}]({FIGURE}) (`python -m experiments.report.learned_curves`)."]
+  lines += ["", f"Figure: [{FIGURE}]({FIGURE})."]
   return "\n".join(lines + (["", note] if note else []))
 
 

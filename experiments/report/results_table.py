@@ -271,7 +271,7 @@ def write(results_root: str) -> str:
   ``SWEEPS_END``, ``CONTROL_BEGIN`` and ``CONTROL_END``), the learned method's variants
   against their bases (``variants.table``, between ``LEARNED_BEGIN`` and ``LEARNED_END``),
   the learned method's held-out barrier against its steps (``learned_curves.table``, between
-  ``LEARNED_CURVES_BEGIN`` and ``LEARNED_CURVES_END``),
+  ``LEARNED_CURVES_BEGIN`` and ``LEARNED_CURVES_END``, and its figure, ``learned_curves.plot``),
   the O(d-1) residual against the permutation residual (``variants.table`` of
   ``variants.RESIDUAL``, between ``RESIDUAL_BEGIN`` and ``RESIDUAL_END``), REPAIR's rule
   without biases against the base's (``variants.REPAIR``, between ``REPAIR_BEGIN`` and
@@ -298,6 +298,7 @@ def write(results_root: str) -> str:
   text = _replace_between(text, LEARNED_BEGIN, LEARNED_END, variants.table(results_root), path)
   text = _replace_between(text, LEARNED_CURVES_BEGIN, LEARNED_CURVES_END,
                           learned_curves.table(results_root), path)
+  learned_curves.plot(results_root, os.path.join(results_root, learned_curves.FIGURE))
   text = _replace_between(text, RESIDUAL_BEGIN, RESIDUAL_END,
                           variants.table(results_root, variants.RESIDUAL), path)
   text = _replace_between(text, REPAIR_BEGIN, REPAIR_END,
