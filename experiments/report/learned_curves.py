@@ -193,8 +193,7 @@ def plot(results_root: str, path: str) -> str | None:
   axes[0].legend(fontsize=6)
   for ax in axes[len(found):]:
     ax.set_visible(False)
-  fig.suptitle("learned method: held-out barrier against steps, one pair per setting and scope",
-               fontsize=9)
+  fig.suptitle("learned method: held-out barrier\nagainst steps, one pair per row", fontsize=8)
   fig.tight_layout()
   atomic_io.save_figure(fig, path, dpi=100)
   return path
