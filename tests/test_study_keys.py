@@ -264,24 +264,30 @@ def test_a_field_names_known_study_stages_only():
     config_schema.study_keyed("no such stage")
 
 
-def test_the_activation_and_repair_stages_key_every_field_they_read(tmp_path, monkeypatch):
-  """The "activation" method reads training batches; with ``study.repair`` each method has a
-  second stage, its REPAIRed path, which reads them too besides the method's own fields; each
-  is keyed."""
+
+def _small_study(tmp_path, monkeypatch, **study_fields) -> dict:
+  """The stages ``run_scope`` records for ``study_config`` with ``study_fields`` set, without the
+  ablation, the Stage 1 distances and the noise check, on untrained endpoints."""
   config = study_config()
-  config.study.methods = ("naive", "full", "activation")
   config.study.permutation_ablation = False
   config.study.distances = ()
   config.study.noise_levels = ()
-  config.study.repair = True
-  config.study.activation_batches = 2
+  for name, value in study_fields.items():
+    config.study[name] = value
   config = RecordingConfig(config)
   model = inputs.create_model(config)
   checkpoints = {f"reinit/{SCOPE}/seed_{s}": model.init(jax.random.key(s))
                  for s in config.reinit.seeds}
   batches = path_evaluation.evaluation_examples(config, config.dataset.name)
   evaluator = path_evaluation.PathEvaluator(model, batches, chunk_size=1, bits_per_byte=False)
-  stages = run_scope(config, model, evaluator, checkpoints, str(tmp_path), monkeypatch)
+  return run_scope(config, model, evaluator, checkpoints, str(tmp_path), monkeypatch)
+
+def test_the_activation_and_repair_stages_key_every_field_they_read(tmp_path, monkeypatch):
+  """The "activation" method reads training batches; with ``study.repair`` each method has a
+  second stage, its REPAIRed path, which reads them too besides the method's own fields; each
+  is keyed."""
+  stages = _small_study(tmp_path, monkeypatch, methods=("naive", "full", "activation"),
+                        repair=True, activation_batches=2)
   assert set(stages) == {"naive", "full", "activation", "naive+repair", "full+repair",
                          "activation+repair"}
   assert {"study.activation_batches", "dataset.train_split", "train.batch_size"} <= (
@@ -308,19 +314,8 @@ def test_the_circuit_path_stages_key_the_methods_fields(tmp_path, monkeypatch):
   path, keyed by the method's fields and reading no other; its ends are the method's, and
   "perm" and "ortho", whose elements differ in the GL(H) matrices alone on the first
   attention layer, give the same circuit path (circuit space quotients them out)."""
-  config = study_config()
-  config.study.methods = ("naive", "perm", "ortho")
-  config.study.permutation_ablation = False
-  config.study.distances = ()
-  config.study.noise_levels = ()
-  config.study.circuit_path = True
-  config = RecordingConfig(config)
-  model = inputs.create_model(config)
-  checkpoints = {f"reinit/{SCOPE}/seed_{s}": model.init(jax.random.key(s))
-                 for s in config.reinit.seeds}
-  batches = path_evaluation.evaluation_examples(config, config.dataset.name)
-  evaluator = path_evaluation.PathEvaluator(model, batches, chunk_size=1, bits_per_byte=False)
-  stages = run_scope(config, model, evaluator, checkpoints, str(tmp_path), monkeypatch)
+  stages = _small_study(tmp_path, monkeypatch, methods=("naive", "perm", "ortho"),
+                        circuit_path=True)
   assert set(stages) == {"naive", "perm", "ortho", "naive+circuit", "perm+circuit",
                          "ortho+circuit"}
   assert stages["perm+circuit"].reads == stages["perm"].reads
