@@ -65,10 +65,21 @@ def test_a_file_stays_on_one_worker_and_sets_up_its_fixtures_once(tmp_path):
 
       """) + "".join(f"def test_{i}(made):\n  _log('test')\n  time.sleep(0.2)\n\n"
                      for i in range(6))
+  # A test of the spread file waits (20 s at most) until the other worker runs one too, so
+  # that the check does not depend on how fast the workers are: on a loaded machine one worker
+  # could otherwise run the whole file while the other still runs its first unit.
+  spread_module = module.replace("  time.sleep(0.2)\n", textwrap.indent(textwrap.dedent(f"""
+      deadline = time.time() + 20
+      while time.time() < deadline:
+        with open({str(log)!r}) as f:
+          if len({{w for k, n, w in (l.split() for l in f) if k == "test" and n == __name__}}) > 1:
+            break
+        time.sleep(0.05)
+      """), "  "))
   names = ["test_a", "test_b", "test_c", os.path.splitext(conftest.RUN_FIRST[0])[0],
            os.path.splitext(sorted(conftest.SPREAD_OVER_WORKERS)[0])[0]]
   for name in names:
-    (tests / f"{name}.py").write_text(module)
+    (tests / f"{name}.py").write_text(spread_module if name == names[-1] else module)
   proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadfile", "-q",
                          "-p", "no:cacheprovider", str(tests)],
                         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT),
