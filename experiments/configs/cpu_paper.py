@@ -510,7 +510,7 @@ RESIDUAL_VARIANTS = {f"residual_{short}": (base, {"match_residual": "orthogonal"
                      for short, base in RESIDUAL_BASES.items()}
 
 
-def _residual_variant(config: ml_collections.ConfigDict, base: str, study: dict) -> None:
+def _full_scope_variant(config: ml_collections.ConfigDict, base: str, study: dict) -> None:
   """``base``'s setting with ``study`` set, its full-model scope alone: every method of the
   base, with and without REPAIR as there, on the base's pairs of that scope (the residual and
   the REPAIR variants)."""
@@ -520,14 +520,12 @@ def _residual_variant(config: ml_collections.ConfigDict, base: str, study: dict)
     config.study[name] = value
 
 
-SETTINGS.update({name: (lambda c, base=base, study=study: _residual_variant(c, base, study))
-                 for name, (base, study) in RESIDUAL_VARIANTS.items()})
 # REPAIR's rule for a family without biases (module docstring): variant -> (its base setting,
 # the study fields it sets); every method of the base, with and without REPAIR.
 REPAIR_VARIANTS = {"repair_second_moment_llama_wiki_full": ("lm_llama_wiki_full",
                                                             {"repair_no_bias": "second_moment"})}
-SETTINGS.update({name: (lambda c, base=base, study=study: _residual_variant(c, base, study))
-                 for name, (base, study) in REPAIR_VARIANTS.items()})
+SETTINGS.update({name: (lambda c, base=base, study=study: _full_scope_variant(c, base, study))
+                 for name, (base, study) in {**RESIDUAL_VARIANTS, **REPAIR_VARIANTS}.items()})
 # Every variant that studies its base's trained runs again with other study fields: its
 # workdir starts as a copy of the base's (runner.seed_workdir), the claims judge the base
 # alone, and experiments/report/variants.py sets the two side by side pair by pair.
