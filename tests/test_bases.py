@@ -12,6 +12,7 @@ import pytest
 from experiments.configs import cpu_paper
 from experiments.report import bases
 from experiments.report import claims
+from experiments.report import report
 from experiments.report import seed_statistics as ss
 
 
@@ -127,6 +128,23 @@ def test_the_table_sets_base_level_verdicts_beside_the_one_base_ones(tmp_path):
   _commit_bases(tmp_path / "two", setting, [9.0, 10.0])
   two = bases.table(str(tmp_path / "two"))
   assert "not committed" in two and "(2 bases)" in two
+
+
+def test_a_base_under_the_ratio_floor_gives_no_ratio_and_its_rank_still_counts(tmp_path):
+  """A base whose mean naive barrier is under report.RATIO_FLOOR has no value for the claims
+  that divide by it (a ratio of float32 noise, not 0 %): the interval runs over the other
+  bases; the rank, which divides by nothing, keeps all three."""
+  setting = "table1_vit_mnist_ape"
+  _commit_bases(tmp_path, setting, [9.0, 10.0, 11.0])
+  results = tmp_path / cpu_paper.table1_base_setting(setting, 2) / "first_attention" / "results.json"
+  res = json.loads(results.read_text())
+  res["methods"] = {"naive": {"loss_barrier_mean": report.RATIO_FLOOR / 4}}
+  results.write_text(json.dumps(res))
+  rows = {line.split(" | ")[1]: line.split(" | ") for line in bases.table(str(tmp_path)).splitlines()[2:]}
+  for key in ("full-range", "variant2-range", "full-below-variant2", "variant1-high", "lhat-near-0"):
+    assert rows[key][3] == f"no ratio: naive under {report.RATIO_FLOOR}", rows[key]
+    assert rows[key][5].endswith("(2 bases)"), rows[key]
+  assert rows["rank-low"][3].endswith("(4 seeds)") and rows["rank-low"][5].endswith("(3 bases)")
 
 
 def test_the_readme_holds_the_generated_table():

@@ -149,6 +149,7 @@ class BaseClaim(NamedTuple):
   bounds: ss.Bounds | None
   decide: Decide
   unit: str
+  over_naive: bool = True  # divides by the naive barrier: no value under report.RATIO_FLOOR
 
 
 BASE_CLAIMS: tuple[BaseClaim, ...] = (
@@ -161,7 +162,8 @@ BASE_CLAIMS: tuple[BaseClaim, ...] = (
     BaseClaim("variant1-high", _ratio("perm"), None,
               lambda e, r, g: claims.side_verdict(e, claims.VARIANT1_HIGH, False, r), " %"),
     BaseClaim("rank-low", _ablation("loss_rank"), claims.RANK_BOUNDS,
-              lambda e, r, g: claims.side_verdict(e, g(claims.RANDOM_RANK), True, r), ""),
+              lambda e, r, g: claims.side_verdict(e, g(claims.RANDOM_RANK), True, r), "",
+              over_naive=False),
     BaseClaim("lhat-near-0", _ablation("loss_lhat"), claims.LHAT_BOUNDS,
               lambda e, r, g: claims.side_verdict(e, g(claims.LHAT_NEAR_ZERO), True, r), " %"),
 )
@@ -196,12 +198,24 @@ class BaseRow(NamedTuple):
   judged: claims.Judged
   one_base: claims.Row | None
   per_base: dict[int, ss.Interval | None]  # base -> its seed-level interval (inside the bounds)
+  floored: set[int]  # the bases under the ratio floor (``under_the_floor``)
+
+
+def under_the_floor(claim: BaseClaim, res: dict) -> bool:
+  """Whether ``claim`` divides by a base's naive barrier whose mean is under
+  ``report.RATIO_FLOOR``: the base then has no value for it (a ratio of float32 noise)."""
+  return claim.over_naive and report.below_floor(res.get("methods", {})) is not None
+
+
+def _base_pairs(claim: BaseClaim, res: dict) -> list[ss.Pair]:
+  """What ``claim`` reads from one base's results; none under the floor."""
+  return [] if under_the_floor(claim, res) else claim.pairs(res) or []
 
 
 def _base_interval(claim: BaseClaim, res: dict) -> ss.Interval | None:
   """One base's estimate with its seed-level interval, inside ``claim.bounds`` where it has
   them."""
-  pairs = claim.pairs(res) or []
+  pairs = _base_pairs(claim, res)
   if claim.bounds is None:
     return ss.jackknife(pairs)
   bounded = ss.bounded_jackknife(pairs, claim.bounds)
@@ -223,7 +237,7 @@ def _base_rows(results_root: str, rules: claims.Rules) -> list[BaseRow]:
       continue
     results = [run.results(claims.FIRST) for _, run in found]
     for claim in BASE_CLAIMS:
-      level = two_stage([claim.pairs(res) or [] for res in results], claim.bounds)
+      level = two_stage([_base_pairs(claim, res) for res in results], claim.bounds)
       if level is None:
         judged = claims.Judged(f"n/a: fewer than {MIN_BASES} bases with an interval", claims.NA,
                                None, claims.NA)
@@ -234,7 +248,9 @@ def _base_rows(results_root: str, rules: claims.Rules) -> list[BaseRow]:
       rows.append(BaseRow(setting, claim.key, level, judged,
                           one_base.get(f"{claim.key}-{setting}".replace("_", "-")),
                           {base: _base_interval(claim, res) for (base, _), res in
-                           zip(found, results)}))
+                           zip(found, results)},
+                          {base for (base, _), res in zip(found, results)
+                           if under_the_floor(claim, res)}))
   return rows
 
 
@@ -254,8 +270,10 @@ def _one_base(row: claims.Row | None) -> str:
 def _cells(row: BaseRow, unit: str, bases: Sequence[int]) -> list[str]:
   """Each base's estimate (by ``bases``), the two-stage interval and the components."""
   level = row.level
-  per_base = ["not committed" if b not in row.per_base else "n/a" if row.per_base[b] is None
-              else _show(row.per_base[b], unit) for b in bases]
+  per_base = ["not committed" if b not in row.per_base
+              else f"no ratio: naive under {report.RATIO_FLOOR}" if b in row.floored
+              else "n/a" if row.per_base[b] is None else _show(row.per_base[b], unit)
+              for b in bases]
   if level is None:
     return [*per_base, row.judged.estimate, "", ""]
   over = (f"{level.estimate:.1f}{unit} [{level.low:.1f}, {level.high:.1f}] "
