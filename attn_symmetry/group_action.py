@@ -40,6 +40,7 @@ This module imports jax and numpy only.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -130,17 +131,31 @@ def rope_commutant(ab: jax.Array, rest: jax.Array | None,
     [..., H, H] matrix C with R_k C = C R_k for every k.
   """
   head_dim = spec_lib.check_site(site).head_dim
-  pairs = site.rope_pairs()
-  a, b = ab[..., 0], ab[..., 1]
-  c = jnp.zeros((*ab.shape[:-2], head_dim, head_dim), ab.dtype)
-  i, j = pairs[:, 0], pairs[:, 1]
-  c = c.at[..., i, i].set(a).at[..., j, j].set(a).at[..., i, j].set(b).at[..., j, i].set(-b)
-  unrotated = np.setdiff1d(np.arange(head_dim), pairs.reshape(-1))
-  if len(unrotated):
+  lead = ab.shape[:-2]
+  parts = [ab[..., 0], ab[..., 1], -ab[..., 1]]
+  if head_dim > site.rotary_dims():
     if rest is None:
-      raise ValueError(f"partial rotary leaves {len(unrotated)} dims unrotated; pass `rest`")
-    c = c.at[..., unrotated[:, None], unrotated[None, :]].set(rest)
-  return c
+      raise ValueError(f"partial rotary leaves {head_dim - site.rotary_dims()} dims unrotated; "
+                       "pass `rest`")
+    parts.append(jnp.broadcast_to(rest, (*lead, *rest.shape[-2:])).reshape(*lead, -1))
+  parts.append(jnp.zeros((*lead, 1), ab.dtype))
+  return jnp.concatenate(parts, axis=-1)[..., _commutant_index(site)]
+
+
+@functools.lru_cache(maxsize=None)
+def _commutant_index(site: spec_lib.AttentionSite) -> np.ndarray:
+  """[H, H] index into (a_0..a_P-1, b_0..b_P-1, -b_0..-b_P-1, rest row by row, 0) that
+  ``rope_commutant`` reads each entry from: one gather, no scatter to compile."""
+  pairs = site.rope_pairs()
+  num_pairs, (i, j) = len(pairs), pairs.T
+  unrotated = np.setdiff1d(np.arange(site.head_dim), pairs.reshape(-1))
+  index = np.full((site.head_dim, site.head_dim), 3 * num_pairs + len(unrotated) ** 2, np.int32)
+  p = np.arange(num_pairs)
+  index[i, i] = index[j, j] = p
+  index[i, j], index[j, i] = num_pairs + p, 2 * num_pairs + p
+  index[unrotated[:, None], unrotated[None, :]] = (
+      3 * num_pairs + np.arange(len(unrotated) ** 2).reshape(len(unrotated), len(unrotated)))
+  return index
 
 
 def _random_orthogonal(key, shape, n, dtype):

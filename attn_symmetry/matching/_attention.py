@@ -233,10 +233,9 @@ def stage2(g: _features.Grams, perm: jax.Array, site: spec_lib.AttentionSite,
     if method == "full":
       stages["full"], taken = refine()
     return group_action.AttentionElement(perm.astype(jnp.int32), *stages[method]), stages, taken
-  iterations = jax.eval_shape(refine)[1]
+  untouched = jnp.zeros(2 * problems[0].s1.shape[0], jnp.int32)  # refine's taken: [2K] int32
   stages["full"], taken = jax.lax.cond(
-      method == STAGES.index("full"), refine,
-      lambda: (stages["ortho"], jnp.zeros(iterations.shape, iterations.dtype)))
+      method == STAGES.index("full"), refine, lambda: (stages["ortho"], untouched))
   chosen = jax.tree.map(lambda *m: jax.lax.select_n(method, *m), *stages.values())
   return group_action.AttentionElement(perm.astype(jnp.int32), *chosen), stages, taken
 

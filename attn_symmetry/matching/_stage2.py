@@ -159,29 +159,24 @@ def to_matrix(params: Any, rope: spec_lib.AttentionSite | None) -> jax.Array:
   return group_action.rope_commutant(params["ab"], params.get("rest"), rope)
 
 
-def _rope_template(rope: spec_lib.AttentionSite, dtype: Any) -> dict[str, jax.Array]:
-  r = rope.rotary_dims()
-  params = {"ab": jnp.zeros((r // 2, 2), dtype)}
-  if r < rope.head_dim:
-    params["rest"] = jnp.zeros((rope.head_dim - r, rope.head_dim - r), dtype)
-  return params
-
-
 def project(m: jax.Array, rope: spec_lib.AttentionSite | None) -> Any:
-  """Group parameters of the Frobenius-nearest matrix to ``m`` [H, H] in the group's span.
+  """Group parameters of the Frobenius-nearest matrix to ``m`` [..., H, H] in the group's span.
 
   H(H) is spanned by an orthogonal basis E_i (the two matrices of every pair,
   one per entry of the unrotated block), so the projection has coefficients
-  <E_i, m> / <E_i, E_i>: gradients of the linear maps p -> <to_matrix(p), m>
-  and p -> ||to_matrix(p)||^2 / 2 (the latter at p = 1).
+  <E_i, m> / <E_i, E_i>: on pair (i, j), a = (m_ii + m_jj) / 2 and
+  b = (m_ij - m_ji) / 2; the unrotated block is ``m``'s own.
   """
   if rope is None:
     return m
-  template = _rope_template(rope, m.dtype)
-  inner = jax.grad(lambda p: jnp.sum(to_matrix(p, rope) * m))(template)
-  ones = jax.tree.map(jnp.ones_like, template)
-  norms = jax.grad(lambda p: jnp.sum(to_matrix(p, rope) ** 2) / 2)(ones)
-  return jax.tree.map(jnp.divide, inner, norms)
+  pairs = rope.rope_pairs().astype(np.int32)  # int32 indices: a gather whatever x64 says
+  i, j = pairs[:, 0], pairs[:, 1]
+  params = {"ab": jnp.stack([(m[..., i, i] + m[..., j, j]) / 2,
+                             (m[..., i, j] - m[..., j, i]) / 2], axis=-1)}
+  if rope.rotary_dims() < rope.head_dim:
+    rest = np.setdiff1d(np.arange(rope.head_dim, dtype=np.int32), pairs.reshape(-1))
+    params["rest"] = m[..., rest[:, None], rest[None, :]]
+  return params
 
 
 def polar(c: jax.Array) -> jax.Array:
