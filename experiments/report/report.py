@@ -153,20 +153,26 @@ def summarise_methods(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str,
   return out
 
 
+def circuit_pairs(pairs: Sequence[Mapping[str, Any]], method: str) -> list[dict[str, Any]] | None:
+  """The pairs with ``method``'s circuit path as the method ``CIRCUIT`` beside their ordinary
+  (straight-line) naive path; None unless every pair holds that circuit path."""
+  if not pairs or not all(CIRCUIT in p["methods"][method] for p in pairs):
+    return None
+  return [dict(p, methods={"naive": p["methods"]["naive"], CIRCUIT: p["methods"][method][CIRCUIT]})
+          for p in pairs]
+
+
 def circuit_statistics(pairs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
   """The circuit path's summaries of every method whose every pair holds one (``CIRCUIT``,
   the study's ``study.circuit_path``): ``summarise_methods``' row of its circuit barriers, each
   ratio to the pair's ordinary (straight-line) naive barrier, as Theus et al. measure their
   naive barrier in ordinary weights; the keys prefixed "circuit_" ("circuit_loss_barrier_mean",
   "circuit_loss_barrier_ratio_pct", ...). Empty when no method has a circuit path."""
-  held = [m for m in (pairs[0]["methods"] if pairs else {})
-          if all(CIRCUIT in p["methods"][m] for p in pairs)]
   out = {}
-  for m in held:
-    circuit_pairs = [dict(p, methods={"naive": p["methods"]["naive"],
-                                      CIRCUIT: p["methods"][m][CIRCUIT]}) for p in pairs]
-    row = summarise_methods(circuit_pairs)[CIRCUIT]
-    out[m] = {f"{CIRCUIT}_{k}": v for k, v in row.items() if k not in ("num_pairs", "num_seeds")}
+  for m in (pairs[0]["methods"] if pairs else {}):
+    if (circuit := circuit_pairs(pairs, m)) is not None:
+      row = summarise_methods(circuit)[CIRCUIT]
+      out[m] = {f"{CIRCUIT}_{k}": v for k, v in row.items() if k not in ("num_pairs", "num_seeds")}
   return out
 
 

@@ -104,11 +104,8 @@ def _naive_gap(variant: list[dict[str, Any]], base: list[dict[str, Any]]) -> flo
 def _circuit_ratios(pairs: list[dict[str, Any]], method: str) -> ss.Interval | None:
   """The seed-level interval of ``method``'s circuit barrier in % of naive's (ordinary)
   barrier; None unless every pair holds its circuit path."""
-  if not all(report.CIRCUIT in p["methods"][method] for p in pairs):
-    return None
-  return ss.jackknife(report.ratio_pairs(
-      [dict(p, methods={"naive": p["methods"]["naive"],
-                        method: p["methods"][method][report.CIRCUIT]}) for p in pairs], method))
+  circuit = report.circuit_pairs(pairs, method)
+  return None if circuit is None else ss.jackknife(report.ratio_pairs(circuit, report.CIRCUIT))
 
 
 def change_of(variant: str) -> str:
