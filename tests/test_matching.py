@@ -217,6 +217,35 @@ def _brute_force_distance(x, y, distance):
   return 1 - cosine if distance == "cosine" else np.sqrt(2 - 2 * cosine)
 
 
+@pytest.mark.parametrize("pairing,fraction,rope_axes",
+                         [("half", 1.0, 1), ("interleaved", 0.5, 1), ("half", 1.0, 2)])
+def test_rope_group_parameters_are_the_matrix_entries_and_project_is_orthogonal(
+    x64, pairing, fraction, rope_axes):
+  """H(H) from its parameters holds a_p on (i, i) and (j, j), b_p on (i, j), -b_p on (j, i), the
+  free block on the unrotated dims and zeros elsewhere; ``project`` returns the parameters of
+  such a matrix exactly, and of any matrix m those of its Frobenius projection: m minus it is
+  orthogonal to every element of H(H) (float64)."""
+  site = spec_lib.AttentionSite(4, 8, group="rope", rope_pairing=pairing,
+                                rotary_fraction=fraction, rope_axes=rope_axes)
+  pairs, rng = site.rope_pairs(), np.random.default_rng(0)
+  unrotated = np.setdiff1d(np.arange(8), pairs.reshape(-1))
+  params = {"ab": rng.normal(size=(len(pairs), 2))}
+  if len(unrotated):
+    params["rest"] = rng.normal(size=(len(unrotated), len(unrotated)))
+  want = np.zeros((8, 8))
+  for (i, j), (a, b) in zip(pairs, params["ab"]):
+    want[i, i], want[j, j], want[i, j], want[j, i] = a, a, b, -b
+  if len(unrotated):
+    want[np.ix_(unrotated, unrotated)] = params["rest"]
+  np.testing.assert_array_equal(_stage2.to_matrix(params, site), want)
+  chex.assert_trees_all_equal(_stage2.project(jnp.asarray(want), site), params)
+  m = rng.normal(size=(8, 8))
+  residual = m - np.asarray(_stage2.project_matrix(jnp.asarray(m), site))
+  for _ in range(3):
+    other = {k: rng.normal(size=v.shape) for k, v in params.items()}
+    assert abs(np.sum(residual * np.asarray(_stage2.to_matrix(other, site)))) < 1e-12
+
+
 @pytest.mark.parametrize("case", ["gl_gqa", "rope_interleaved_partial"])
 def test_head_distances_equal_brute_force_circuits(x64, case):
   """The Gram/trace expansions equal distances of the explicitly formed D x D circuits."""
