@@ -55,7 +55,9 @@ the resident set is what is live (a narrow Mistral's streamed alignment peaked a
 cache of the programs built on the library (``attn-symmetry align``'s
 ``--compilation-cache``, ``experiments/main.py``'s ``--compilation_cache``): one
 folder for all of them, so that a program compiled by one run is loaded from
-disk by every later run that builds it.
+disk by every later run that builds it. The environment variable
+``ATTN_SYMMETRY_COMPILATION_CACHE`` names another (the test run points it at its
+own cache, so that no test reads or writes the user's).
 """
 
 from __future__ import annotations
@@ -74,7 +76,17 @@ from typing import Any
 import jax
 import numpy as np
 
-COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), "attn_symmetry", "jax_cache")
+COMPILATION_CACHE_ENV = "ATTN_SYMMETRY_COMPILATION_CACHE"
+
+
+def default_compilation_cache(environ: Mapping[str, str] = os.environ) -> str:
+  """``$ATTN_SYMMETRY_COMPILATION_CACHE`` where it is set, else
+  ``$TMPDIR/attn_symmetry/jax_cache``."""
+  default = os.path.join(tempfile.gettempdir(), "attn_symmetry", "jax_cache")
+  return environ.get(COMPILATION_CACHE_ENV) or default
+
+
+COMPILATION_CACHE = default_compilation_cache()
 
 
 def import_script_package(script: str) -> None:

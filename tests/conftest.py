@@ -197,12 +197,19 @@ def pytest_configure(config):
   build the same programs again and again (every training builds its step anew, every study
   its evaluator), and a program compiled once, by either worker, then loads from disk. It
   lives in the run's temporary folder, so that no run reads another's programs. And the
-  run's XLA compile options (``FAST_COMPILE_XLA_FLAGS``)."""
+  run's XLA compile options (``FAST_COMPILE_XLA_FLAGS``). The library's commands default to the
+  same cache (``ATTN_SYMMETRY_COMPILATION_CACHE``)."""
   _use_fast_compile(config)
   _bind_worker_to_its_core()
   run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
   config.run_cache = os.path.join(tempfile.gettempdir(), "attn_symmetry_tests", run)
-  jax.config.update("jax_compilation_cache_dir", os.path.join(config.run_cache, "jax_cache"))
+  cache = os.path.join(config.run_cache, "jax_cache")
+  jax.config.update("jax_compilation_cache_dir", cache)
+  # The library's default cache (attn_symmetry.runtime.COMPILATION_CACHE, read when it is first
+  # imported, after this) for the commands the tests run, in this process and in the processes
+  # it starts: the run's, so that no test reads or writes the user's cache, and a test takes as
+  # long on a fresh machine as on one where the commands ran before.
+  os.environ["ATTN_SYMMETRY_COMPILATION_CACHE"] = cache
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 

@@ -272,7 +272,15 @@ def test_one_compilation_cache_default():
   _cli.add_arguments(parser)
   assert parser.get_default("compilation_cache") == runtime.COMPILATION_CACHE
   assert main.FLAGS["compilation_cache"].default == runtime.COMPILATION_CACHE
-  assert runtime.COMPILATION_CACHE.endswith(os.path.join("attn_symmetry", "jax_cache"))
+  assert runtime.default_compilation_cache({}).endswith(os.path.join("attn_symmetry", "jax_cache"))
+  assert runtime.default_compilation_cache({runtime.COMPILATION_CACHE_ENV: "/x"}) == "/x"
+
+
+def test_the_test_run_keeps_its_programs_out_of_the_users_cache(request):
+  """The commands that tests run (here and in the processes they start) default to the test
+  run's own cache (tests/conftest.py), never to the user's."""
+  assert runtime.COMPILATION_CACHE == os.path.join(request.config.run_cache, "jax_cache")
+  assert os.environ[runtime.COMPILATION_CACHE_ENV] == runtime.COMPILATION_CACHE
 
 
 # ----------------------------------------------------------------------------- the function check
