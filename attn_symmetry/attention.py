@@ -96,6 +96,12 @@ def rope_frequencies(head_dim: int, *, base: float = 10000.0, rotary_fraction: f
   return np.tile(base ** (-2.0 * j / section), rope_axes)
 
 
+def unrotated_dims(head_dim: int, pairs: np.ndarray) -> np.ndarray:
+  """[H - r] int32: the coordinates of a head that no pair of ``pairs`` ([r / 2, 2],
+  ``rope_pairs``) rotates, in order (none under full rotary)."""
+  return np.setdiff1d(np.arange(head_dim, dtype=np.int32), pairs.reshape(-1).astype(np.int32))
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, *, pairing: str = "half",
                base: float = 10000.0, rotary_fraction: float = 1.0) -> jax.Array:
   """Rotates queries or keys by their positions.
@@ -127,7 +133,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, pairing: str = "half",
   cos = jnp.cos(angles)[..., None, :]  # [..., T, 1, P]
   sin = jnp.sin(angles)[..., None, :]
   x1, x2 = x[..., pairs[:, 0]], x[..., pairs[:, 1]]
-  rest = np.setdiff1d(np.arange(head_dim), pairs.reshape(-1))
+  rest = unrotated_dims(head_dim, pairs)
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., rest]], axis=-1)
   order = np.concatenate([pairs[:, 0], pairs[:, 1], rest])
   return rotated[..., np.argsort(order)]

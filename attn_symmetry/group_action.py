@@ -148,7 +148,7 @@ def _commutant_index(site: spec_lib.AttentionSite) -> np.ndarray:
   ``rope_commutant`` reads each entry from: one gather, no scatter to compile."""
   pairs = site.rope_pairs()
   num_pairs, (i, j) = len(pairs), pairs.T
-  unrotated = np.setdiff1d(np.arange(site.head_dim), pairs.reshape(-1))
+  unrotated = site.unrotated_dims()
   index = np.full((site.head_dim, site.head_dim), 3 * num_pairs + len(unrotated) ** 2, np.int32)
   p = np.arange(num_pairs)
   index[i, i] = index[j, j] = p

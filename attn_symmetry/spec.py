@@ -157,6 +157,10 @@ class AttentionSite:
     return attention.rope_pairs(self.head_dim, pairing=self.rope_pairing,
                                 rotary_fraction=self.rotary_fraction, rope_axes=self.rope_axes)
 
+  def unrotated_dims(self) -> Any:
+    """[H - r] int32 coordinates RoPE leaves alone (``attention.unrotated_dims``)."""
+    return attention.unrotated_dims(self.head_dim, self.rope_pairs())
+
 
 def check_site(site: Any, name: str = "site") -> AttentionSite:
   """``site`` if it is an ``AttentionSite``; TypeError saying what to pass otherwise."""

@@ -173,8 +173,8 @@ def project(m: jax.Array, rope: spec_lib.AttentionSite | None) -> Any:
   i, j = pairs[:, 0], pairs[:, 1]
   params = {"ab": jnp.stack([(m[..., i, i] + m[..., j, j]) / 2,
                              (m[..., i, j] - m[..., j, i]) / 2], axis=-1)}
-  if rope.rotary_dims() < rope.head_dim:
-    rest = np.setdiff1d(np.arange(rope.head_dim, dtype=np.int32), pairs.reshape(-1))
+  rest = rope.unrotated_dims()
+  if len(rest):
     params["rest"] = m[..., rest[:, None], rest[None, :]]
   return params
 
@@ -225,8 +225,7 @@ def procrustes(c_qk: jax.Array, c_vo: jax.Array,
                            jnp.array([1, 0], ab.dtype))
   if "rest" not in params:
     return jax.vmap(lambda p: to_matrix(p, rope))(params), polar(c_vo)
-  pairs = rope.rope_pairs()
-  rest = np.setdiff1d(np.arange(h), pairs.reshape(-1))
+  rest = rope.unrotated_dims()
   embedded = jnp.broadcast_to(jnp.eye(h, dtype=c_qk.dtype), c_qk.shape)
   embedded = embedded.at[:, rest[:, None], rest[None, :]].set(params["rest"])
   both = polar(jnp.concatenate([embedded, c_vo]))
