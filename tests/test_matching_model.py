@@ -392,8 +392,10 @@ def test_one_trace_for_equal_specs(x64, monkeypatch):
     matching.match_ffn(spec, _init(shapes, seed), _init(shapes, seed + 10))
   spec, shapes = mlp_like()
   matching.match_ffn(spec, _init(shapes, 0), _init(shapes, 1), scope=["l0", "l1"])  # a mask
-  with pytest.raises(AssertionError, match="traced > 1"):  # other static options: a new one
-    matching.match_ffn(spec, _init(shapes, 0), _init(shapes, 1), max_rounds=3)
+  _, info = matching.match_ffn(spec, _init(shapes, 0), _init(shapes, 1), max_rounds=1)  # traced
+  assert int(info["rounds"]) == 1
+  with pytest.raises(AssertionError, match="traced > 1"):  # another spec: a new one
+    matching.match_ffn(spec.restrict(["h0"]), _init(shapes, 0), _init(shapes, 1))
 
 
 @pytest.mark.slow
@@ -446,7 +448,8 @@ def test_one_program_for_perm_ortho_and_full(x64, monkeypatch):
   """The method is a traced index into the stages (perm, ortho, full): with equal options the
   three share one trace and one compiled program, and each still gives its own element:
   identity matrices for perm, orthogonal ones for ortho, refined ones (iterations reported)
-  for full."""
+  for full. So do the refinement's steps and start and the most rounds: a step count of 0
+  refines nothing, one round stops after one."""
   counted = jax.jit(chex.assert_max_traces(_model._align_core, n=1),
                     static_argnames=_model._STATIC)  # pylint: disable=protected-access
   monkeypatch.setattr(_model, "_align_jit", counted)
@@ -463,7 +466,12 @@ def test_one_program_for_perm_ortho_and_full(x64, monkeypatch):
     assert np.abs(np.swapaxes(full.vo, 1, 2) @ full.vo - eye).max() > 1e-3
   assert int(out["full"][1]["refinement_steps"]) > 0
   assert "refinement_steps" not in out["perm"][1] and "refinement_steps" not in out["ortho"][1]
-  with pytest.raises(AssertionError, match="traced > 1"):  # other refinement options: a new one
+  # The step and round counts and the refinement's start are traced too: the same program.
+  _, info = matching.align_model(spec, a, b, method="full", steps=0, max_rounds=1)
+  assert int(info["refinement_steps"]) == 0 and int(info["rounds"]) == 1
+  best, info = matching.align_model(spec, a, b, method="full", init="best")
+  assert float(info["distance"]["final"]) <= float(out["full"][1]["distance"]["final"]) * (1 + 1e-9)
+  with pytest.raises(AssertionError, match="traced > 1"):  # another solver: a new one
     matching.align_model(spec, a, b, method="perm", solver="adam")
 
 

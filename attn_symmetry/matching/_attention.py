@@ -242,18 +242,20 @@ def stage2(g: _features.Grams, perm: jax.Array, site: spec_lib.AttentionSite,
 
 def refine_matrices(problems: tuple[_stage2.Problem, _stage2.Problem],
                     start: tuple[jax.Array, jax.Array], site: spec_lib.AttentionSite, *,
-                    steps: int, learning_rate: jax.Array, init: str, solver: str = SOLVERS[0]
-                    ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+                    steps: int | jax.Array, learning_rate: jax.Array, init: str | jax.Array,
+                    solver: str = SOLVERS[0]) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
   """The "full" refinement of one layer's QK and VO matrices [K, H, H].
 
   Args:
     problems: the layer's QK and VO problems [K] (``_stage2.pair_problems``).
     start: (qk, vo) matrices [K, H, H] to start from (the Procrustes solution).
     site: the layer's attention site (the QK side stays in H(H) under RoPE).
-    steps: the most Gauss-Newton iterations, or the Adam steps.
+    steps: the most Gauss-Newton iterations, or the Adam steps (an int, or traced).
     learning_rate: Adam's learning rate (unused by Gauss-Newton).
     init: "procrustes" starts from ``start``, "best" from the best of it and
-      the two one-sided least-squares solutions.
+      the two one-sided least-squares solutions; or a traced int32 index into
+      ``INITS`` (one program for both: the choice is a ``lax.cond``, which
+      stays one under ``vmap``, as the index is the same for every problem).
     solver: "gauss_newton" or "adam" (``_stage2``).
 
   Returns:
@@ -269,15 +271,22 @@ def refine_matrices(problems: tuple[_stage2.Problem, _stage2.Problem],
   constrained = jnp.arange(2 * k) < k  # the QK half lies in H(H) under RoPE
 
   def solve(p, m, c):
-    if init == "best":
-      m = _stage2.best_start(p, m, c, rope)
+    m = _start(init, lambda: _stage2.best_start(p, m, c, rope), m)
     if solver == "adam":
       return (_stage2.adam(m, p, c, rope, steps=steps, learning_rate=learning_rate),
-              jnp.int32(steps))
+              jnp.asarray(steps, jnp.int32))
     return _stage2.gauss_newton(m, p, c, rope, steps=steps)
 
   solved, taken = jax.vmap(solve)(both, jnp.concatenate(start), constrained)
   return (solved[:k], solved[k:]), taken
+
+
+def _start(init: str | jax.Array, best, procrustes: jax.Array) -> jax.Array:
+  """The refinement's start under ``init`` (a name of ``INITS`` or a traced index into it):
+  ``best()`` for "best", else ``procrustes``."""
+  if isinstance(init, str):
+    return best() if init == "best" else procrustes
+  return jax.lax.cond(init == INITS.index("best"), best, lambda: procrustes)
 
 
 def _flatten_lead(params: Params, lead: tuple[int, ...]) -> Params:

@@ -363,18 +363,17 @@ def _factor_scores(spec: spec_lib.SymmetrySpec, plan: list[_Step], f: str, flat_
   return total
 
 
-def _factor_update(spec: spec_lib.SymmetrySpec, f: str, scores: tuple[jax.Array, ...],
-                   old: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The best value of factor ``f`` given its ``_factor_scores``, accepted only if it gains
-  more than the tolerance: (value, whether it changed)."""
+def _factor_update(kind: str, scores: Scores, old: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The best value of a factor of ``kind`` given its ``_factor_scores``, accepted only if it
+  gains more than the tolerance: (value, whether it changed)."""
   m, norm_a, norm_b = scores
   scale = jnp.sqrt(norm_a * norm_b)  # ||A|| ||B||
-  if spec.factors[f].kind == "permutation":
+  if kind == "permutation":
     new = _assignment.linear_assignment(-m).astype(old.dtype)
     gain = _assignment.assignment_cost(m, new) - _assignment.assignment_cost(m, old)
     differs = jnp.any(new != old)
   else:  # orthogonal Procrustes, on 1-perp for a mean-zero orthogonal factor
-    solve = _stage2.polar if spec.factors[f].kind == "orthogonal" else _stage2.mean_zero_polar
+    solve = _stage2.polar if kind == "orthogonal" else _stage2.mean_zero_polar
     new = solve(m.T)
     gain = jnp.sum((new - old) * m.T)
     differs = True
@@ -391,32 +390,30 @@ def _factor_step(spec: spec_lib.SymmetrySpec, plan: list[_Step], step: _Step, fl
 
   In round one a factor reads the leaves of ``reads``, from round two on all of
   them (``_first_round_reads``). The factors are solved one after another (a
-  loop over a switch on the factor), so that one factor's n x n scores are
-  held at a time: a step holds the FFNs of every layer.
+  loop over the step's factors), so that one factor's n x n scores are held at
+  a time: a step holds the FFNs of every layer. Each factor has its own leaves,
+  so its scores are a branch of their own (``lax.switch``); the factors share
+  their kind and size, so one solver, compiled once, solves them all.
   """
-  def solve(f, values):
-    scores = _factor_scores(spec, plan, f, flat_a, flat_b, element, reads[f], rounds,
-                            fixed[f])
-    i = step.names.index(f)
-    value, moved = _factor_update(spec, f, scores, values[i])
-    return values[:i] + (value,) + values[i + 1:], moved
+  kind = spec.factors[step.names[0]].kind
 
-  def solve_in_scope(f, values):
-    return jax.lax.cond(on[f], functools.partial(solve, f), lambda v: (v, jnp.bool_(False)),
-                        values)
+  def scores(f):
+    return _factor_scores(spec, plan, f, flat_a, flat_b, element, reads[f], rounds, fixed[f])
 
-  values = tuple(element[f] for f in step.names)
-  if len(step.names) == 1:
-    values, changed = solve_in_scope(step.names[0], values)
-  else:
-    branches = [functools.partial(solve_in_scope, f) for f in step.names]
+  branches = [functools.partial(scores, f) for f in step.names]
+  in_scope = jnp.stack([on[f] for f in step.names])
 
-    def body(i, state):
-      values, changed = jax.lax.switch(i, branches, state[0])
-      return values, state[1] | changed
+  def solve(i, state):
+    values, changed = state
+    old = values[i]
+    value, moved = jax.lax.cond(in_scope[i],
+                                lambda: _factor_update(kind, jax.lax.switch(i, branches), old),
+                                lambda: (old, jnp.bool_(False)))
+    return values.at[i].set(value), changed | moved
 
-    values, changed = jax.lax.fori_loop(0, len(step.names), body, (values, jnp.bool_(False)))
-  return dict(element, **dict(zip(step.names, values))), changed
+  values = jnp.stack([element[f] for f in step.names])
+  values, changed = jax.lax.fori_loop(0, len(step.names), solve, (values, jnp.bool_(False)))
+  return dict(element, **{f: values[i] for i, f in enumerate(step.names)}), changed
 
 
 def _stack(trees: list[Any]) -> Any:
@@ -445,7 +442,7 @@ def _set_sites(step: _Step, element, stacked) -> dict[str, Any]:
 
 def _attention_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element, learning_rate,
                     first: jax.Array, stage: jax.Array, in_scope: jax.Array, distance: jax.Array,
-                    *, steps: int, init: str, solver: str
+                    *, steps: int | jax.Array, init: str | jax.Array, solver: str
                     ) -> tuple[dict[str, Any], jax.Array, jax.Array]:
   """Matches every site of ``step`` (vmap over sites) with the method of index ``stage``
   (``_attention.STAGES``) given the factors; (element, changed, the most refinement
@@ -480,8 +477,8 @@ def _pick(where: jax.Array, new, old):
 
 
 def _refine_step(spec: spec_lib.SymmetrySpec, step: _Step, flat_a, flat_b, element, learning_rate,
-                 in_scope: jax.Array, *, steps: int, init: str, solver: str
-                 ) -> tuple[dict[str, Any], jax.Array]:
+                 in_scope: jax.Array, *, steps: int | jax.Array, init: str | jax.Array,
+                 solver: str) -> tuple[dict[str, Any], jax.Array]:
   """The "full" refinement of the sites of ``step`` ``in_scope`` ([S] bool) from their
   current matrices, their permutations and the factors kept (``refine="final"``);
   (element, most iterations)."""
@@ -511,12 +508,15 @@ def _distance(spec: spec_lib.SymmetrySpec, plan: list[_Step], flat_a, flat_b, el
   return sum(jnp.sum((a - act(p)) ** 2) for p, a in flat_a.items())
 
 
-def _align_core(flat_a, flat_b, learning_rate, stage, active, distance, *, spec, steps, max_rounds,
-                init, refine, solver):
+def _align_core(flat_a, flat_b, learning_rate, stage, active, distance, steps, max_rounds, init,
+                *, spec, refine, solver):
   """The descent of ``align_model`` for the method of index ``stage`` into ``_attention.STAGES``
   over the names where ``active`` ([factors + sites] bool, ``_active_names``) is True, with the
-  Stage 1 distance of index ``distance`` into ``_features.DISTANCES``. All three are traced:
-  every method, scope and distance share one compiled program."""
+  Stage 1 distance of index ``distance`` into ``_features.DISTANCES``, at most ``steps``
+  refinement iterations, ``max_rounds`` rounds and the refinement's start of index ``init``
+  into ``_attention.INITS``. All of these are traced: every method, scope, distance, step
+  count, round count and start share one compiled program (``refine`` and ``solver`` change
+  what it computes)."""
   spec = spec.spec
   full = stage == _attention.STAGES.index("full")
   final = refine == "final"  # for "full" only: the descent runs "ortho", then one refinement
@@ -570,7 +570,7 @@ def _align_core(flat_a, flat_b, learning_rate, stage, active, distance, *, spec,
   return element, {"distance": distances, "rounds": rounds, "refinement_steps": taken}
 
 
-_STATIC = ("spec", "steps", "max_rounds", "init", "refine", "solver")
+_STATIC = ("spec", "refine", "solver")
 _align_jit = jax.jit(_align_core, static_argnames=_STATIC)
 
 
@@ -638,13 +638,14 @@ def _weight_matching(spec, params_a, params_b, *, names, method, distance, steps
   flat_a, flat_b = spec_lib.flatten(params_a), spec_lib.flatten(params_b)
   dtype = next(iter(flat_a.values())).dtype
   if not set(names) & set(spec.attention):  # one program whatever options change nothing
-    steps, init, refine, solver = 0, _attention.INITS[0], REFINES[0], _attention.SOLVERS[0]
+    refine, solver = REFINES[0], _attention.SOLVERS[0]
   active = jnp.asarray([n in names for n in _active_names(spec)], bool)
+  index = lambda value, values: jnp.int32(values.index(value))
   element, info = _align_jit(flat_a, flat_b, jnp.asarray(learning_rate, dtype),
-                             jnp.int32(_attention.STAGES.index(method)), active,
-                             jnp.int32(_features.DISTANCES.index(distance)),
-                             spec=_static.StaticSpec(spec), steps=int(steps),
-                             max_rounds=int(max_rounds), init=init, refine=refine, solver=solver)
+                             index(method, _attention.STAGES), active,
+                             index(distance, _features.DISTANCES), jnp.int32(steps),
+                             jnp.int32(max_rounds), index(init, _attention.INITS),
+                             spec=_static.StaticSpec(spec), refine=refine, solver=solver)
   if method != "full":  # what only "full" does (refines) and reports
     del info["refinement_steps"]
     info["distance"].pop("before_refinement", None)

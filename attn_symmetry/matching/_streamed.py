@@ -267,9 +267,7 @@ def _group_refine(flat_a, flat_b, element, on, learning_rate, *, spec, plan, fol
   return element, taken
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "factor"))
-def _update(scores, old, *, spec, factor):
-  return _model._factor_update(spec.spec, factor, scores, old)
+_update = jax.jit(_model._factor_update, static_argnums=0)
 
 
 # ----------------------------------------------------------------------------- the descent
@@ -371,10 +369,7 @@ class _Descent:
                                        spec=group.spec, plan=group.plan, fold=self.fold,
                                        factor=group.names[f]))
             total = tuple(map(jnp.add, total, part))
-      factor_spec = _static.StaticSpec(spec_lib.SymmetrySpec(
-          {f: self.spec.factors[f]}, {},
-          streams={f: s.part(()) for g, s in self.spec.streams.items() if g == f}))
-      self.element[f], moved = _update(total, self.element[f], spec=factor_spec, factor=f)
+      self.element[f], moved = _update(self.spec.factors[f].kind, total, self.element[f])
       changed |= bool(moved)
     return changed
 
