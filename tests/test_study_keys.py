@@ -12,8 +12,9 @@ parameters' values, and every stage reads the same fields of any parameters. Wha
 reads when it is set up (which seeds, the data set, the model, the evaluation examples, the
 options of the compiled program that "perm", "ortho" and "full" share) is outside the stages;
 it reaches them through the fields every stage keys and the content hashes of the endpoints
-and of the evaluation examples. The module takes about 30 s on one core (the "learned"
-stage compiles its REPAIRed objective too: study.learn_repair).
+and of the evaluation examples. That study takes about 25 s on one core (the "learned"
+stage compiles its REPAIRed objective too: study.learn_repair), so the tests that read it are
+in the slow tier (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ def recorded(tmp_path_factory):
   return stages, lambda monkeypatch: run(monkeypatch, stages)
 
 
+@pytest.mark.slow
 def test_every_field_a_stage_reads_is_keyed(recorded):
   stages, _ = recorded
   assert set(stages) == {*METHODS, "ablation_permutations", "ablation_distance_frobenius",
@@ -213,6 +215,7 @@ EVERY_PATH_STAGE = {*METHODS, "ablation_permutations", "ablation_distance_froben
                     "ablation_distance_cosine"}  # the robustness check evaluates no path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path, reader, stages_that_miss_it", [
     ("dataset.validation_split", config_schema.LOSS, {"learned", "robustness"}),
     ("study.noise_levels", config_schema.ROBUSTNESS, {"robustness"}),
