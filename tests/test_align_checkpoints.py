@@ -615,10 +615,6 @@ def test_bad_input_is_refused_with_one_line(tmp_path, capsys):
     assert re.search(message, _refusal(capsys, *args)), (args, message)
   assert _snapshot(tmp_path) == before  # nothing written, nothing created
   assert not os.path.exists(tmp_path / "out")
-  streamed = align.Options(out=str(tmp_path / "out"), method="activation",
-                           match_data=str(tmp_path / "m.txt"), matching={"residual": "orthogonal"})
-  with pytest.raises(align.InputError, match="not read by --method activation streamed"):
-    _check.check_options(streamed)
 
 
 @pytest.mark.slow
@@ -868,13 +864,16 @@ def _plant_residual(folder_a, folder_b, seed=3):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("evaluated", [False, True], ids=["streamed", "whole"])
-def test_orthogonal_residual_writes_untied_canonical_models(evaluated, tmp_path):
+@pytest.mark.parametrize("evaluated, method", [(False, "perm"), (True, "perm"),
+                                               (False, "activation")],
+                         ids=["streamed", "whole", "activation_streamed"])
+def test_orthogonal_residual_writes_untied_canonical_models(evaluated, method, tmp_path):
   """``--residual orthogonal`` on GPT-2 (a tied A, B planted by an O(d - 1) residual), the
-  models streamed (no evaluation) or held whole (an evaluation): the head is untied
-  (report.json, the summary, lm_head.weight and tie_word_embeddings false in every folder
-  written), A' = canonical A and B' = g . canonical B agree tensor for tensor, B's and A's
-  logits are kept (the function check, and transformers loading the folders)."""
+  models streamed (no evaluation) or held whole (an evaluation), by the weights or, streamed,
+  by their activations on match data: the head is untied (report.json, the summary,
+  lm_head.weight and tie_word_embeddings false in every folder written), A' = canonical A and
+  B' = g . canonical B agree tensor for tensor, B's and A's logits are kept (the function
+  check, and transformers loading the folders)."""
   a = _save_model("gpt2", str(tmp_path / "a"))
   _tokenizer(a, WORDS)  # B's folder copies it
   b = _plant_residual(a, str(tmp_path / "b"))
@@ -882,12 +881,14 @@ def test_orthogonal_residual_writes_untied_canonical_models(evaluated, tmp_path)
   text.write_text("\n".join(" ".join(WORDS[i:i + 9]) for i in range(len(WORDS) - 9)))
   out = str(tmp_path / "out")
   lines = []
-  result = align.align_checkpoints(a, b, out=out, merge=0.5, method="perm",
+  data = dict(match_data=str(text)) if method == "activation" else {}
+  result = align.align_checkpoints(a, b, out=out, merge=0.5, method=method,
                                    residual="orthogonal", progress=lines.append,
                                    eval_text=str(text) if evaluated else None, seq_len=8,
-                                   num_lambdas=3)
+                                   num_lambdas=3, **data)
   report = result.report
-  assert ("devices" in report) == (not evaluated)  # streamed: the groups' devices
+  assert ("devices" in report) == (not evaluated and method == "perm")  # the groups' devices
+  assert any("passes of both models over" in line for line in lines) == (method == "activation")
   if evaluated:
     assert report["barrier"]["after"]["loss"] <= 1e-4
   assert report["untied_head"] and report["folded_norm_scales"]

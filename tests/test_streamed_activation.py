@@ -13,6 +13,7 @@ import pytest
 
 from attn_symmetry import group_action as ga
 from attn_symmetry import matching
+from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
 from attn_symmetry.align import _memory
 from attn_symmetry.align._records import InputError, Options
@@ -22,7 +23,7 @@ from tests.test_activation_matching import _float64, _inputs, _model, _planted
 from tests.test_streamed_alignment import MISTRAL
 
 
-def _streamed(model, a, b, batches, scope=None):
+def _streamed(model, a, b, batches, scope=None, residual="permutation"):
   """(element, info, the groups read: top-level keys of each read) of the streamed method on
   the in-memory pair (a, b)."""
   flats, reads = (spec_lib.flatten(a), spec_lib.flatten(b)), []
@@ -36,7 +37,7 @@ def _streamed(model, a, b, batches, scope=None):
   shapes = jax.eval_shape(model.batch_activations, a, batches[0])
   element, info = matching.align_activations_streamed(
       model.spec, lambda: model.activations_streamed(read, batches), shapes, scope=scope,
-      steps=200, batches=len(batches))
+      steps=200, batches=len(batches), residual=residual)
   return element, info, reads
 
 
@@ -53,23 +54,27 @@ def _same_element(spec, got, want, tolerance):
                                  atol=tolerance, err_msg=f"{name} {m}")
 
 
-@pytest.mark.parametrize("family, scope", [("gpt2", None), ("llama", None), ("bert", None),
-                                           ("llama", "layers_1")], ids=repr)
-def test_streamed_is_the_whole_model_method(x64, family, scope):
-  """Independent float64 pairs (GPT-2: LayerNorm, a permuted residual; Llama with GQA: RMSNorm,
-  the Procrustes residual, folded; BERT: the head's factors after the layers): the streamed
+@pytest.mark.parametrize("family, scope, residual", [
+    ("gpt2", None, "permutation"), ("gpt2", None, "orthogonal"), ("llama", None, "permutation"),
+    ("bert", None, "permutation"), ("llama", "layers_1", "permutation")], ids=repr)
+def test_streamed_is_the_whole_model_method(x64, family, scope, residual):
+  """Independent float64 pairs (GPT-2: LayerNorm, a permuted residual, or its O(d - 1) one,
+  the W^O that Stage 1 reads projected onto 1-perp in each step; Llama with GQA: RMSNorm, the
+  Procrustes residual, folded; BERT: the head's factors after the layers): the streamed
   element is the whole-model one, identical permutations and matrices to 1e-9. Every read is
   one group: the outside, then each layer in order (the outside again for BERT's head); the
   sites wait for the residual in a second pass where it is in scope."""
   model = _model(family)
   a = _float64(model.init(jax.random.key(0)))
   b = _float64(model.init(jax.random.key(1)))
+  if residual == "orthogonal":  # an O(d - 1) residual acts on an untied head only
+    (model, a), (_, b) = models.untie_head(model, a), models.untie_head(model, b)
   batches = [{model.input_key: _inputs(model, s)} for s in (1, 2)]
   want, want_info = matching.align_model(model.spec, a, b, method="activation", scope=scope,
                                          activations=model.batch_activations,
-                                         match_batches=batches)
-  got, info, reads = _streamed(model, a, b, batches, scope)
-  _same_element(model.spec, got, want, 1e-9)
+                                         match_batches=batches, residual=residual)
+  got, info, reads = _streamed(model, a, b, batches, scope, residual)
+  _same_element(matching.residual_spec(model.spec, residual), got, want, 1e-9)
   for key in ("folded_norm_scales", "batches", "samples"):
     assert info[key] == want_info[key], key
   passes = 1 if scope else 2

@@ -44,11 +44,6 @@ def check_options(options: Options) -> None:
   if unknown:
     raise InputError(f"unknown matching options {unknown}; known: {', '.join(MATCHING_OPTIONS)}")
   _check_matching_values(options.matching)
-  if (orthogonal_residual(options) and _memory.streams(options)
-      and matching.METHODS[options.method].streamed == matching.ACTIVATIONS):
-    raise InputError(f"--residual orthogonal is not read by --method {options.method} streamed "
-                     "by its activations (without an evaluation or --repair); give --residual "
-                     "permutation, or an evaluation (--eval-text, --eval-images)")
   _check_factors(options)
   _check_options_read(options)
   _check_scope(options.scope)

@@ -203,11 +203,12 @@ class Streamed:
     abstract = spec_lib.unflatten({p: jax.ShapeDtypeStruct(s, jnp.float32)
                                    for p, s in model.param_shapes.items()})
     shapes = jax.eval_shape(model.batch_activations, abstract, inputs.match[0])
-    steps = matching.MatchOptions(**options.matching).steps
+    chosen = matching.MatchOptions(**options.matching)
     with runtime.release_memory_after_compiles():
       try:
         return matching.align_activations_streamed(model.spec, forward, shapes,
-                                                   scope=inputs.scope, steps=steps,
+                                                   scope=inputs.scope, steps=chosen.steps,
+                                                   residual=chosen.residual,
                                                    batches=len(inputs.match))
       except ValueError as e:
         raise InputError(str(e)) from None

@@ -83,6 +83,7 @@ from attn_symmetry.matching import _attention
 from attn_symmetry.matching import _features
 from attn_symmetry.matching import _methods
 from attn_symmetry.matching import _model
+from attn_symmetry.matching import _options
 from attn_symmetry.matching import _stage2
 from attn_symmetry.matching import _streamed
 
@@ -400,9 +401,10 @@ def _out_kernels(spec: spec_lib.SymmetrySpec, sites: Sequence[str], flat_a, flat
 def _out_leaves(spec: spec_lib.SymmetrySpec, sites: Sequence[str], leaves: Sequence[Flat],
                 fold: bool) -> tuple[Flat, Flat]:
   """(A's, B's) W^O of ``sites`` {path: array} from a step's leaves (one {path: array} per
-  model), upcast, and where ``fold`` with the norm scales among the leaves that read into them
-  folded (``group_action.fold_norm_scales`` on that part of the spec): all that ``_solve_into``
-  reads, so the step's other leaves are neither copied nor folded."""
+  model), upcast, and where ``fold`` in canonical form (``group_action.canonical_form`` on that
+  part of the spec: the norm scales among the leaves that read into them folded, and W^O
+  projected onto 1-perp where it writes a mean-zero orthogonal stream): all that
+  ``_solve_into`` reads, so the step's other leaves are neither copied nor folded."""
   outs = [f"{s}/out/kernel" for s in sites]
   scales = [p for p, readers in spec.norm_scales.items()
             if p in leaves[0] and any(r in outs for r in readers)]
@@ -410,7 +412,7 @@ def _out_leaves(spec: spec_lib.SymmetrySpec, sites: Sequence[str], leaves: Seque
   if not fold:
     return picked[0], picked[1]
   part = spec.part(outs + scales)
-  flat_a, flat_b = (spec_lib.flatten(group_action.fold_norm_scales(part, spec_lib.unflatten(x)))
+  flat_a, flat_b = (spec_lib.flatten(group_action.canonical_form(part, spec_lib.unflatten(x)))
                     for x in picked)
   return flat_a, flat_b
 
@@ -548,8 +550,8 @@ Forward = Callable[[], Iterable[tuple[Sequence[Flat], Iterable[Sequence[Mapping[
 
 
 def align_streamed(spec: spec_lib.SymmetrySpec, forward: Forward, shapes: Mapping[str, Any], *,
-                   scope: str | Sequence[str] | None, steps: int, batches: int
-                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+                   scope: str | Sequence[str] | None, steps: int, batches: int,
+                   residual: str = _options.RESIDUALS[0]) -> tuple[dict[str, Any], dict[str, Any]]:
   """Method "activation" with both models run a group of leaves at a time: the element of
   ``align`` (the same sums, added in another order: identical permutations, matrices to
   rounding), without holding either model or all layers' activations.
@@ -576,7 +578,8 @@ def align_streamed(spec: spec_lib.SymmetrySpec, forward: Forward, shapes: Mappin
     shapes: one model's activations on one batch, as ``jax.eval_shape`` gives them (the keys'
       shapes and dtype), checked against the names in scope before any pass
       (``check_shapes``).
-    scope, steps: as ``align``.
+    scope, steps, residual: as ``align`` (with "orthogonal", the W^O that a site's Stage 1
+      reads are brought to canonical form from the step's leaves: projected onto 1-perp).
     batches: how many match batches ``forward`` runs (info["batches"]).
 
   Returns:
@@ -586,6 +589,7 @@ def align_streamed(spec: spec_lib.SymmetrySpec, forward: Forward, shapes: Mappin
     ValueError: as ``align``.
   """
   names = _model.active_names(spec, scope)
+  spec = _model.residual_spec(spec, residual, names)
   check_shapes(spec, names, shapes)
   needs_folding = _model._needs_folding(spec, names)
   dtype = _attention.compute_dtype(next(iter(shapes.values())).dtype)
