@@ -75,7 +75,7 @@ def ratio_pct(value: float, naive: float, eps: float = 1e-12) -> float | None:
   return None if naive <= eps else 100.0 * value / naive
 
 
-def _seed_pairs(pairs: Sequence[Mapping[str, Any]], values: Sequence[float | None]
+def seed_pairs(pairs: Sequence[Mapping[str, Any]], values: Sequence[float | None]
                 ) -> list[seed_statistics.Pair] | None:
   """(seed a, seed b, value) per pair; None when the entries do not name their seeds."""
   if not all("a" in p and "b" in p for p in pairs):
@@ -87,13 +87,13 @@ def ratio_pairs(pairs: Sequence[Mapping[str, Any]], method: str, metric: str = "
                 ) -> list[seed_statistics.Pair] | None:
   """(seed a, seed b, ``method``'s barrier as % of naive's, ``ratio_pct``) per pair; None
   when the entries do not name their seeds."""
-  return _seed_pairs(pairs, [ratio_pct(p["methods"][method][metric],
+  return seed_pairs(pairs, [ratio_pct(p["methods"][method][metric],
                                        p["methods"]["naive"][metric]) for p in pairs])
 
 
 def _seed_ci(pairs: Sequence[Mapping[str, Any]], values: Sequence[float | None]
              ) -> list[float] | None:
-  seeded = _seed_pairs(pairs, values)
+  seeded = seed_pairs(pairs, values)
   return None if seeded is None else seed_statistics.interval_record(
       seed_statistics.jackknife(seeded))
 

@@ -9,8 +9,8 @@ nothing is typed in. It also writes the verdict on each of the paper's claims
 (``claims.verdict_table``), the findings that open the README
 (``claims.findings``), the width sweep and its positive control
 (``regime.py``), the learned method from other starts and lambda schemes and the
-full-model rows with the O(d-1) residual, each against its base (``variants.py``), the
-learned method's held-out barrier against its steps, one pair per row
+full-model rows with the O(d-1) residual, each against its base (``variants.py``), what
+REPAIR leaves of its targets (``repair_gaps.py``), the learned method's held-out barrier against its steps, one pair per row
 (``learned_curves.py``), and every method with and without REPAIR in the full-model
 studies from data (``from_data.py``), and the Table 1 settings over several base
 models (``bases.py``).
@@ -33,6 +33,7 @@ from experiments.report import committed
 from experiments.report import from_data
 from experiments.report import learned_curves
 from experiments.report import regime
+from experiments.report import repair_gaps
 from experiments.report import report
 from experiments.report import variants
 from experiments.workdir import atomic_io
@@ -69,6 +70,9 @@ RESIDUAL_END = "<!-- end of residual variants -->"
 REPAIR_BEGIN = ("<!-- repair variants: written by experiments/reproduce.py --table from "
                 "experiments/report/variants.py; do not edit -->")
 REPAIR_END = "<!-- end of repair variants -->"
+REPAIR_GAPS_BEGIN = ("<!-- repair gaps: written by experiments/reproduce.py --table from "
+                     "experiments/report/repair_gaps.py; do not edit -->")
+REPAIR_GAPS_END = "<!-- end of repair gaps -->"
 FROM_DATA_BEGIN = ("<!-- from data: written by experiments/reproduce.py --table from "
                    "experiments/report/from_data.py; do not edit -->")
 FROM_DATA_END = "<!-- end of from data -->"
@@ -275,7 +279,9 @@ def write(results_root: str) -> str:
   the O(d-1) residual against the permutation residual (``variants.table`` of
   ``variants.RESIDUAL``, between ``RESIDUAL_BEGIN`` and ``RESIDUAL_END``), REPAIR's rule
   without biases against the base's (``variants.REPAIR``, between ``REPAIR_BEGIN`` and
-  ``REPAIR_END``), and the studies from data with and without REPAIR (``from_data.table``,
+  ``REPAIR_END``), what REPAIR leaves of its targets in every run that records it
+  (``repair_gaps.table``, between ``REPAIR_GAPS_BEGIN`` and ``REPAIR_GAPS_END``), and the
+  studies from data with and without REPAIR (``from_data.table``,
   between ``FROM_DATA_BEGIN`` and ``FROM_DATA_END``), and the Table 1 settings over several
   base models (``bases.table``, between ``BASES_BEGIN`` and ``BASES_END``)."""
   for run in committed.runs(results_root, reruns=True):
@@ -303,6 +309,8 @@ def write(results_root: str) -> str:
                           variants.table(results_root, variants.RESIDUAL), path)
   text = _replace_between(text, REPAIR_BEGIN, REPAIR_END,
                           variants.table(results_root, variants.REPAIR), path)
+  text = _replace_between(text, REPAIR_GAPS_BEGIN, REPAIR_GAPS_END,
+                          repair_gaps.table(results_root), path)
   text = _replace_between(text, FROM_DATA_BEGIN, FROM_DATA_END, from_data.table(results_root),
                           path)
   text = _replace_between(text, BASES_BEGIN, BASES_END, bases.table(results_root), path)
