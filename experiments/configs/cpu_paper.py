@@ -172,14 +172,14 @@ Settings:
     element (chosen from learn_activation_start_gpt2_wiki_64): the learned
     method from the full method's element (study.learn_init = "full") on
     lm_gpt2_wiki_full's and lm_llama_wiki_full's pairs, measured the same way.
-  learn_plateau_vit_fashion_full: the learned method run towards its plateau
-    on the ViT's full-model pairs with the O(d-1) residual, whose held-out
-    barrier was still falling at the end of residual_vit_fashion_full's 300
-    constant-rate steps: a budget of 1,500 steps, a warm-up over the first
-    tenth then cosine decay (study.learn_schedule = "warmup_cosine"), and a
-    stop after 3 held-out evaluations (150 steps apart) without a lower barrier
-    (study.learn_patience = 3). Set against residual_vit_fashion_full's
-    learned method on the same pairs.
+  learn_{plateau,budget}_vit_fashion_full: the learned method run towards its
+    plateau on the ViT's full-model pairs with the O(d-1) residual, whose
+    held-out barrier was still falling at the end of residual_vit_fashion_full's
+    300 constant-rate steps: a budget of 1,500 steps, a warm-up over the first
+    tenth then cosine decay (study.learn_schedule = "warmup_cosine"); plateau
+    stops after 3 held-out evaluations (150 steps apart) without a lower barrier
+    (study.learn_patience = 3), budget runs every step. Each is set against
+    residual_vit_fashion_full's learned method on the same pairs.
   residual_{gpt2_wiki_full,gpt2_wiki_32,gpt2_wiki_64,gpt2_wiki_128,vit_fashion_full}:
     the full-model rows again with the O(d-1) residual factor of the
     LayerNorm stream (study.match_residual = "orthogonal": an orthogonal
@@ -492,9 +492,9 @@ LEARN_VARIANTS.update({f"learn_full_start_{family}_wiki_full": (f"lm_{family}_wi
                        for family in ("gpt2", "llama")})
 # The ViT's full-model learned method with a budget, a schedule and a stopping rule (module
 # docstring): residual_vit_fashion_full's curve was still falling at its last step.
-LEARN_VARIANTS["learn_plateau_vit_fashion_full"] = (
-    "residual_vit_fashion_full", {"learn_steps": 1500, "learn_schedule": "warmup_cosine",
-                                  "learn_patience": 3})
+LEARN_VARIANTS.update({f"learn_{name}_vit_fashion_full": (
+    "residual_vit_fashion_full", {"learn_steps": 1500, "learn_schedule": "warmup_cosine", **stop})
+                       for name, stop in (("plateau", {"learn_patience": 3}), ("budget", {}))})
 LEARN_VARIANT_METHODS = ("naive", "learned")
 
 
