@@ -36,6 +36,11 @@ def _pair(a, b, gaps_at_half, no_bias="std"):
           "no_bias": no_bias, "per_lambda": [{"gaps": far}, {"gaps": at_half}, {"gaps": far}]}}}}
 
 
+def test_the_gaps_read_are_those_repair_records():
+  from attn_symmetry import repair  # pylint: disable=import-outside-toplevel
+  assert repair_gaps.GAPS == repair.GAPS
+
+
 def test_middle_index_is_the_interior_lambda_nearest_a_half():
   assert repair_gaps.middle_index([0.0, 0.25, 0.5, 0.75, 1.0]) == 1
   assert repair_gaps.middle_index(list(np.linspace(0, 1, 11))) == 4

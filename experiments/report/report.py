@@ -76,7 +76,7 @@ def ratio_pct(value: float, naive: float, eps: float = 1e-12) -> float | None:
 
 
 def seed_pairs(pairs: Sequence[Mapping[str, Any]], values: Sequence[float | None]
-                ) -> list[seed_statistics.Pair] | None:
+               ) -> list[seed_statistics.Pair] | None:
   """(seed a, seed b, value) per pair; None when the entries do not name their seeds."""
   if not all("a" in p and "b" in p for p in pairs):
     return None
