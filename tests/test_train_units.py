@@ -3,6 +3,8 @@
 import glob
 import os
 import struct
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,8 @@ from experiments.train import optimizer as optimizer_lib
 from experiments.train import reinit
 from experiments.train import runs as runs_lib
 from experiments.train import schedules
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tensorboard_events(path):
@@ -70,6 +74,27 @@ def test_metric_writer_json_and_tensorboard(tmp_path):
   purge = [e for e in _tensorboard_events(resumed) if e.HasField("session_log")]
   assert [(e.step, e.session_log.status) for e in purge] == [(2, event_pb2.SessionLog.START)]
   assert _tensorboard_scalars(resumed) == {(2, "train/loss"): 7.0}
+
+
+_WRITER_WITHOUT_TORCH = """
+import sys
+from experiments.train import metric_writers
+metric_writers.MetricWriter(sys.argv[1]).write_scalars(1, {"loss": 1.0})
+assert "torch" not in sys.modules, "the writer imported torch"
+import torch  # still importable afterwards
+print(torch.ones(2).sum().item())
+"""
+
+
+def test_metric_writer_does_not_import_torch(tmp_path):
+  """A fresh process's first writer leaves torch unimported (tensorboardX imports it where
+  installed, 1.5 s of every training's start), and torch imports afterwards as usual."""
+  pytest.importorskip("torch")  # in the [hf] extra, which CI installs
+  proc = subprocess.run([sys.executable, "-c", _WRITER_WITHOUT_TORCH, str(tmp_path)], cwd=REPO,
+                        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.split() == ["2.0"]
 
 
 def test_metric_writer_disabled_writes_nothing(tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from typing import Mapping
 
@@ -30,6 +31,28 @@ import tqdm
 from experiments.workdir import atomic_io
 
 log = logging.getLogger(__name__)
+
+
+def _import_tensorboardx():
+  """``tensorboardX``, imported by the runs that write (no other command of the experiments
+  needs it) and without torch.
+
+  Where torch is installed (the [hf] extra), tensorboardX's writer imports it at import time
+  only to accept torch tensors, which no run passes: 1.4-1.6 s of every training process's
+  start on a 2-core machine. Unless torch is already imported, ``import torch`` is made to
+  fail (a None entry in ``sys.modules``) for the length of the import, so that tensorboardX
+  takes the path it takes where torch is absent; the entry is removed afterwards, and a
+  later ``import torch`` works as before."""
+  if "torch" in sys.modules:
+    import tensorboardX  # pylint: disable=import-outside-toplevel
+    return tensorboardX
+  sys.modules["torch"] = None
+  try:
+    import tensorboardX  # pylint: disable=import-outside-toplevel
+  finally:
+    if sys.modules.get("torch", 0) is None:
+      del sys.modules["torch"]
+  return tensorboardX
 
 
 class MetricWriter:
@@ -55,12 +78,10 @@ class MetricWriter:
     if os.path.exists(self.json_path):
       kept = [e for e in read_jsonl(self.json_path) if e["step"] <= resume_step]
       atomic_io.write_text(self.json_path, "".join(json.dumps(e) + "\n" for e in kept))
-    # Imported here, by the runs that write: tensorboardX imports torch when it is installed
-    # (2 s), which no other command of the experiments needs.
-    import tensorboardX  # pylint: disable=import-outside-toplevel
+    tensorboardx = _import_tensorboardx()
     # The suffix keeps the file name unique: tensorboardX names files by the second, and
     # opens them truncating.
-    self._events = tensorboardX.SummaryWriter(
+    self._events = tensorboardx.SummaryWriter(
         logdir, purge_step=resume_step + 1 if resume_step else None,
         filename_suffix=f".{os.getpid()}.{time.monotonic_ns()}")
 
