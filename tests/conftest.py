@@ -94,14 +94,19 @@ def x64():
 # (every eager float64 op, every test's own shapes) rather than running them: LLVM at -O0, and
 # XLA's element-wise code generator instead of its fusion emitters. Measured on one core,
 # side by side: tests/test_matching.py 417 s -> 126 s, tests/test_group_action.py 144 s ->
-# 48 s, a training file pair (test_stopping, test_mlm) 115 s -> 84 s. The programs compute the
-# same functions; float32 sums may round in another order, which no test's tolerance depends
-# on. Tests that compare with committed numbers run their process without them
-# (``compile_options_removed``).
+# 48 s, a training file pair (test_stopping, test_mlm) 115 s -> 84 s. And each program's
+# machine code generated as one LLVM module: XLA splits it into parts for threads to compile
+# side by side, and a worker bound to one core (``_bind_worker_to_its_core``) compiled them one
+# after another, each part with its own overhead. Measured on a 2-core Intel Xeon, one core
+# each, side by side and swapped: test_matching_model + test_group_action 113.7/116.7 s ->
+# 110.1/105.8 s, test_stopping + test_learned_factors 115.9/106.5 s -> 112.0/98.9 s. The
+# programs compute the same functions; float32 sums may round in another order, which no
+# test's tolerance depends on. Tests that compare with committed numbers run their process
+# without them (``compile_options_removed``).
 def fast_compile_flags(optimization_level: int = 0) -> tuple[str, ...]:
   """The compile options, LLVM at ``optimization_level``."""
   return (f"--xla_backend_optimization_level={optimization_level}",
-          "--xla_cpu_use_fusion_emitters=false")
+          "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 
 
 FAST_COMPILE_XLA_FLAGS = fast_compile_flags(0)

@@ -103,12 +103,24 @@ def _assert_optimal(cost, perm):
     np.testing.assert_allclose(c[np.arange(n), p].sum(), c[rows, cols].sum(), rtol=1e-12)
 
 
+def _fresh_solvers(monkeypatch):
+  """Puts new function objects in place of linear_assignment's two solvers, and returns a new
+  jitted linear_assignment: the path is chosen when a call is traced, and JAX keys the traces
+  it keeps (jit's, lax.cond's branches) by function and shapes, so a trace made under another
+  path is otherwise reused. New functions trace anew, and the rest of the run keeps its
+  compiled programs (``jax.clear_caches`` would drop every one)."""
+  for name in ("_hungarian", "_device_assignment"):
+    monkeypatch.setattr(_assignment, name, functools.partial(getattr(_assignment, name)))
+  return jax.jit(functools.partial(matching.linear_assignment))
+
+
 def _use_solver(monkeypatch, solver):
   """Forces one of linear_assignment's paths for every size: "auction" (on CPU, problems of a
-  batch one after another), "hungarian" (optax's, CPU) or "device" (the auction, vmapped)."""
+  batch one after another), "hungarian" (optax's, CPU) or "device" (the auction, vmapped);
+  returns a jitted linear_assignment traced on that path (``_fresh_solvers``)."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu" if solver == "device" else "cpu")
   monkeypatch.setattr(_assignment, "AUCTION_MIN_SIZE", 10**9 if solver == "hungarian" else 0)
-  jax.clear_caches()  # a program traced with another path is otherwise reused: the key is the shape
+  return _fresh_solvers(monkeypatch)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (5, 5), (3, 9, 9), (2, 3, 9, 9), (17, 17)])
@@ -116,9 +128,9 @@ def _use_solver(monkeypatch, solver):
 def test_linear_assignment_is_optimal(x64, monkeypatch, shape, solver):
   """Both solvers, on this machine: the auction (one problem after another or vmapped) and
   optax's Hungarian algorithm."""
-  _use_solver(monkeypatch, solver)
+  solve = _use_solver(monkeypatch, solver)
   cost = np.random.default_rng(sum(shape)).normal(size=shape)
-  _assert_optimal(cost, jax.jit(matching.linear_assignment)(cost))
+  _assert_optimal(cost, solve(cost))
 
 
 @pytest.mark.parametrize("solver", ["auction", "hungarian"])
@@ -126,7 +138,7 @@ def test_linear_assignment_certifies_distinct_row_minima_without_a_solver(x64, m
                                                                          solver):
   """Costs whose row minima lie in distinct columns are answered by the minima (optimal) and
   reach no solver; costs where two rows share their minimum's column reach it."""
-  _use_solver(monkeypatch, solver)
+  solve = _use_solver(monkeypatch, solver)
   calls = []
 
   def counted(real):  # counts the calls that run, not the traces (lax.cond traces both)
@@ -144,10 +156,9 @@ def test_linear_assignment_certifies_distinct_row_minima_without_a_solver(x64, m
   clash[0] = clash[1]  # rows 0 and 1 share their minimum's column
   for cost, solved in ((near, False), (clash, True)):
     calls.clear()
-    got = jax.jit(matching.linear_assignment)(cost)
-    _assert_optimal(cost, got)
+    _assert_optimal(cost, solve(cost))
     assert bool(calls) == solved
-  np.testing.assert_array_equal(jax.jit(matching.linear_assignment)(near), perm)
+  np.testing.assert_array_equal(solve(near), perm)
 
 
 def test_linear_assignment_keeps_every_problem_on_the_device(monkeypatch):
@@ -155,13 +166,13 @@ def test_linear_assignment_keeps_every_problem_on_the_device(monkeypatch):
   size decides the CPU solver: the Hungarian algorithm below AUCTION_MIN_SIZE, the auction from
   it."""
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-  jax.clear_caches()  # as in _use_solver
+  solve = _fresh_solvers(monkeypatch)
   traced = []
   monkeypatch.setattr(_assignment, "_device_assignment",
                       lambda c, real=_assignment._device_assignment: traced.append(1) or real(c))
-  small = jax.jit(matching.linear_assignment).lower(jnp.zeros((8, 8))).as_text()
+  small = solve.lower(jnp.zeros((8, 8))).as_text()
   assert not traced
-  large = jax.jit(matching.linear_assignment).lower(
+  large = solve.lower(
       jnp.zeros((_assignment.AUCTION_MIN_SIZE,) * 2)).as_text()
   assert traced
   assert "callback" not in small and "callback" not in large
@@ -170,7 +181,7 @@ def test_linear_assignment_keeps_every_problem_on_the_device(monkeypatch):
 @pytest.mark.parametrize("solver", ["auction", "hungarian", "device"])
 def test_linear_assignment_under_vmap_and_in_a_loop(x64, monkeypatch, solver):
   """Every solver batches under vmap and runs inside lax loops."""
-  _use_solver(monkeypatch, solver)
+  _use_solver(monkeypatch, solver)  # vmap and the loop's body below are new functions too
   cost = np.random.default_rng(3).normal(size=(4, 2, 6, 6))
   _assert_optimal(cost, jax.jit(jax.vmap(matching.linear_assignment))(cost))
 

@@ -114,10 +114,12 @@ def test_the_compile_options_join_a_users_flags_without_overriding_them():
   own = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=2"
   joined = conftest.with_fast_compile(own).split()
   assert joined[:2] == own.split()  # the user's level stays
-  assert joined[2:] == ["--xla_cpu_use_fusion_emitters=false"]
+  assert joined[2:] == ["--xla_cpu_use_fusion_emitters=false",
+                        "--xla_cpu_parallel_codegen_split_count=1"]
   assert conftest.with_fast_compile("") == " ".join(conftest.FAST_COMPILE_XLA_FLAGS)
   assert conftest.compile_options_removed({"XLA_FLAGS": "x", "PATH": "p"}) == {"PATH": "p"}
   kernel = conftest.workload_env({"XLA_FLAGS": "x --xla_backend_optimization_level=0",
                                   "ATTN_SYMMETRY_XLA_FLAGS_BEFORE_TESTS": "x"})
   assert kernel == {"XLA_FLAGS": "x --xla_backend_optimization_level=1 "
-                                 "--xla_cpu_use_fusion_emitters=false"}
+                                 "--xla_cpu_use_fusion_emitters=false "
+                                 "--xla_cpu_parallel_codegen_split_count=1"}
