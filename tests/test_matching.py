@@ -172,8 +172,7 @@ def test_linear_assignment_keeps_every_problem_on_the_device(monkeypatch):
                       lambda c, real=_assignment._device_assignment: traced.append(1) or real(c))
   small = solve.lower(jnp.zeros((8, 8))).as_text()
   assert not traced
-  large = solve.lower(
-      jnp.zeros((_assignment.AUCTION_MIN_SIZE,) * 2)).as_text()
+  large = solve.lower(jnp.zeros((_assignment.AUCTION_MIN_SIZE,) * 2)).as_text()
   assert traced
   assert "callback" not in small and "callback" not in large
 
