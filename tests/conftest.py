@@ -99,10 +99,11 @@ def x64():
 # side by side, and a worker bound to one core (``_bind_worker_to_its_core``) compiled them one
 # after another, each part with its own overhead. Measured on a 2-core Intel Xeon, one core
 # each, side by side and swapped: test_matching_model + test_group_action 113.7/116.7 s ->
-# 110.1/105.8 s, test_stopping + test_learned_factors 115.9/106.5 s -> 112.0/98.9 s. The
-# programs compute the same functions; float32 sums may round in another order, which no
-# test's tolerance depends on. Tests that compare with committed numbers run their process
-# without them (``compile_options_removed``).
+# 110.1/105.8 s, test_stopping + test_learned_factors 115.9/106.5 s -> 112.0/98.9 s; files of
+# eager ops gain nothing (test_models + test_repair + test_attention 74.5/79.6 s, then
+# 74.8/78.5 s). The programs compute the same functions; float32 sums may round in another
+# order, which no test's tolerance depends on. Tests that compare with committed numbers run
+# their process without them (``compile_options_removed``).
 def fast_compile_flags(optimization_level: int = 0) -> tuple[str, ...]:
   """The compile options, LLVM at ``optimization_level``."""
   return (f"--xla_backend_optimization_level={optimization_level}",

@@ -81,8 +81,8 @@ def test_the_repair_alone_is_exact(x64, monkeypatch):
   the shortest augmenting paths then assign every row, still optimally."""
   monkeypatch.setattr(_auction, "_MAX_BIDS_PER_ROW", 0)
   cost = _random(128, 9)
-  # The constant is read when tracing: a new function, which no program traced without it has
-  # (jit keeps a trace by function and shapes).
+  # The constant is read when tracing, and jit keeps traces by function and shapes: a new
+  # function is traced with it.
   solution = jax.jit(functools.partial(_auction.solve))(cost)
   assert int(solution.repaired) == 128
   _assert_optimal(cost, solution.perm, rtol=1e-12)
