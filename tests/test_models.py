@@ -7,11 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from attn_symmetry import attention
 from attn_symmetry import group_action as ga
 from attn_symmetry import models
 from attn_symmetry import spec as spec_lib
+from attn_symmetry.models import core
 
 B, T = 2, 7
 
@@ -343,6 +345,19 @@ def test_init_is_reproducible_and_key_dependent():
   np.testing.assert_array_equal(leaf(a), leaf(b))
   assert not np.allclose(leaf(a), leaf(c))
 
+
+@pytest.mark.parametrize("shape", [(1,), (3, 5), (4, 2, 8), (1 << 22,), ((1 << 22) + 1,)])
+def test_a_normal_parameter_is_the_exact_draw_of_its_size(shape):
+  """``core.normal_param`` draws a padded length and cuts it: bit for bit the flat draw of the
+  parameter's own size, scaled (padded up to 2^22 numbers, exact above)."""
+  key = jax.random.key(7)
+  got = core.normal_param(nnx.Rngs(params=key), shape, 0.02)[...]
+  size = int(np.prod(shape))
+  want = 0.02 * jax.random.normal(nnx.Rngs(params=key).params(), (size,)).reshape(shape)
+  assert got.shape == shape and got.dtype == want.dtype
+  np.testing.assert_array_equal(got, want)
+  padded = core._draw_size(size)  # pylint: disable=protected-access
+  assert padded == (size if size > 1 << 22 else 1 << (size - 1).bit_length()) >= size
 
 def test_causal_models_ignore_the_future():
   model = models.build("gpt2")

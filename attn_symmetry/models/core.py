@@ -24,6 +24,7 @@ parameters, so a group element of ``group_action`` acts on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,13 +54,41 @@ ACTIVATIONS = {
 }
 
 
+# The largest draw padded to a power of two (``_draw_size``): 2^22 float32 numbers, 16 MiB.
+_MAX_PADDED_DRAW = 1 << 22
+
+
+def _draw_size(size: int) -> int:
+  """How many numbers ``normal_param`` draws for a parameter of ``size`` elements.
+
+  The next power of two, of which the parameter takes the first ``size``: JAX's threefry is
+  counter based (``jax_threefry_partitionable``, the default), so the first n numbers of a
+  flat draw of m >= n are the draw of n, and the values are those of an exact draw. An eager
+  draw compiles once per length (threefry and the normal transform, about 0.1 s on a CPU at
+  -O0): padded, the sizes of a model, and of the next model, share a few lengths. Above
+  ``_MAX_PADDED_DRAW``, or without the counter-based mode, the draw is exact.
+  """
+  padded = 1 << max(size - 1, 0).bit_length()
+  if size > _MAX_PADDED_DRAW or not jax.config.jax_threefry_partitionable:
+    return size
+  return padded
+
+
+@functools.partial(jax.jit, static_argnames="shape")
+def _scaled_head(draw: jax.Array, std: float, shape: tuple[int, ...]) -> jax.Array:
+  """std * the first prod(shape) numbers of the flat ``draw``, in ``shape``."""
+  return (std * draw[:math.prod(shape)]).reshape(shape)
+
+
 def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
   """A parameter drawn from N(0, std^2).
 
-  Drawn flat and reshaped: eager draws compile once per shape, and the flat
-  shape is shared by all kernels of the same size (q, k, v, out; w_in, w_out).
+  Drawn flat, of ``_draw_size`` numbers, then cut, scaled and reshaped in one small program:
+  the same values as ``std * jax.random.normal(key, shape)`` flattened, with one compiled
+  draw for every parameter size up to the same power of two.
   """
-  return nnx.Param(std * jax.random.normal(rngs.params(), (math.prod(shape),)).reshape(shape))
+  draw = jax.random.normal(rngs.params(), (_draw_size(math.prod(shape)),))
+  return nnx.Param(_scaled_head(draw, std, tuple(shape)))
 
 
 class Dense(nnx.Module):
