@@ -191,6 +191,28 @@ def test_linear_assignment_under_vmap_and_in_a_loop(x64, monkeypatch, solver):
   _assert_optimal(cost[0], perms)
 
 
+@pytest.mark.parametrize("heads,kv,exhaustive", [(4, 4, True), (4, 2, True), (6, 6, True),
+                                                 (8, 2, True), (8, 4, True), (8, 8, False),
+                                                 (8, 1, False), (9, 3, False)])
+def test_head_assignment_is_the_cheapest_kv_preserving_permutation(x64, monkeypatch, heads, kv,
+                                                                   exhaustive):
+  """``assign_heads`` returns a permutation of least total cost among those that move kv groups
+  as wholes: by trying each where they number at most EXHAUSTIVE_MAX_PERMUTATIONS (no solver
+  is traced), by the assignment solvers above that; jitted and under vmap alike."""
+  solvers = []
+  monkeypatch.setattr(_assignment, "linear_assignment",
+                      lambda c, real=_assignment.linear_assignment: solvers.append(1) or real(c))
+  costs = np.random.default_rng(heads + kv).normal(size=(3, heads, heads))
+  assign = jax.jit(jax.vmap(functools.partial(_assignment.assign_heads, num_kv_heads=kv)))
+  perms = np.asarray(assign(costs))
+  assert bool(solvers) != exhaustive
+  allowed = matching.head_permutations(heads, kv)
+  for cost, perm in zip(costs, perms):
+    assert perm.dtype == np.int32 and any((perm == p).all() for p in allowed)
+    best = cost[np.arange(heads), allowed].sum(-1).min()
+    np.testing.assert_allclose(cost[np.arange(heads), perm].sum(), best, rtol=1e-12)
+
+
 @pytest.mark.parametrize("kv", [None, 2, 1])
 def test_head_permutations_enumerate_the_kv_preserving_ones(kv):
   perms = matching.head_permutations(N, kv)

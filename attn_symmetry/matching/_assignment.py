@@ -4,6 +4,7 @@ CPU) and head-permutation enumeration."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,9 @@ from attn_symmetry.matching import _auction
 
 # On a CPU backend, the smallest n solved by the auction (see linear_assignment).
 AUCTION_MIN_SIZE = 512
+# ``assign_heads`` tries every head permutation that maps kv groups onto kv groups when there
+# are at most this many (multi-head attention up to 6 heads; 8 heads in 2 or 4 kv groups).
+EXHAUSTIVE_MAX_PERMUTATIONS = 1152
 
 
 def linear_assignment(cost: jax.Array) -> jax.Array:
@@ -96,6 +100,13 @@ def assign_heads(cost: jax.Array, num_kv_heads: int) -> jax.Array:
   assigning their G query heads to each other (a G x G assignment for every
   (k, l)); a K x K assignment on these costs then pairs the groups.
 
+  Where the permutations that move kv groups as wholes number at most
+  ``EXHAUSTIVE_MAX_PERMUTATIONS`` (K! (G!)^K; N! for multi-head attention), every one
+  is costed and the cheapest taken instead (the first in ``head_permutations``' order on a
+  tie): the same optimum, found by a gather and an argmin over a constant table, whose
+  program is smaller than the assignment solvers' loops (``align_model``'s first call at 4
+  heads takes 0.83 to 0.92 of the time; ``benchmarks/bench_head_assignment.py``).
+
   Args:
     cost: [N, N]; cost[n, m] of matching head n of A with head m of B.
     num_kv_heads: K.
@@ -106,6 +117,10 @@ def assign_heads(cost: jax.Array, num_kv_heads: int) -> jax.Array:
   """
   n = cost.shape[-1]
   g = n // num_kv_heads
+  if _count_head_permutations(n, num_kv_heads) <= EXHAUSTIVE_MAX_PERMUTATIONS:
+    perms = head_permutations(n, num_kv_heads)  # [P, N]
+    totals = cost[np.arange(n), perms].sum(-1)  # [P]
+    return jnp.asarray(perms)[jnp.argmin(totals)]
   if g == 1:
     return linear_assignment(cost)
   blocks = cost.reshape(num_kv_heads, g, num_kv_heads, g).transpose(0, 2, 1, 3)  # [K, K, G, G]
@@ -113,6 +128,12 @@ def assign_heads(cost: jax.Array, num_kv_heads: int) -> jax.Array:
   sigma = linear_assignment(assignment_cost(blocks, inner))  # [K]
   chosen = inner[jnp.arange(num_kv_heads), sigma]  # [K, G]
   return (sigma[:, None] * g + chosen).reshape(n).astype(jnp.int32)
+
+
+def _count_head_permutations(num_heads: int, num_kv_heads: int) -> int:
+  """K! (G!)^K: how many rows ``head_permutations(num_heads, num_kv_heads)`` has."""
+  g = num_heads // num_kv_heads
+  return math.factorial(num_kv_heads) * math.factorial(g) ** num_kv_heads
 
 
 def head_permutations(num_heads: int, num_kv_heads: int | None = None) -> np.ndarray:
