@@ -68,10 +68,9 @@ def _draw_size(size: int) -> int:
   -O0): padded, the sizes of a model, and of the next model, share a few lengths. Above
   ``_MAX_PADDED_DRAW``, or without the counter-based mode, the draw is exact.
   """
-  padded = 1 << max(size - 1, 0).bit_length()
   if size > _MAX_PADDED_DRAW or not jax.config.jax_threefry_partitionable:
     return size
-  return padded
+  return 1 << max(size - 1, 0).bit_length()
 
 
 @functools.partial(jax.jit, static_argnames="shape")
@@ -84,8 +83,8 @@ def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Para
   """A parameter drawn from N(0, std^2).
 
   Drawn flat, of ``_draw_size`` numbers, then cut, scaled and reshaped in one small program:
-  the same values as ``std * jax.random.normal(key, shape)`` flattened, with one compiled
-  draw for every parameter size up to the same power of two.
+  the values of ``std * jax.random.normal(key, (size,))`` reshaped, with one compiled draw for
+  every parameter size up to the same power of two.
   """
   draw = jax.random.normal(rngs.params(), (_draw_size(math.prod(shape)),))
   return nnx.Param(_scaled_head(draw, std, tuple(shape)))
