@@ -359,6 +359,7 @@ def test_a_normal_parameter_is_the_exact_draw_of_its_size(shape):
   padded = core._draw_size(size)  # pylint: disable=protected-access
   assert padded == (size if size > 1 << 22 else 1 << (size - 1).bit_length()) >= size
 
+
 def test_causal_models_ignore_the_future():
   model = models.build("gpt2")
   params = model.init(jax.random.key(0))
